@@ -1,0 +1,132 @@
+"""The suite: every shape of a shapes file tuned from an empty store, then cuBLAS, gemmtune's
+choice (through the public API) and optionally inductor max-autotune measured side by side in
+one process, in interleaved rounds with L2 flushed. Writes the ``suite`` file of RESULTS.md.
+
+    PYTHONPATH=src python3 benchmarks/suite.py --out results.json [--inductor] [--only NAME ...]
+
+GPU only: on a machine without one, use ``gemmtune tune`` (the interpreter pipeline) instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import gemmtune
+from gemmtune import bench, shapes, verify
+from gemmtune.device import current
+from gemmtune.dispatch import DISPATCHER
+
+ROOT = Path(__file__).resolve().parent
+
+
+def copy_tbps() -> float:
+    """Device-to-device copy bandwidth, bytes read plus written, median of 20 copies of 1 GiB."""
+    src = torch.empty(1 << 28, dtype=torch.float32, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    timing = bench.measure({"copy": lambda: dst.copy_(src)}, current(), min_rounds=20)["copy"]
+    return 2 * src.numel() * 4 / (timing.median * 1e-3) / 1e12
+
+
+def operands(named, inputs):
+    p = named.problem
+    a, b, bias = inputs.a, inputs.b, inputs.bias
+    if p.layout == "linear":
+        return (lambda: F.linear(a, b, bias)), (lambda: gemmtune.linear(a, b, bias))
+    if bias is None:
+        return (lambda: torch.mm(a, b)), (lambda: gemmtune.matmul(a, b))
+    raise ValueError(f"{named.name}: the suite times bias only for layout linear")
+
+
+def inductor(fn):
+    compiled = torch.compile(fn, mode="max-autotune-no-cudagraphs", dynamic=False)
+    t0 = time.perf_counter()
+    compiled()
+    torch.cuda.synchronize()
+    return compiled, time.perf_counter() - t0
+
+
+def run_shape(named, args) -> dict:
+    p = named.problem
+    t0 = time.perf_counter()
+    result = gemmtune.tune(p, retune=True)[0]
+    tune_wall = time.perf_counter() - t0
+    warm = gemmtune.tune(p, retune=True)[0].tune_s if args.warm else None
+    DISPATCHER.forget()
+    inputs = verify.make_inputs(p, "cuda")
+    cublas_fn, gemmtune_fn = operands(named, inputs)
+    fns = {"cublas": cublas_fn, "gemmtune": gemmtune_fn}
+    inductor_s = None
+    if args.inductor:
+        fns["inductor"], inductor_s = inductor(cublas_fn)
+    with torch.no_grad():
+        out = gemmtune_fn()
+        timings = bench.measure(fns, current(), budget_ms=args.budget_ms, min_rounds=args.rounds)
+    rel = verify.rel_err(out, inputs.reference)
+    row = {
+        "name": named.name, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype, "tf32": p.tf32,
+        "layout": p.layout, "group": named.group,
+        "cublas_ms": timings["cublas"].median, "gemmtune_ms": timings["gemmtune"].median,
+        "speedup": timings["cublas"].median / timings["gemmtune"].median,
+        "cublas_spread": timings["cublas"].spread, "gemmtune_spread": timings["gemmtune"].spread,
+        "choice": result.label(), "rel_err": rel, "verified": rel <= verify.tolerance(p),
+        "tune_s": result.tune_s, "tune_wall_s": tune_wall, "tune_s_warm": warm, "exhaustive_ms": None,
+        "candidates": len(result.trials), "failed": sum(not t.ok for t in result.trials),
+        "tflops": p.flops / (timings["gemmtune"].median * 1e-3) / 1e12,
+        "tbps": p.min_bytes / (timings["gemmtune"].median * 1e-3) / 1e12,
+        "inductor_ms": timings["inductor"].median if args.inductor else None, "inductor_tune_s": inductor_s,
+    }
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", type=Path, default=ROOT / "shapes" / "public.json")
+    parser.add_argument("--out", type=Path, required=True, help="suite JSON to write (rewritten after each shape)")
+    parser.add_argument("--only", nargs="*", default=None, help="names of shapes to run")
+    parser.add_argument("--inductor", action="store_true", help="also torch.compile(mode='max-autotune-no-cudagraphs')")
+    parser.add_argument("--warm", action="store_true", help="tune each shape a second time for tune_s_warm")
+    parser.add_argument("--rounds", type=int, default=50, help="minimum interleaved rounds per shape")
+    parser.add_argument("--budget-ms", type=float, default=1500.0, help="time budget of the side-by-side rounds")
+    parser.add_argument("--deadline-s", type=float, default=1e9, help="stop starting new shapes after this long")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("suite.py needs a CUDA GPU; without one run `gemmtune tune` (interpreter pipeline)", file=sys.stderr)
+        return 2
+    os.environ.setdefault("GEMMTUNE_CACHE_DIR", tempfile.mkdtemp(prefix="gemmtune-suite-"))  # an empty store
+    os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # inductor tunes from scratch too
+    torch.set_float32_matmul_precision("high")  # fp32 shapes as the seeds advise: TF32 for both sides
+    started = time.perf_counter()
+    device = current()
+    named = [n for n in shapes.load(args.shapes, tf32=True) if args.only is None or n.name in args.only]
+    doc = {
+        "kind": "suite", "device": device.name, "sm_count": device.sm_count, "torch": torch.__version__,
+        "triton": triton.__version__, "gemmtune": gemmtune.__version__, "date": datetime.date.today().isoformat(),
+        "shapes_file": str(args.shapes.relative_to(ROOT.parent)) if args.shapes.is_relative_to(ROOT.parent) else str(args.shapes),
+        "copy_tbps": copy_tbps(), "float32_matmul_precision": "high", "rows": [],
+    }
+    for item in named:
+        if time.perf_counter() - started > args.deadline_s:
+            print(f"deadline reached; skipping {item.name}", flush=True)
+            continue
+        row = run_shape(item, args)
+        doc["rows"].append(row)
+        args.out.write_text(json.dumps(doc, indent=1))
+        ind = f" inductor {row['inductor_ms']:.4f} ms ({row['inductor_tune_s']:.1f} s)" if row["inductor_ms"] else ""
+        print(f"{item.name:24s} cublas {row['cublas_ms']:.4f} gemmtune {row['gemmtune_ms']:.4f} "
+              f"x{row['speedup']:.3f} tune {row['tune_s']:.1f}s {row['choice']} err {row['rel_err']:.1e}{ind}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

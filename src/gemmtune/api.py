@@ -1,0 +1,127 @@
+"""The public functions: ``tune``, ``matmul`` and ``linear``.
+
+What falls back to torch (documented, never a wrong result): tensors not on a CUDA device,
+dtypes other than float16/bfloat16/float32, a zero-size dimension, inputs that need autograd
+(until gemmtune's custom ops carry a backward), a store miss during CUDA-graph capture (no
+tuning while capturing), and for ``matmul`` operands that are not both 2-D (``torch.matmul``'s
+broadcasting rules apply). Everything else that is malformed raises an error naming the
+argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gemmtune.device import current
+from gemmtune.dispatch import DISPATCHER
+from gemmtune.problem import Problem
+from gemmtune.results import Trial, TuneResult
+from gemmtune.store import Store
+from gemmtune.tuner import TuneOptions, tune_problem
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def tune(problems: Problem | Iterable[Problem], *, store: Store | str | Path | None = None,
+         options: TuneOptions | None = None, retune: bool = False,
+         on_result: Callable[[TuneResult], None] | None = None,
+         on_trial: Callable[[Trial], None] | None = None) -> list[TuneResult]:
+    """Tune each problem on the current device (the CPU interpreter without a GPU) and store
+    the choice. A problem already in the store is returned from it unless ``retune``."""
+    problems = [problems] if isinstance(problems, Problem) else list(problems)
+    for i, problem in enumerate(problems):
+        if not isinstance(problem, Problem):
+            raise TypeError(f"tune(problems=...): item {i} is a {type(problem).__name__}, expected gemmtune.Problem")
+    store = store if isinstance(store, Store) else Store(store)
+    device = current()
+    results = []
+    for problem in problems:
+        result = None if retune else store.get(device.fingerprint(), problem.key())
+        if result is None:
+            result = tune_problem(problem, device, options=options or TuneOptions(), on_trial=on_trial)
+            store.put(result)
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+    DISPATCHER.forget()
+    return results
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for 2-D ``a`` (M, K) and ``b`` (K, N) through the tuned kernel."""
+    _require_tensor("a", a)
+    _require_tensor("b", b)
+    if a.dim() != 2 or b.dim() != 2:
+        return torch.matmul(a, b)
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul: a is {tuple(a.shape)} and b is {tuple(b.shape)}; a.shape[1] must equal b.shape[0]")
+    _require_same("b", b, a)
+    if _falls_back(a, b):
+        return torch.matmul(a, b)
+    m, k = a.shape
+    n = b.shape[1]
+    return _run("nn", a, b, None, m, n, k)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: x (..., K), weight (N, K), bias (N,) or None."""
+    _require_tensor("x", x)
+    _require_tensor("weight", weight)
+    if weight.dim() != 2:
+        raise ValueError(f"linear: weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"linear: x has shape {tuple(x.shape)}; its last dimension must be weight's K={k}")
+    _require_same("weight", weight, x)
+    if bias is not None:
+        _require_tensor("bias", bias)
+        if bias.shape != (n,):
+            raise ValueError(f"linear: bias must have shape ({n},), got {tuple(bias.shape)}")
+        _require_same("bias", bias, x)
+    if _falls_back(x, weight, bias):
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(-1, k)
+    out = _run("linear", x2, weight, bias, x2.shape[0], n, k)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def _run(layout: str, a, b, bias, m: int, n: int, k: int) -> torch.Tensor:
+    tf32 = a.dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
+    key = (layout, m, n, k, a.dtype, bias is not None, tf32, a.device.index)
+    if torch.cuda.is_current_stream_capturing() and not DISPATCHER.has(key):
+        return F.linear(a, b, bias) if layout == "linear" else _torch_mm(a, b, bias)
+
+    def problem() -> Problem:
+        return Problem(m, n, k, _DTYPE_NAMES[a.dtype], layout, bias is not None, tf32)
+
+    return DISPATCHER.kernel(key, problem)(a, b, bias)
+
+
+def _torch_mm(a, b, bias):
+    return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
+
+
+def _falls_back(*tensors) -> bool:
+    first = tensors[0]
+    if first.device.type != "cuda" or first.dtype not in _DTYPE_NAMES or first.numel() == 0:
+        return True
+    if any(t is not None and t.numel() == 0 for t in tensors):
+        return True
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _require_tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _require_same(name: str, tensor: torch.Tensor, like: torch.Tensor) -> None:
+    """Same device and dtype as the first operand; a clear error where torch's would be vague."""
+    if tensor.device != like.device:
+        raise ValueError(f"{name} is on {tensor.device} but the first operand is on {like.device}; move both to one device")
+    if tensor.dtype != like.dtype:
+        raise TypeError(f"{name} has dtype {tensor.dtype} but the first operand has {like.dtype}; gemmtune does not mix dtypes")

@@ -1,0 +1,23 @@
+"""The backend registry: names mapped to modules, imported only when a backend is asked for."""
+
+from __future__ import annotations
+
+import importlib
+
+from gemmtune.backends.base import Backend
+
+_MODULES = {
+    "cublas": "gemmtune.backends.cublas",
+    "triton_tiled": "gemmtune.backends.triton_tiled",
+}
+REFERENCE = "cublas"  # the backend every choice must beat beyond noise
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_MODULES)
+
+
+def get(name: str) -> Backend:
+    if name not in _MODULES:
+        raise ValueError(f"unknown backend {name!r}; known: {', '.join(_MODULES)}")
+    return importlib.import_module(_MODULES[name]).BACKEND

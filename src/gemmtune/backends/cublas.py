@@ -1,0 +1,53 @@
+"""cuBLAS through torch's own ``F.linear`` / ``mm`` / ``addmm``: the reference every
+candidate must beat. On a machine without a GPU the same calls run torch's CPU kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gemmtune.device import Device
+from gemmtune.problem import Problem
+
+
+@dataclass(frozen=True)
+class CublasConfig:
+    def key(self) -> str:
+        return ""
+
+    def as_dict(self) -> dict:
+        return {}
+
+
+def _linear(a, b, bias, out=None):
+    if out is None:
+        return F.linear(a, b, bias)
+    return _mm(a, b.t(), bias, out)
+
+
+def _mm(a, b, bias, out=None):
+    return torch.mm(a, b, out=out) if bias is None else torch.addmm(bias, a, b, out=out)
+
+
+class CublasBackend:
+    name = "cublas"
+
+    def is_available(self, device: Device) -> bool:
+        return True
+
+    def candidates(self, problem: Problem, device: Device) -> list[CublasConfig]:
+        return [CublasConfig()]
+
+    def parse_config(self, data: Mapping) -> CublasConfig:
+        if not isinstance(data, Mapping) or data:
+            raise ValueError(f"cublas takes no config parameters, got {data!r}")
+        return CublasConfig()
+
+    def build(self, problem: Problem, config: CublasConfig, device: Device):
+        return _linear if problem.layout == "linear" else _mm
+
+
+BACKEND = CublasBackend()

@@ -1,0 +1,164 @@
+"""``triton_tiled``: gemmtune's own tiled Triton GEMM, its config, and a search space scaled
+to the device (shared memory, registers, SM count) and pruned before anything is compiled."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from gemmtune.device import Device
+from gemmtune.problem import Problem
+
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+GROUP_SIZES = (1, 2, 4, 8, 16)
+WARPS = (1, 2, 4, 8)
+STAGES = (1, 2, 3, 4, 5, 6)
+MAX_ACC_REGS = 128  # fp32 accumulator registers per thread above which ptxas spills
+MAX_ELEMENTS = 2**31 - 1  # the kernel indexes in int32
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps): tile shapes worth trying, from large compute-bound
+# tiles down to the thin ones decode shapes need. Stages are added per device below.
+TILES = (
+    (128, 256, 64, 8), (256, 128, 64, 8), (128, 128, 64, 8), (128, 128, 64, 4), (128, 128, 32, 4),
+    (64, 256, 64, 8), (256, 64, 64, 8), (64, 128, 64, 4), (128, 64, 64, 4), (64, 64, 64, 4),
+    (64, 64, 32, 4), (32, 128, 64, 4), (32, 64, 64, 4), (32, 32, 64, 2), (16, 256, 64, 4),
+    (16, 128, 128, 4), (16, 64, 128, 4), (16, 64, 256, 4), (16, 32, 128, 2), (16, 16, 64, 2),
+)
+STAGE_CHOICES = (3, 4)
+INTERPRETER_TILES = ((16, 16, 16, 1), (32, 32, 32, 1), (16, 32, 64, 1))
+
+
+@dataclass(frozen=True)
+class TiledConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        checks = (("BLOCK_M", self.block_m, BLOCK_SIZES), ("BLOCK_N", self.block_n, BLOCK_SIZES),
+                  ("BLOCK_K", self.block_k, BLOCK_SIZES), ("GROUP_M", self.group_m, GROUP_SIZES),
+                  ("num_warps", self.num_warps, WARPS), ("num_stages", self.num_stages, STAGES))
+        for name, value, accepted in checks:
+            if isinstance(value, bool) or not isinstance(value, int) or value not in accepted:
+                raise ValueError(f"triton_tiled {name}={value!r} is out of bounds; accepted: {accepted}")
+
+    def key(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.as_dict().items())
+
+    def as_dict(self) -> dict:
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k,
+                "GROUP_M": self.group_m, "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    def smem_bytes(self, element_size: int) -> int:
+        """Shared memory the software pipeline holds: one A and one B tile per stage."""
+        return self.num_stages * (self.block_m + self.block_n) * self.block_k * element_size
+
+    def acc_regs_per_thread(self) -> int:
+        return self.block_m * self.block_n // (32 * self.num_warps)
+
+
+_FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "BLOCK_K": "block_k", "GROUP_M": "group_m",
+           "num_warps": "num_warps", "num_stages": "num_stages"}
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _tiles(problem: Problem, config: TiledConfig) -> int:
+    return -(-problem.m // config.block_m) * -(-problem.n // config.block_n)
+
+
+def space(problem: Problem, device: Device) -> list[TiledConfig]:
+    """Every config this device can run on this problem, before measuring anything.
+
+    Dropped before compiling: configs whose pipeline needs more shared memory than a block may
+    have (inductor compiles those and fails), accumulators that would spill registers, tiles
+    larger than the problem, and tiles so large that the grid leaves most SMs idle while a
+    smaller tile would fill them. Never empty: the smallest tiles always fit.
+    """
+    if device.interpreter:
+        tiles, stages = INTERPRETER_TILES, (1,)
+    else:
+        tiles, stages = TILES, STAGE_CHOICES
+    fit_m, fit_n, fit_k = (max(16, _next_pow2(v)) for v in (problem.m, problem.n, problem.k))
+    configs = []
+    for bm, bn, bk, warps in tiles:
+        if bm > fit_m or bn > fit_n or bk > fit_k:
+            continue
+        for s in stages:
+            config = TiledConfig(bm, bn, bk, 8, warps, s)
+            if config.smem_bytes(problem.element_size) > device.smem_per_block:
+                continue
+            if config.acc_regs_per_thread() > MAX_ACC_REGS:
+                continue
+            configs.append(config)
+    if not configs:  # a tiny device: fall back to the smallest tile with the shallowest pipeline
+        configs = [TiledConfig(16, 16, 16, 8, 2, 2)]
+    occupancy = {c: min(1.0, _tiles(problem, c) / device.sm_count) for c in configs}
+    best = max(occupancy.values())
+    return [c for c in configs if occupancy[c] >= best / 4]
+
+
+class TiledKernel:
+    """A compiled-on-first-call launcher for one (problem, config)."""
+
+    def __init__(self, problem: Problem, config: TiledConfig) -> None:
+        from gemmtune.kernels.tiled import tiled_matmul  # imports triton: only once a kernel is built
+
+        self._kernel = tiled_matmul
+        self._linear = problem.layout == "linear"
+        self._config = config
+        self._constexprs = dict(
+            EVEN_K=problem.k % config.block_k == 0,
+            PRECISION="tf32" if problem.tf32 else "ieee",
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+
+    def __call__(self, a, b, bias, out=None):
+        m, k = a.shape
+        n = b.shape[0] if self._linear else b.shape[1]
+        stride_bk, stride_bn = (b.stride(1), b.stride(0)) if self._linear else b.stride()
+        if out is None:
+            out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+        grid = (-(-m // self._config.block_m) * -(-n // self._config.block_n),)
+        self._kernel[grid](
+            a, b, out, out if bias is None else bias, m, n, k,
+            a.stride(0), a.stride(1), stride_bk, stride_bn, out.stride(0), out.stride(1),
+            HAS_BIAS=bias is not None, **self._constexprs,
+        )
+        return out
+
+
+class TritonTiledBackend:
+    name = "triton_tiled"
+
+    def is_available(self, device: Device) -> bool:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False
+        return device.interpreter or device.capability >= (7, 0)
+
+    def supports(self, problem: Problem) -> bool:
+        return max(problem.m * problem.k, problem.k * problem.n, problem.m * problem.n) <= MAX_ELEMENTS
+
+    def candidates(self, problem: Problem, device: Device) -> list[TiledConfig]:
+        return space(problem, device) if self.supports(problem) else []
+
+    def parse_config(self, data: Mapping) -> TiledConfig:
+        if not isinstance(data, Mapping) or set(data) != set(_FIELDS):
+            raise ValueError(f"triton_tiled config needs exactly the keys {sorted(_FIELDS)}, got {data!r}")
+        return TiledConfig(**{_FIELDS[k]: v for k, v in data.items()})
+
+    def build(self, problem: Problem, config: TiledConfig, device: Device) -> TiledKernel:
+        return TiledKernel(problem, config)
+
+
+BACKEND = TritonTiledBackend()

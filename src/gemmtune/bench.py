@@ -1,0 +1,101 @@
+"""Timing: the one place that decides how candidates are measured.
+
+On a GPU every call is timed by its own CUDA event pair, after a write of a buffer twice the
+L2's size: without that flush a decode GEMM's weights stay in L2 between calls and the kernel
+reads 2-3x faster than it will inside a model. Candidates are measured in interleaved rounds
+(each round times every candidate once, in a shuffled order) so clock and thermal drift hit
+all of them alike. Raw samples are kept; selection reads their median and spread.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Mapping
+
+from gemmtune.device import Device
+from gemmtune.results import Timing
+
+MIN_ROUNDS = 10
+MAX_ROUNDS = 200
+
+
+def measure(fns: Mapping[str, Callable[[], object]], device: Device, *, budget_ms: float = 400.0,
+            min_rounds: int = MIN_ROUNDS, seed: int = 0) -> dict[str, Timing]:
+    """Time each zero-argument callable; returns their samples in milliseconds."""
+    if not fns:
+        return {}
+    if device.interpreter:
+        return _measure_cpu(fns, rounds=max(3, min_rounds // 3), seed=seed)
+    return _measure_cuda(fns, device, budget_ms=budget_ms, min_rounds=min_rounds, seed=seed)
+
+
+def _measure_cuda(fns, device, *, budget_ms, min_rounds, seed) -> dict[str, Timing]:
+    import torch
+
+    flush = torch.empty(max(2 * device.l2_bytes, 64 << 20) // 4, dtype=torch.int32, device="cuda")
+    for fn in fns.values():  # warm-up: compiles, loads modules, creates handles
+        fn()
+    estimate = _cuda_round(fns, flush, rounds=2, rng=random.Random(seed))
+    per_round = sum(min(t) for t in estimate.values()) + 0.02 * len(fns)  # + flush cost, roughly
+    rounds = int(min(MAX_ROUNDS, max(min_rounds, budget_ms / max(per_round, 1e-3))))
+    samples = _cuda_round(fns, flush, rounds=rounds, rng=random.Random(seed + 1))
+    return {name: Timing(tuple(s)) for name, s in samples.items()}
+
+
+def _cuda_round(fns, flush, *, rounds: int, rng: random.Random) -> dict[str, list[float]]:
+    import torch
+
+    names = list(fns)
+    events = {name: [] for name in names}
+    for _ in range(rounds):
+        rng.shuffle(names)
+        for name in names:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            flush.zero_()
+            start.record()
+            fns[name]()
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    return {name: [s.elapsed_time(e) for s, e in pairs] for name, pairs in events.items()}
+
+
+def _measure_cpu(fns, *, rounds: int, seed: int) -> dict[str, Timing]:
+    rng = random.Random(seed)
+    names = list(fns)
+    for fn in fns.values():
+        fn()
+    samples = {name: [] for name in names}
+    for _ in range(rounds):
+        rng.shuffle(names)
+        for name in names:
+            t0 = time.perf_counter()
+            fns[name]()
+            samples[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: Timing(tuple(s)) for name, s in samples.items()}
+
+
+def host_loop_ms(fn: Callable[[], object], device: Device, *, calls: int = 50) -> float:
+    """Wall time per call of back-to-back calls: what a user's loop pays, host overhead included.
+
+    For a GEMM of a few microseconds the launch path, not the kernel, sets this figure, which
+    is why selection looks at it beside the event-timed kernel.
+    """
+    sync = _synchronizer(device)
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) * 1e3 / calls
+
+
+def _synchronizer(device: Device) -> Callable[[], None]:
+    if device.interpreter:
+        return lambda: None
+    import torch
+
+    return torch.cuda.synchronize

@@ -1,0 +1,188 @@
+"""``gemmtune``: a thin shell over the library. Each subcommand parses and calls one function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from gemmtune import settings
+
+# The interpreter runs a 64^3 GEMM in about a second per candidate; far larger is hours.
+INTERPRETER_MAX_MACS = 1 << 21
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _configure_logging(args.verbose)
+    console = Console(stderr=False)
+    from gemmtune.store import StoreError
+
+    try:
+        return args.run(args, console)
+    except (ValueError, TypeError, OSError, StoreError) as exc:
+        Console(stderr=True).print(f"[red]gemmtune {args.command}: {exc}[/red]")
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gemmtune", description="Find, verify and remember the fastest GEMM kernel for each shape.",
+        epilog="Environment: " + "; ".join(f"{k.env}: {k.help}" for k in settings.KNOBS))
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="-v logs every candidate; -vv more")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    doctor = sub.add_parser("doctor", help="what this GPU is, what limits it, and what gemmtune will do here")
+    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
+    doctor.add_argument("--cache", type=Path, help="store file or directory (default: $GEMMTUNE_CACHE_DIR or the user cache dir)")
+    doctor.set_defaults(run=_doctor)
+
+    tune = sub.add_parser("tune", help="tune shapes and print the choices beside cuBLAS",
+                          description="Tune GEMM shapes: every candidate is verified, then timed beside cuBLAS; "
+                                      "cuBLAS stays unless beaten beyond noise. Without a GPU, small shapes run "
+                                      "through Triton's interpreter and the timings are not GPU timings.")
+    tune.add_argument("--shape", action="append", default=[], metavar="MxNxK", help="a shape to tune (repeatable)")
+    tune.add_argument("--shapes", type=Path, metavar="FILE", help="a shapes file (the format of benchmarks/shapes/public.json)")
+    tune.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="dtype for --shape (default bfloat16)")
+    tune.add_argument("--layout", default="linear", choices=("linear", "nn"), help="linear: x @ w.T as nn.Linear; nn: a @ b (default linear)")
+    tune.add_argument("--bias", action="store_true", help="add a bias vector (fused where the kernel can)")
+    tune.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
+                      help="allow TF32 for float32 (default: torch's float32 matmul precision)")
+    tune.add_argument("--retune", action="store_true", help="tune again even where the store has an answer")
+    tune.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
+    tune.add_argument("--cache", type=Path, help="store file or directory")
+    tune.set_defaults(run=_tune)
+
+    cache = sub.add_parser("cache", help="inspect, export, import or clear the tuning store")
+    cache.add_argument("--cache", type=Path, help="store file or directory")
+    cache_sub = cache.add_subparsers(dest="action", required=True, metavar="ACTION")
+    listing = cache_sub.add_parser("list", help="every stored choice")
+    listing.add_argument("--device", help="only this device fingerprint")
+    show = cache_sub.add_parser("show", help="one problem's choice and every trial behind it")
+    show.add_argument("problem", help="a problem key, e.g. v1/linear/bfloat16/1x6144x4096/bias=0")
+    show.add_argument("--device", help="device fingerprint (default: this machine's)")
+    export = cache_sub.add_parser("export", help="write the choices to a JSON file")
+    export.add_argument("path", type=Path)
+    export.add_argument("--device", help="only this device fingerprint")
+    imp = cache_sub.add_parser("import", help="validate and load a JSON export (all or nothing)")
+    imp.add_argument("path", type=Path)
+    clear = cache_sub.add_parser("clear", help="delete stored choices and their trials")
+    clear.add_argument("--device", help="only this device fingerprint")
+    cache.set_defaults(run=_cache)
+    return parser
+
+
+def _configure_logging(verbose: int) -> None:
+    level = {0: settings.LOG_LEVEL.raw().upper(), 1: "DEBUG"}.get(verbose, "DEBUG")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("gemmtune").setLevel(level)
+
+
+def _doctor(args, console: Console) -> int:
+    from gemmtune import doctor
+
+    checks = doctor.collect(store_path=_store_path(args.cache))
+    if args.json:
+        console.print_json(json.dumps(doctor.as_dict(checks)))
+    else:
+        doctor.render(checks, console)
+    return 0
+
+
+def _store_path(cache: Path | None) -> Path:
+    from gemmtune.store import DEFAULT_FILENAME
+
+    base = cache if cache is not None else settings.cache_dir()
+    return base / DEFAULT_FILENAME if base.suffix != ".sqlite" else base
+
+
+def _tune(args, console: Console) -> int:
+    import torch
+
+    from gemmtune import api, report, shapes
+    from gemmtune.device import current
+    from gemmtune.problem import Problem, parse_shape
+
+    device = current()
+    tf32 = args.tf32 if args.tf32 is not None else torch.get_float32_matmul_precision() != "highest"
+    named = [shapes.NamedProblem(text, "", Problem(*parse_shape(text), args.dtype, args.layout, args.bias, tf32))
+             for text in args.shape]
+    if args.shapes:
+        named += shapes.load(args.shapes, tf32=tf32)
+    if not named:
+        named = list(shapes.INTERPRETER_DEMO) if device.interpreter else shapes.load(tf32=tf32)
+    if device.interpreter:
+        Console(stderr=True).print("[yellow]No CUDA GPU: running gemmtune's pipeline through Triton's interpreter on the CPU. "
+                      "Its timings are NOT GPU timings; they only show the pipeline works.[/yellow]")
+        too_big = [n.name for n in named if n.problem.m * n.problem.n * n.problem.k > INTERPRETER_MAX_MACS]
+        if too_big:
+            raise ValueError(f"shapes too large for the CPU interpreter (over {INTERPRETER_MAX_MACS} MACs): "
+                             f"{', '.join(too_big)}; tune them on a GPU")
+    results = _tune_with_progress(api, named, args, console)
+    if args.json:
+        console.print_json(json.dumps([report.result_dict(r, n.name) for r, n in zip(results, named)]))
+    else:
+        console.print(report.results_table(results, [n.name for n in named]))
+    return 0
+
+
+def _tune_with_progress(api, named, args, console: Console):
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        shapes_task = progress.add_task("shapes", total=len(named))
+        trials_task = progress.add_task("candidates", total=None)
+
+        def on_trial(trial):
+            progress.advance(trials_task)
+
+        def on_result(result):
+            progress.advance(shapes_task)
+            progress.reset(trials_task)
+            progress.update(shapes_task, description=f"shapes (done: {named[len(done)].name})")
+            done.append(result)
+
+        done: list = []
+        return api.tune([n.problem for n in named], store=args.cache, retune=args.retune,
+                        on_result=on_result, on_trial=on_trial)
+
+
+def _cache(args, console: Console) -> int:
+    from gemmtune import report
+    from gemmtune.store import Store
+
+    store = Store(args.cache)
+    if args.action == "list":
+        choices = store.choices(args.device)
+        console.print(f"store: {store.path} ({store.size_bytes() / 1024:.0f} KiB), {len(choices)} choices")
+        if choices:
+            console.print(report.results_table(choices, [r.problem_key for r in choices]))
+    elif args.action == "show":
+        from gemmtune.device import current
+
+        device = args.device or current().fingerprint()
+        choice = store.get(device, args.problem)
+        if choice is None:
+            raise ValueError(f"no stored choice for {args.problem!r} on device {device}")
+        console.print(report.results_table([choice], [args.problem]))
+        console.print(report.trials_table(store.trials(device, args.problem)))
+    elif args.action == "export":
+        count = store.export_json(args.path, args.device)
+        console.print(f"exported {count} choices to {args.path}")
+    elif args.action == "import":
+        count = store.import_json(args.path)
+        console.print(f"imported {count} choices into {store.path}")
+    elif args.action == "clear":
+        count = store.clear(args.device)
+        console.print(f"removed {count} choices from {store.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The hot path: a problem's identity -> its built kernel, in a dict. A miss goes to the store,
+then (in mode ``tune``) to the tuner; the answer is cached here so the next call is a lookup."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from gemmtune import backends, settings
+from gemmtune.device import Device, current
+from gemmtune.problem import Problem
+from gemmtune.store import Store
+from gemmtune.tuner import TuneOptions, tune_problem
+
+log = logging.getLogger("gemmtune")
+
+
+class Dispatcher:
+    def __init__(self, store: Store | None = None) -> None:
+        self._kernels: dict[tuple, object] = {}
+        self._store = store
+        self._lock = threading.Lock()
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = Store()
+        return self._store
+
+    def kernel(self, key: tuple, problem_of_key) -> object:
+        """The kernel for ``key``; ``problem_of_key()`` builds its Problem only on a miss."""
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            with self._lock:
+                kernel = self._kernels.get(key) or self._resolve(problem_of_key(), current(key[-1]))
+                self._kernels[key] = kernel
+        return kernel
+
+    def has(self, key: tuple) -> bool:
+        return key in self._kernels
+
+    def forget(self) -> None:
+        """Drop built kernels (after the store changed, or in tests)."""
+        with self._lock:
+            self._kernels.clear()
+
+    def _resolve(self, problem: Problem, device: Device):
+        stored = self.store.get(device.fingerprint(), problem.key())
+        if stored is not None:
+            return _build(problem, stored.backend, stored.config, device)
+        if settings.mode() == "lookup":
+            log.info("gemmtune: no tuned kernel for %s on this device; using cuBLAS (GEMMTUNE_MODE=lookup)",
+                     problem.describe())
+            return _build(problem, backends.REFERENCE, {}, device)
+        try:
+            result = tune_problem(problem, device, options=TuneOptions())
+        except Exception:  # noqa: BLE001 - a failed tuning must not break the user's program
+            log.warning("gemmtune: tuning %s failed; using cuBLAS", problem.describe(), exc_info=True)
+            return _build(problem, backends.REFERENCE, {}, device)
+        self.store.put(result)
+        log.info("gemmtune: tuned %s in %.1f s: %s %.4f ms vs cuBLAS %.4f ms", problem.describe(),
+                 result.tune_s, result.label(), result.time_ms, result.cublas_ms or float("nan"))
+        return _build(problem, result.backend, result.config, device)
+
+
+def _build(problem: Problem, backend_name: str, config: dict, device: Device):
+    backend = backends.get(backend_name)
+    return backend.build(problem, backend.parse_config(config), device)
+
+
+DISPATCHER = Dispatcher()

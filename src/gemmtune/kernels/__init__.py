@@ -1,0 +1,1 @@
+"""``@triton.jit`` kernels only; their launch wrappers live in the backend modules."""

@@ -1,0 +1,94 @@
+"""What one GEMM is: its sizes, dtype, layout and epilogue, with a stable key for the store."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+LAYOUTS = ("linear", "nn")
+DTYPES = ("float16", "bfloat16", "float32")
+KEY_VERSION = "v1"
+
+_KEY_RE = re.compile(
+    r"^v1/(?P<layout>linear|nn)/(?P<dtype>float16|bfloat16|float32)(?P<tf32>\+tf32)?"
+    r"/(?P<m>[1-9]\d*)x(?P<n>[1-9]\d*)x(?P<k>[1-9]\d*)/bias=(?P<bias>[01])$"
+)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One GEMM.
+
+    ``layout="linear"`` is ``x @ w.T`` with ``x`` (M, K) and ``w`` (N, K), as ``nn.Linear``;
+    ``layout="nn"`` is ``a @ b`` with ``a`` (M, K) and ``b`` (K, N). ``bias`` adds a vector of
+    N values to every row. ``tf32`` says float32 inputs may use TF32 matrix units; it is part
+    of the key because it changes both the speed and the numbers.
+    """
+
+    m: int
+    n: int
+    k: int
+    dtype: str = "bfloat16"
+    layout: str = "linear"
+    bias: bool = False
+    tf32: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("m", "n", "k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Problem.{name} must be an int >= 1, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"Problem.dtype {self.dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"Problem.layout {self.layout!r} is not a layout; accepted: {', '.join(LAYOUTS)}")
+        if self.tf32 and self.dtype != "float32":
+            object.__setattr__(self, "tf32", False)
+
+    def key(self) -> str:
+        """The persisted identity of this problem; a golden test pins its format."""
+        precision = "+tf32" if self.tf32 else ""
+        return (
+            f"{KEY_VERSION}/{self.layout}/{self.dtype}{precision}"
+            f"/{self.m}x{self.n}x{self.k}/bias={int(self.bias)}"
+        )
+
+    @classmethod
+    def from_key(cls, key: str) -> "Problem":
+        match = _KEY_RE.match(key) if isinstance(key, str) else None
+        if match is None:
+            raise ValueError(f"not a gemmtune problem key: {key!r}")
+        return cls(
+            m=int(match["m"]), n=int(match["n"]), k=int(match["k"]), dtype=match["dtype"],
+            layout=match["layout"], bias=match["bias"] == "1", tf32=match["tf32"] is not None,
+        )
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k
+
+    @property
+    def element_size(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+    @property
+    def min_bytes(self) -> int:
+        """Bytes a perfect kernel moves: each operand read once, the output written once."""
+        return self.element_size * (self.m * self.k + self.k * self.n + self.m * self.n)
+
+    def describe(self) -> str:
+        extra = "+bias" if self.bias else ""
+        precision = "+tf32" if self.tf32 else ""
+        return f"{self.m}x{self.n}x{self.k} {self.dtype}{precision} {self.layout}{extra}"
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """``"MxNxK"`` -> (m, n, k), with an error that says what is accepted."""
+    parts = text.lower().replace("*", "x").split("x")
+    try:
+        m, n, k = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"shape {text!r} is not of the form MxNxK (e.g. 4096x4096x4096)") from None
+    if min(m, n, k) < 1:
+        raise ValueError(f"shape {text!r}: every size must be >= 1")
+    return m, n, k

@@ -1,0 +1,88 @@
+"""What tuning produces: one Trial per candidate, one TuneResult per problem."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Status(str, enum.Enum):
+    OK = "ok"
+    OUT_OF_RESOURCES = "out_of_resources"  # the GPU cannot run the config (shared memory, registers)
+    COMPILE_ERROR = "compile_error"
+    LAUNCH_ERROR = "launch_error"
+    WRONG_RESULT = "wrong_result"  # failed verification against the reference: never chosen
+    TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Raw per-call samples in milliseconds, with the statistics selection uses."""
+
+    samples: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        ordered = sorted(self.samples)
+        mid = len(ordered) // 2
+        return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+    def quantile(self, q: float) -> float:
+        ordered = sorted(self.samples)
+        return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+    @property
+    def spread(self) -> float:
+        """Half the inter-quartile range relative to the median: the noise a win must beat."""
+        median = self.median
+        return 0.5 * (self.quantile(0.75) - self.quantile(0.25)) / median if median > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One candidate tried on one problem: its timing if it ran, its typed reason if not."""
+
+    backend: str
+    config: dict
+    status: Status
+    timing: Timing | None = None
+    rel_err: float | None = None
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+    @property
+    def median_ms(self) -> float | None:
+        return self.timing.median if self.timing else None
+
+    def label(self) -> str:
+        if not self.config:
+            return self.backend
+        inner = ",".join(f"{k}={v}" for k, v in self.config.items())
+        return f"{self.backend}({inner})"
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """The choice for one problem and the evidence behind it."""
+
+    problem_key: str
+    device: str  # fingerprint
+    backend: str
+    config: dict
+    time_ms: float
+    cublas_ms: float | None
+    tune_s: float
+    rel_err: float | None = None
+    trials: tuple[Trial, ...] = field(default=(), repr=False)
+    from_store: bool = False
+    gpu_timings: bool = True
+
+    @property
+    def speedup(self) -> float | None:
+        return self.cublas_ms / self.time_ms if self.cublas_ms and self.time_ms else None
+
+    def label(self) -> str:
+        return Trial(self.backend, self.config, Status.OK).label()

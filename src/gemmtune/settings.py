@@ -1,0 +1,51 @@
+"""Every ``GEMMTUNE_*`` environment variable, declared once, typed, read lazily.
+
+Each knob has one name in Python (the attribute here), one environment variable, and one CLI
+flag where the CLI exposes it. Values are read when asked for, never at import, so a test or a
+user can change the environment after ``import gemmtune``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+MODES = ("tune", "lookup")
+
+
+@dataclass(frozen=True)
+class Knob:
+    env: str
+    default: str
+    help: str
+
+    def raw(self) -> str:
+        return os.environ.get(self.env, self.default)
+
+
+CACHE_DIR = Knob("GEMMTUNE_CACHE_DIR", "", "directory of the tuning store (default: the user's cache dir)")
+MODE = Knob("GEMMTUNE_MODE", "tune", "on a store miss: 'tune' tunes on first sight, 'lookup' falls back to torch")
+LOG_LEVEL = Knob("GEMMTUNE_LOG_LEVEL", "INFO", "level of the 'gemmtune' logger when the CLI configures it")
+
+KNOBS = (CACHE_DIR, MODE, LOG_LEVEL)
+
+
+def cache_dir() -> Path:
+    """Where the store lives: ``GEMMTUNE_CACHE_DIR``, else the per-user cache directory."""
+    explicit = CACHE_DIR.raw()
+    if explicit:
+        return Path(explicit).expanduser()
+    try:
+        import platformdirs
+    except ImportError:  # the GPU machines carry no platformdirs; XDG is what it would say
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        return Path(base) / "gemmtune"
+    return Path(platformdirs.user_cache_dir("gemmtune", appauthor=False))
+
+
+def mode() -> str:
+    value = MODE.raw().strip().lower()
+    if value not in MODES:
+        raise ValueError(f"{MODE.env}={value!r} is not a mode; accepted: {', '.join(MODES)}")
+    return value

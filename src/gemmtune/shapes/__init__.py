@@ -1,0 +1,51 @@
+"""Shape sets: the public benchmark shapes shipped with the package, and the loader for files
+of the same format (``{"shapes": [{"name", "m", "n", "k", "dtype", "layout", "group"}]}``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from gemmtune.problem import Problem
+
+
+@dataclass(frozen=True)
+class NamedProblem:
+    name: str
+    group: str
+    problem: Problem
+
+
+def load(path: str | Path | None = None, *, tf32: bool = True) -> list[NamedProblem]:
+    """Read a shapes file; ``None`` reads the public shapes. fp32 entries use TF32 if ``tf32``."""
+    if path is None:
+        text = resources.files(__package__).joinpath("public.json").read_text()
+        source = "public.json"
+    else:
+        text = Path(path).read_text()
+        source = str(path)
+    try:
+        entries = json.loads(text)["shapes"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"{source}: not a shapes file (expected {{\"shapes\": [...]}}): {exc}") from None
+    out = []
+    for i, entry in enumerate(entries):
+        try:
+            problem = Problem(entry["m"], entry["n"], entry["k"], entry.get("dtype", "bfloat16"),
+                              entry.get("layout", "linear"), bool(entry.get("bias", False)), tf32)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: shape #{i} ({entry!r}) is invalid: {exc}") from None
+        out.append(NamedProblem(entry.get("name", problem.describe()), entry.get("group", ""), problem))
+    return out
+
+
+# Small shapes for a machine without a GPU: Triton's interpreter runs them in seconds, at the
+# awkward sizes (1, 7, 33, odd K) where masking bugs show.
+INTERPRETER_DEMO = (
+    NamedProblem("demo.square", "small", Problem(64, 64, 64, "float16", "nn")),
+    NamedProblem("demo.decode", "decode", Problem(1, 96, 128, "float16", "linear")),
+    NamedProblem("demo.odd", "misaligned", Problem(33, 47, 65, "float32", "linear", bias=True)),
+    NamedProblem("demo.thin", "small", Problem(7, 40, 100, "float32", "nn")),
+)

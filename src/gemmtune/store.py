@@ -1,0 +1,457 @@
+"""The tuning store: every choice and every trial, in one SQLite file (WAL) per user.
+
+A choice is keyed by (device fingerprint, problem key). Whatever comes out of the store, or into
+it from a shared JSON file, is validated the same way, because a config read from disk must not
+be able to launch an invalid kernel: an invalid row is skipped with a warning, an invalid import
+file is refused whole. JSON and SQLite only; never pickle, eval or exec.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, TypeVar
+
+import gemmtune
+from gemmtune import backends, settings
+from gemmtune.problem import Problem
+from gemmtune.results import Status, Timing, Trial, TuneResult
+
+DEFAULT_FILENAME = "gemmtune.sqlite"
+SCHEMA_VERSION = 1
+EXPORT_FORMAT = "gemmtune-store"
+EXPORT_VERSION = 1
+BUSY_TIMEOUT_S = 30.0  # SQLite's own wait for a lock, inside one attempt
+RETRY_FOR_S = 60.0  # our retries on top of it, when a writer holds the lock longer
+MAX_DEVICE_CHARS = 200
+
+log = logging.getLogger("gemmtune.store")
+T = TypeVar("T")
+_INHERITED: list[sqlite3.Connection] = []  # connections a forked child got from its parent
+
+_FIELDS = ("device", "problem", "backend", "config", "time_ms", "cublas_ms", "rel_err", "tune_s", "gpu_timings")
+_NUMBERS = {"time_ms": (False, True), "cublas_ms": (True, False), "rel_err": (True, False), "tune_s": (False, False)}
+_CHOICE_COLUMNS = "device, problem_key, backend, config_json, time_ms, cublas_ms, rel_err, tune_s, gpu_timings"
+_UPSERT_CHOICE = (f"INSERT OR REPLACE INTO choices ({_CHOICE_COLUMNS}, gemmtune_version, created_at) "
+                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+_INSERT_TRIAL = ("INSERT INTO trials (device, problem_key, backend, config_json, status, reason, samples_json, "
+                 "rel_err, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
+_TABLES = (
+    "CREATE TABLE IF NOT EXISTS choices (device TEXT NOT NULL, problem_key TEXT NOT NULL, backend TEXT NOT NULL,"
+    " config_json TEXT NOT NULL, time_ms REAL NOT NULL, cublas_ms REAL, rel_err REAL, tune_s REAL NOT NULL,"
+    " gpu_timings INTEGER NOT NULL, gemmtune_version TEXT, created_at TEXT NOT NULL,"
+    " PRIMARY KEY (device, problem_key))",
+    "CREATE TABLE IF NOT EXISTS trials (id INTEGER PRIMARY KEY, device TEXT NOT NULL, problem_key TEXT NOT NULL,"
+    " backend TEXT NOT NULL, config_json TEXT NOT NULL, status TEXT NOT NULL, reason TEXT NOT NULL,"
+    " samples_json TEXT, rel_err REAL, created_at TEXT NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS trials_by_problem ON trials (device, problem_key)",
+)
+
+
+class StoreError(Exception):
+    """The store file or an import file cannot be used as it is."""
+
+
+class Store:
+    """A persistent tuning store; safe to share between threads and processes.
+
+    The connection opens on first use, so constructing a Store touches no file; a process forked
+    from one that used the Store opens its own, as SQLite connections must not cross a fork.
+    """
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self._path = _resolve(path)
+        self._lock = threading.Lock()
+        self._conn: sqlite3.Connection | None = None
+        self._pid = os.getpid()
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    def __repr__(self) -> str:
+        return f"Store({str(self._path)!r})"
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def get(self, device: str, problem_key: str) -> TuneResult | None:
+        row = self._run(lambda c: c.execute(
+            f"SELECT {_CHOICE_COLUMNS} FROM choices WHERE device = ? AND problem_key = ?",
+            (device, problem_key)).fetchone())
+        return None if row is None else _result_of_row(row)
+
+    def put(self, result: TuneResult) -> None:
+        """Upsert the choice and append every trial, in one transaction."""
+        entry, problems = _validate_entry(_entry_of_result(result))
+        if problems:
+            raise ValueError(f"result for {result.problem_key!r} cannot be stored: {'; '.join(problems)}")
+        now = _now()
+        choice = _choice_row(entry, gemmtune.__version__, now)
+        trials = [_trial_row(result.device, result.problem_key, trial, now) for trial in result.trials]
+
+        def write(conn: sqlite3.Connection) -> None:
+            conn.execute(_UPSERT_CHOICE, choice)
+            conn.executemany(_INSERT_TRIAL, trials)
+
+        self._run(write, write=True)
+
+    def choices(self, device: str | None = None) -> list[TuneResult]:
+        where, args = _device_filter(device)
+        rows = self._run(lambda c: c.execute(
+            f"SELECT {_CHOICE_COLUMNS} FROM choices {where} ORDER BY device, problem_key", args).fetchall())
+        return [r for r in map(_result_of_row, rows) if r is not None]
+
+    def trials(self, device: str, problem_key: str) -> list[Trial]:
+        rows = self._run(lambda c: c.execute(
+            "SELECT backend, config_json, status, reason, samples_json, rel_err FROM trials"
+            " WHERE device = ? AND problem_key = ? ORDER BY id", (device, problem_key)).fetchall())
+        return [t for t in map(_trial_of_row, rows) if t is not None]
+
+    def devices(self) -> list[str]:
+        rows = self._run(lambda c: c.execute("SELECT DISTINCT device FROM choices ORDER BY device").fetchall())
+        return [row[0] for row in rows]
+
+    def clear(self, device: str | None = None) -> int:
+        """Remove the choices (and their trials) of one device, or of all; returns how many choices."""
+        where, args = _device_filter(device)
+
+        def delete(conn: sqlite3.Connection) -> int:
+            removed = conn.execute(f"DELETE FROM choices {where}", args).rowcount
+            conn.execute(f"DELETE FROM trials {where}", args)
+            return removed
+
+        return self._run(delete, write=True)
+
+    def export_json(self, path: str | Path, device: str | None = None) -> int:
+        entries = [_entry_of_result(result) for result in self.choices(device)]
+        document = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "gemmtune": gemmtune.__version__,
+                    "choices": entries}
+        _write_atomically(Path(path), json.dumps(document, indent=1, allow_nan=False) + "\n")
+        return len(entries)
+
+    def import_json(self, path: str | Path) -> int:
+        """Upsert every choice of an export file, or none: any invalid entry refuses the file."""
+        document = _read_json(Path(path))
+        entries = _validated_entries(document, Path(path))
+        source = document.get("gemmtune")
+        version = source if _is_label(source, 64) else None
+        now = _now()
+        rows = [_choice_row(entry, version, now) for entry in entries]
+        self._run(lambda c: c.executemany(_UPSERT_CHOICE, rows), write=True)
+        return len(rows)
+
+    def size_bytes(self) -> int:
+        return sum(p.stat().st_size for p in _family(self._path) if p.exists())
+
+    def _run(self, work: Callable[[sqlite3.Connection], T], write: bool = False) -> T:
+        def attempt() -> T:
+            conn = self._connection()
+            return _in_transaction(conn, work) if write else work(conn)
+
+        with self._lock:
+            return _retry(attempt)
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is not None and self._pid != os.getpid():
+            _INHERITED.append(self._conn)  # never closed here: closing could disturb the parent's state
+            self._conn = None
+        if self._conn is None:
+            self._conn, self._pid = _open(self._path), os.getpid()
+        return self._conn
+
+
+# --- opening, corruption, retries -------------------------------------------------------------
+
+
+def _resolve(path: str | Path | None) -> Path:
+    if path is None:
+        return settings.cache_dir() / DEFAULT_FILENAME
+    path = Path(path).expanduser()
+    return path / DEFAULT_FILENAME if path.is_dir() else path
+
+
+def _family(path: Path) -> tuple[Path, Path, Path]:
+    return path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _open(path: Path) -> sqlite3.Connection:
+    """Connect and prepare; a file that is not a healthy SQLite database is moved aside."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(3):
+        identity = _identity(path)
+        conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+        try:
+            _prepare(conn, path)
+            return conn
+        except sqlite3.OperationalError:  # locked, I/O, permissions: not corruption, never moved aside
+            conn.close()
+            raise
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            _quarantine(path, identity, exc)
+        except BaseException:
+            conn.close()
+            raise
+    raise StoreError(f"{path}: could not open a healthy store after moving corrupt files aside")
+
+
+def _prepare(conn: sqlite3.Connection, path: Path) -> None:
+    conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+    verdict = conn.execute("PRAGMA quick_check").fetchall()
+    if verdict != [("ok",)]:
+        raise sqlite3.DatabaseError("quick_check: " + "; ".join(str(row[0]) for row in verdict[:5]))
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = NORMAL")  # WAL stays consistent; a power cut may lose the last commits
+    _in_transaction(conn, lambda c: _create_schema(c, path))
+
+
+def _create_schema(conn: sqlite3.Connection, path: Path) -> None:
+    conn.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+    row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    if row is None:
+        conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+    elif not str(row[0]).isdigit() or int(row[0]) > SCHEMA_VERSION:
+        raise StoreError(f"{path} has store schema version {row[0]!r}; this gemmtune reads version "
+                         f"{SCHEMA_VERSION} at most: upgrade gemmtune or point {settings.CACHE_DIR.env} elsewhere")
+    for statement in _TABLES:
+        conn.execute(statement)
+
+
+def _quarantine(path: Path, identity: tuple[int, int] | None, exc: Exception) -> None:
+    if identity is None or _identity(path) != identity:
+        return  # another process already moved it aside and started a fresh store: just reopen
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+    for source in _family(path):
+        if source.exists():
+            os.replace(source, aside.with_name(aside.name + source.name[len(path.name):]))
+    log.warning("%s is not a usable gemmtune store (%s); moved it to %s and started an empty store",
+                path, exc, aside)
+
+
+def _in_transaction(conn: sqlite3.Connection, work: Callable[[sqlite3.Connection], T]) -> T:
+    # IMMEDIATE takes the write lock up front, so two writers never deadlock upgrading a read lock.
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        out = work(conn)
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.rollback()
+        raise
+    return out
+
+
+def _retry(attempt: Callable[[], T]) -> T:
+    deadline = time.monotonic() + RETRY_FOR_S
+    delay = 0.01
+    while True:
+        try:
+            return attempt()
+        except sqlite3.OperationalError as exc:
+            message = str(exc).lower()
+            if ("locked" not in message and "busy" not in message) or time.monotonic() + delay > deadline:
+                raise
+            log.debug("store busy (%s); retrying in %.2f s", exc, delay)
+        time.sleep(delay * (0.5 + random.random()))  # jitter, so waiting writers do not collide again
+        delay = min(1.0, 2 * delay)
+
+
+# --- rows, entries, validation ------------------------------------------------------------------
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _device_filter(device: str | None) -> tuple[str, tuple]:
+    return ("", ()) if device is None else ("WHERE device = ?", (device,))
+
+
+def _entry_of_result(result: TuneResult) -> dict:
+    return {"device": result.device, "problem": result.problem_key, "backend": result.backend,
+            "config": result.config, "time_ms": result.time_ms, "cublas_ms": result.cublas_ms,
+            "rel_err": result.rel_err, "tune_s": result.tune_s, "gpu_timings": result.gpu_timings}
+
+
+def _choice_row(entry: dict, version: str | None, now: str) -> tuple:
+    return (entry["device"], entry["problem"], entry["backend"], json.dumps(entry["config"]), entry["time_ms"],
+            entry["cublas_ms"], entry["rel_err"], entry["tune_s"], int(entry["gpu_timings"]), version, now)
+
+
+def _trial_row(device: str, problem_key: str, trial: Trial, now: str) -> tuple:
+    samples = None if trial.timing is None else json.dumps(list(trial.timing.samples))
+    return (device, problem_key, trial.backend, json.dumps(trial.config), Status(trial.status).value,
+            trial.reason, samples, trial.rel_err, now)
+
+
+def _loads(text: Any) -> Any:
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError, RecursionError):
+        return None
+
+
+def _result_of_row(row: tuple) -> TuneResult | None:
+    device, key, backend, config_json, time_ms, cublas_ms, rel_err, tune_s, gpu = row
+    entry = {"device": device, "problem": key, "backend": backend, "config": _loads(config_json),
+             "time_ms": time_ms, "cublas_ms": cublas_ms, "rel_err": rel_err, "tune_s": tune_s,
+             "gpu_timings": bool(gpu) if gpu in (0, 1) else gpu}
+    entry, problems = _validate_entry(entry)
+    if problems:
+        log.warning("skipping the stored choice for %s on %s: %s", key, device, "; ".join(problems))
+        return None
+    return TuneResult(problem_key=key, device=device, backend=entry["backend"], config=entry["config"],
+                      time_ms=entry["time_ms"], cublas_ms=entry["cublas_ms"], tune_s=entry["tune_s"],
+                      rel_err=entry["rel_err"], from_store=True, gpu_timings=entry["gpu_timings"])
+
+
+def _trial_of_row(row: tuple) -> Trial | None:
+    backend, config_json, status, reason, samples_json, rel_err = row
+    try:
+        samples = None if samples_json is None else tuple(float(s) for s in json.loads(samples_json))
+        return Trial(backend, json.loads(config_json), Status(status),
+                     None if samples is None else Timing(samples), rel_err, reason)
+    except (TypeError, ValueError) as exc:
+        log.warning("skipping an unreadable stored trial of %s: %s", backend, exc)
+        return None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes())  # JSON only: a shared file must never be able to run code
+    except (ValueError, RecursionError) as exc:
+        raise StoreError(f"{path} is not a JSON file: {exc}") from None
+
+
+def _validated_entries(document: Any, path: Path) -> list[dict]:
+    if not isinstance(document, dict) or document.get("format") != EXPORT_FORMAT:
+        found = document.get("format") if isinstance(document, dict) else type(document).__name__
+        raise StoreError(f"{path}: format must be {EXPORT_FORMAT!r}, got {found!r}")
+    version = document.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= EXPORT_VERSION:
+        raise StoreError(f"{path}: version {version!r} is not one this gemmtune reads (1 to {EXPORT_VERSION}); "
+                         "a newer file needs a newer gemmtune")
+    entries = document.get("choices")
+    if not isinstance(entries, list):
+        raise StoreError(f"{path}: 'choices' must be a list, got {type(entries).__name__}")
+    results = [_validate_entry(entry) for entry in entries]
+    invalid = [f"entry {i}: {'; '.join(problems)}" for i, (_, problems) in enumerate(results) if problems]
+    if invalid:
+        raise StoreError(f"{path}: {len(invalid)} of {len(entries)} entries are invalid; nothing imported:\n"
+                         + "\n".join(invalid))
+    return [entry for entry, _ in results]
+
+
+def _validate_entry(entry: Any) -> tuple[dict, list[str]]:
+    """The entry made canonical (config as its backend writes it), and every problem found."""
+    if not isinstance(entry, dict):
+        return {}, [f"must be an object with keys {list(_FIELDS)}, got {type(entry).__name__}"]
+    problems = []
+    if missing := [k for k in _FIELDS if k not in entry]:
+        problems.append(f"missing keys {missing}")
+    if extra := sorted(str(k) for k in entry if k not in _FIELDS):
+        problems.append(f"unexpected keys {extra}; accepted: {list(_FIELDS)}")
+    clean = dict(entry)
+    if "device" in entry and not _is_label(entry["device"], MAX_DEVICE_CHARS):
+        problems.append(f"device must be a non-empty printable str of at most {MAX_DEVICE_CHARS} chars, "
+                        f"got {entry['device']!r}")
+    if "problem" in entry and (issue := _problem_issue(entry["problem"])):
+        problems.append(issue)
+    for name in _NUMBERS:
+        if name in entry and (issue := _number_issue(name, entry[name])):
+            problems.append(issue)
+        elif name in entry and entry[name] is not None:
+            clean[name] = float(entry[name])
+    if "gpu_timings" in entry and not isinstance(entry["gpu_timings"], bool):
+        problems.append(f"gpu_timings must be true or false, got {entry['gpu_timings']!r}")
+    if "backend" in entry:
+        config, issue = _parse_config(entry["backend"], entry.get("config"))
+        problems += [issue] if issue else []
+        clean["config"] = config
+    return clean, problems
+
+
+def _is_label(value: Any, max_chars: int) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= max_chars and value.isprintable()
+
+
+def _problem_issue(value: Any) -> str | None:
+    try:
+        Problem.from_key(value)
+    except ValueError as exc:
+        return f"problem: {exc}"
+    return None
+
+
+def _number_issue(name: str, value: Any) -> str | None:
+    nullable, positive = _NUMBERS[name]
+    if value is None and nullable:
+        return None
+    if _finite(value) and (value > 0 if positive else value >= 0):
+        return None
+    accepted = f"a finite number {'> 0' if positive else '>= 0'}{' or null' if nullable else ''}"
+    return f"{name} must be {accepted}, got {value!r}"
+
+
+def _finite(value: Any) -> bool:
+    # bool is an int to Python, but true is no time: refuse it where a number belongs
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # a JSON integer too large for a float
+        return False
+
+
+def _parse_config(backend: Any, config: Any) -> tuple[dict | None, str | None]:
+    if not isinstance(backend, str) or backend not in backends.names():
+        return None, f"backend must be one of {list(backends.names())}, got {backend!r}"
+    if not isinstance(config, dict):
+        return None, f"config must be an object, got {type(config).__name__}"
+    try:
+        return backends.get(backend).parse_config(config).as_dict(), None
+    except (ValueError, TypeError) as exc:
+        return None, f"config: {exc}"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    # A reader (or a crash) never sees half a file: write beside it, then rename over it.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Not mkstemp: its 0600 mode would make a file meant for sharing unreadable to others.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{random.getrandbits(32):08x}.tmp")
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,83 @@
+"""The public functions: bad input gets an error naming the argument or a documented fallback."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gemmtune
+from gemmtune.problem import Problem
+
+
+def test_import_touches_neither_triton_nor_cuda_nor_files(tmp_path):
+    code = (
+        "import sys, gemmtune\n"
+        "assert 'triton' not in sys.modules, 'triton imported'\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "print('ok')\n"
+    )
+    env = {"GEMMTUNE_CACHE_DIR": str(tmp_path / "store"), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: gemmtune.matmul([[1.0]], torch.ones(1, 1)), TypeError, "a must be a torch.Tensor"),
+    (lambda: gemmtune.matmul(torch.ones(2, 3), "b"), TypeError, "b must be a torch.Tensor"),
+    (lambda: gemmtune.matmul(torch.ones(2, 3), torch.ones(4, 5)), ValueError, r"a.shape\[1\] must equal b.shape\[0\]"),
+    (lambda: gemmtune.matmul(torch.ones(2, 3), torch.ones(3, 5, dtype=torch.float16)), TypeError, "does not mix dtypes"),
+    (lambda: gemmtune.linear(torch.ones(2, 3), torch.ones(3)), ValueError, "weight must be 2-D"),
+    (lambda: gemmtune.linear(torch.ones(2, 3), torch.ones(5, 4)), ValueError, "weight's K=4"),
+    (lambda: gemmtune.linear(torch.ones(2, 3), torch.ones(5, 3), torch.ones(4)), ValueError, r"bias must have shape \(5,\)"),
+    (lambda: gemmtune.linear(torch.ones(2, 3), torch.ones(5, 3), bias=3.0), TypeError, "bias must be a torch.Tensor"),
+    (lambda: gemmtune.linear(torch.ones(2, 3), torch.ones(5, 3, dtype=torch.bfloat16)), TypeError, "weight has dtype"),
+    (lambda: gemmtune.tune(["4096x4096x4096"]), TypeError, "item 0 is a str"),
+])
+def test_bad_input_names_the_argument(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="mixed devices need a GPU")
+def test_mixed_devices_are_an_error():
+    with pytest.raises(ValueError, match="weight is on cpu"):
+        gemmtune.linear(torch.ones(2, 3, device="cuda"), torch.ones(5, 3))
+
+
+@pytest.mark.parametrize("a, b", [
+    (torch.randn(5, 7), torch.randn(7, 3)),  # CPU tensors: torch runs them
+    (torch.randn(5, 7, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)),  # unsupported dtype
+    (torch.randn(0, 7), torch.randn(7, 3)),  # zero-size M
+    (torch.randn(5, 0), torch.randn(0, 3)),  # K = 0: zeros
+    (torch.randn(2, 5, 7), torch.randn(7, 3)),  # batched: torch.matmul's rules
+    (torch.randn(7), torch.randn(7, 3)),  # 1-D
+])
+def test_documented_fallbacks_match_torch(a, b):
+    torch.testing.assert_close(gemmtune.matmul(a, b), torch.matmul(a, b))
+
+
+def test_linear_fallbacks_match_torch():
+    x, w, bias = torch.randn(2, 4, 7), torch.randn(3, 7), torch.randn(3)
+    torch.testing.assert_close(gemmtune.linear(x, w, bias), F.linear(x, w, bias))
+    v = torch.randn(7)
+    torch.testing.assert_close(gemmtune.linear(v, w), F.linear(v, w))
+
+
+def test_autograd_inputs_fall_back_and_keep_their_graph():
+    x = torch.randn(4, 7, requires_grad=True)
+    w = torch.randn(3, 7)
+    gemmtune.linear(x, w).sum().backward()
+    torch.testing.assert_close(x.grad, w.sum(0).expand(4, 7))
+
+
+def test_tune_stores_and_reuses(tmp_path):
+    problem = Problem(7, 40, 100, "float32", "nn")
+    first = gemmtune.tune(problem, store=tmp_path)
+    assert len(first) == 1 and not first[0].from_store
+    again = gemmtune.tune([problem], store=tmp_path)
+    assert again[0].from_store and again[0].backend == first[0].backend and again[0].config == first[0].config
+    retuned = gemmtune.tune([problem], store=tmp_path, retune=True)
+    assert not retuned[0].from_store

@@ -1,0 +1,74 @@
+"""The CLI through ``main(argv)``: tune on the CPU interpreter, the cache commands, errors."""
+
+import json
+
+import pytest
+
+from gemmtune.cli import main
+from gemmtune.problem import Problem
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    for command in ("doctor", "tune", "cache", "GEMMTUNE_CACHE_DIR", "GEMMTUNE_MODE"):
+        assert command in out
+
+
+def test_tune_json_then_cache_round_trip(capsys, tmp_path):
+    store = tmp_path / "store"
+    code, out, err = run(capsys, "tune", "--shape", "7x40x33", "--dtype", "float32", "--layout", "nn",
+                         "--json", "--cache", str(store))
+    assert code == 0, err
+    rows = json.loads(out)
+    assert len(rows) == 1 and rows[0]["m"] == 7 and rows[0]["k"] == 33 and rows[0]["rel_err"] < 1e-4
+    assert rows[0]["gpu_timings"] is False and "NOT GPU timings" in err
+
+    code, out, _ = run(capsys, "cache", "--cache", str(store), "list")
+    assert code == 0 and "1 choices" in out
+
+    key = Problem(7, 40, 33, "float32", "nn").key()
+    code, out, _ = run(capsys, "cache", "--cache", str(store), "show", key)
+    assert code == 0 and "triton_tiled" in out and "cublas" in out
+
+    exported = tmp_path / "export.json"
+    assert run(capsys, "cache", "--cache", str(store), "export", str(exported))[0] == 0
+    assert json.loads(exported.read_text())["choices"][0]["problem"] == key
+    other = tmp_path / "other"
+    code, out, _ = run(capsys, "cache", "--cache", str(other), "import", str(exported))
+    assert code == 0 and "imported 1" in out
+    code, out, _ = run(capsys, "cache", "--cache", str(other), "clear")
+    assert code == 0 and "removed 1" in out
+
+
+def test_tune_rejects_a_bad_shape(capsys):
+    code, _, err = run(capsys, "tune", "--shape", "4096x4096")
+    assert code == 2 and "MxNxK" in err
+
+
+def test_interpreter_refuses_gpu_sized_shapes(capsys):
+    code, _, err = run(capsys, "tune", "--shape", "4096x4096x4096")
+    assert code == 2 and "too large for the CPU interpreter" in err
+
+
+def test_import_of_a_bad_file_is_refused(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "gemmtune-store", "version": 1, "choices": [
+        {"device": "d", "problem": "v1/nn/float32/1x1x1/bias=0", "backend": "triton_tiled",
+         "config": {"BLOCK_M": 3}, "time_ms": 1.0, "cublas_ms": 1.0, "rel_err": 0.0, "tune_s": 1.0,
+         "gpu_timings": True}]}))
+    code, _, err = run(capsys, "cache", "--cache", str(tmp_path / "s"), "import", str(bad))
+    assert code == 2 and "config" in err
+
+
+def test_doctor_runs(capsys):
+    code, out, _ = run(capsys, "doctor", "--json")
+    assert code == 0 and json.loads(out)

@@ -1,0 +1,55 @@
+import pytest
+
+from gemmtune.problem import Problem, parse_shape
+
+
+def test_key_format_is_pinned():
+    # Persisted keys: changing this format orphans every stored result. Bump KEY_VERSION instead.
+    assert Problem(1, 6144, 4096).key() == "v1/linear/bfloat16/1x6144x4096/bias=0"
+    assert Problem(4095, 4097, 4095, "float32", "nn", bias=True, tf32=True).key() == "v1/nn/float32+tf32/4095x4097x4095/bias=1"
+
+
+@pytest.mark.parametrize("problem", [
+    Problem(1, 1, 1), Problem(7, 33, 4095, "float16", "nn", True), Problem(256, 1024, 1024, "float32", tf32=True),
+    Problem(256, 1024, 1024, "float32", tf32=False),
+])
+def test_key_round_trips(problem):
+    assert Problem.from_key(problem.key()) == problem
+
+
+def test_tf32_only_means_something_for_float32():
+    assert Problem(8, 8, 8, "bfloat16", tf32=True).tf32 is False
+    assert Problem(8, 8, 8, "bfloat16", tf32=True).key() == Problem(8, 8, 8, "bfloat16").key()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(m=0, n=1, k=1), "Problem.m must be an int >= 1"),
+    (dict(m=1, n=-3, k=1), "Problem.n"),
+    (dict(m=1, n=1, k=2.0), "Problem.k"),
+    (dict(m=True, n=1, k=1), "Problem.m"),
+    (dict(m=1, n=1, k=1, dtype="float64"), "accepted: float16, bfloat16, float32"),
+    (dict(m=1, n=1, k=1, layout="tn"), "accepted: linear, nn"),
+])
+def test_invalid_problems_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Problem(**kwargs)
+
+
+@pytest.mark.parametrize("key", ["", "v2/linear/bfloat16/1x1x1/bias=0", "v1/linear/bfloat16/0x1x1/bias=0",
+                                 "v1/linear/int8/1x1x1/bias=0", "v1/linear/bfloat16/1x1x1/bias=0; DROP TABLE", None])
+def test_from_key_rejects_malformed(key):
+    with pytest.raises(ValueError, match="not a gemmtune problem key"):
+        Problem.from_key(key)
+
+
+def test_parse_shape():
+    assert parse_shape("4095x4097x4095") == (4095, 4097, 4095)
+    with pytest.raises(ValueError, match="MxNxK"):
+        parse_shape("4096x4096")
+    with pytest.raises(ValueError, match=">= 1"):
+        parse_shape("0x1x1")
+
+
+def test_sizes():
+    p = Problem(2, 3, 4, "float32")
+    assert p.flops == 48 and p.min_bytes == 4 * (8 + 12 + 6)

@@ -1,0 +1,96 @@
+"""The tuning flow end to end on the current device (the CPU interpreter in CI), and the
+noise-aware selection rule on synthetic timings."""
+
+import pytest
+
+from gemmtune import backends
+from gemmtune.device import current
+from gemmtune.problem import Problem
+from gemmtune.results import Status, Timing
+from gemmtune.tuner import TuneOptions, _Candidate, select, tune_problem
+
+
+def cand(name):
+    return _Candidate(name, {} if name == "cublas" else {"id": name}, kernel=None, rel_err=0.0)
+
+
+def timing(median, spread=0.0):
+    # evenly spaced samples whose half inter-quartile range is ``spread`` of the median
+    samples = tuple(median * (1 - 2 * spread + 4 * spread * i / 100) for i in range(101))
+    t = Timing(samples)
+    assert abs(t.spread - spread) < 1e-9 and abs(t.median - median) < 1e-12
+    return t
+
+
+def decide(cublas_ms, other_ms, cublas_spread=0.0, other_spread=0.0):
+    ref, other = cand("cublas"), cand("x")
+    timings = {ref.label: timing(cublas_ms, cublas_spread), other.label: timing(other_ms, other_spread)}
+    costs = {label: t.median for label, t in timings.items()}
+    return select(ref, [ref, other], timings, costs).backend
+
+
+def test_a_clear_win_is_taken():
+    assert decide(1.0, 0.8) == "x"
+
+
+def test_a_win_under_two_percent_keeps_cublas():
+    assert decide(1.0, 0.985) == "cublas"
+
+
+def test_a_win_inside_the_noise_keeps_cublas():
+    assert decide(1.0, 0.95, cublas_spread=0.03, other_spread=0.03) == "cublas"
+    assert decide(1.0, 0.93, cublas_spread=0.03, other_spread=0.03) == "x"
+
+
+def test_slower_never_wins():
+    assert decide(1.0, 1.2) == "cublas"
+
+
+def test_tune_problem_verifies_and_records_every_candidate():
+    problem = Problem(33, 47, 65, "float32", "linear", bias=True)
+    result = tune_problem(problem, current(), options=TuneOptions(seed=1))
+    assert result.problem_key == problem.key()
+    assert result.backend in backends.names()
+    labels = {t.label() for t in result.trials}
+    assert "cublas" in labels and any(t.backend == "triton_tiled" for t in result.trials)
+    assert all(t.ok for t in result.trials), [t.reason for t in result.trials if not t.ok]
+    assert result.rel_err is not None and result.rel_err < 1e-4
+    assert result.cublas_ms > 0 and result.time_ms > 0
+
+
+def test_a_wrong_kernel_is_recorded_and_never_chosen(monkeypatch):
+    tiled = backends.get("triton_tiled")
+    real_build = tiled.build
+
+    def broken_build(problem, config, device):
+        kernel = real_build(problem, config, device)
+
+        def wrong(a, b, bias, out=None):
+            return kernel(a, b, bias, out=out).mul_(1.01)  # fast and 1% off
+
+        return wrong
+
+    monkeypatch.setattr(tiled, "build", broken_build)
+    result = tune_problem(Problem(16, 16, 32, "float32", "nn"), current(), options=TuneOptions(seed=2))
+    wrong = [t for t in result.trials if t.backend == "triton_tiled"]
+    assert wrong and all(t.status is Status.WRONG_RESULT for t in wrong)
+    assert all("tolerance" in t.reason for t in wrong)
+    assert result.backend == "cublas"
+
+
+def test_a_candidate_that_raises_becomes_a_failed_trial(monkeypatch):
+    tiled = backends.get("triton_tiled")
+
+    def exploding_build(problem, config, device):
+        raise RuntimeError("launch failed: boom")
+
+    monkeypatch.setattr(tiled, "build", exploding_build)
+    result = tune_problem(Problem(8, 8, 8, "float32", "nn"), current(), options=TuneOptions(seed=3))
+    failed = [t for t in result.trials if t.backend == "triton_tiled"]
+    assert failed and all(t.status is Status.LAUNCH_ERROR and "boom" in t.reason for t in failed)
+    assert result.backend == "cublas"
+
+
+def test_unknown_backend_in_options():
+    with pytest.raises(ValueError, match="unknown backend"):
+        tune_problem(Problem(8, 8, 8, "float32"), current(), options=TuneOptions(backends=("cutlass",)))
