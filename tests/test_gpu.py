@@ -22,6 +22,8 @@ def test_large_tiles_match_reference(m, n, k, layout, dtype, tf32):
     problem = Problem(m, n, k, dtype, layout, bias=True, tf32=tf32)
     inputs = verify.make_inputs(problem, "cuda")
     for config in BIG_CONFIGS:
+        if config.smem_bytes(problem.element_size) > current().smem_per_block:
+            continue  # the space never offers it; compiling it would fail with OutOfResources
         err = verify.check(BACKEND.build(problem, config, current()), problem, inputs)
         assert err <= verify.tolerance(problem), (config, err)
 
@@ -61,7 +63,7 @@ def test_lookup_mode_never_tunes(fresh_dispatch, monkeypatch):
 
 def test_transposed_views_on_the_gpu(fresh_dispatch):
     a = torch.randn(300, 200, device="cuda", dtype=torch.float16).t()
-    b = torch.randn(300, 100, device="cuda", dtype=torch.float16)[::2]
+    b = torch.randn(600, 100, device="cuda", dtype=torch.float16)[::2]
     ref = a.double() @ b.double()
     assert verify.rel_err(gemmtune.matmul(a, b), ref) <= 2e-3
 

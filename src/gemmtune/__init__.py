@@ -11,17 +11,15 @@ __version__ = "0.1.0"
 __all__ = ["Problem", "TuneResult", "tune", "matmul", "linear", "__version__"]
 
 
+_LAZY = {"Problem": "gemmtune.problem", "TuneResult": "gemmtune.results",
+         "tune": "gemmtune.api", "matmul": "gemmtune.api", "linear": "gemmtune.api"}
+
+
 def __getattr__(name: str):
-    if name == "Problem":
-        from gemmtune.problem import Problem
+    if name not in _LAZY:
+        raise AttributeError(f"module 'gemmtune' has no attribute {name!r}")
+    import importlib
 
-        return Problem
-    if name == "TuneResult":
-        from gemmtune.results import TuneResult
-
-        return TuneResult
-    if name in ("tune", "matmul", "linear"):
-        from gemmtune import api
-
-        return getattr(api, name)
-    raise AttributeError(f"module 'gemmtune' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later lookups skip this function: gemmtune.linear is on the hot path
+    return value

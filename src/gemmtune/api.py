@@ -90,15 +90,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _run(layout: str, a, b, bias, m: int, n: int, k: int) -> torch.Tensor:
-    tf32 = a.dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
+    tf32 = a.dtype is torch.float32 and torch.get_float32_matmul_precision() != "highest"
     key = (layout, m, n, k, a.dtype, bias is not None, tf32, a.device.index)
-    if torch.cuda.is_current_stream_capturing() and not DISPATCHER.has(key):
-        return F.linear(a, b, bias) if layout == "linear" else _torch_mm(a, b, bias)
-
-    def problem() -> Problem:
-        return Problem(m, n, k, _DTYPE_NAMES[a.dtype], layout, bias is not None, tf32)
-
-    return DISPATCHER.kernel(key, problem)(a, b, bias)
+    kernel = DISPATCHER.kernels.get(key)
+    if kernel is None:  # the slow path: store, then tuning; never while a CUDA graph is captured
+        if torch.cuda.is_current_stream_capturing():
+            return F.linear(a, b, bias) if layout == "linear" else _torch_mm(a, b, bias)
+        kernel = DISPATCHER.kernel(key, lambda: Problem(m, n, k, _DTYPE_NAMES[a.dtype], layout, bias is not None, tf32))
+    return kernel(a, b, bias)
 
 
 def _torch_mm(a, b, bias):

@@ -17,7 +17,7 @@ log = logging.getLogger("gemmtune")
 
 class Dispatcher:
     def __init__(self, store: Store | None = None) -> None:
-        self._kernels: dict[tuple, object] = {}
+        self.kernels: dict[tuple, object] = {}  # read directly by the hot path
         self._store = store
         self._lock = threading.Lock()
 
@@ -29,20 +29,17 @@ class Dispatcher:
 
     def kernel(self, key: tuple, problem_of_key) -> object:
         """The kernel for ``key``; ``problem_of_key()`` builds its Problem only on a miss."""
-        kernel = self._kernels.get(key)
+        kernel = self.kernels.get(key)
         if kernel is None:
             with self._lock:
-                kernel = self._kernels.get(key) or self._resolve(problem_of_key(), current(key[-1]))
-                self._kernels[key] = kernel
+                kernel = self.kernels.get(key) or self._resolve(problem_of_key(), current(key[-1]))
+                self.kernels[key] = kernel
         return kernel
-
-    def has(self, key: tuple) -> bool:
-        return key in self._kernels
 
     def forget(self) -> None:
         """Drop built kernels (after the store changed, or in tests)."""
         with self._lock:
-            self._kernels.clear()
+            self.kernels.clear()
 
     def _resolve(self, problem: Problem, device: Device):
         stored = self.store.get(device.fingerprint(), problem.key())

@@ -8,6 +8,7 @@ from gemmtune.backends.base import Backend
 
 _MODULES = {
     "cublas": "gemmtune.backends.cublas",
+    "cublas_padded": "gemmtune.backends.cublas_padded",
     "triton_tiled": "gemmtune.backends.triton_tiled",
 }
 REFERENCE = "cublas"  # the backend every choice must beat beyond noise

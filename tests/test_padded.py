@@ -1,0 +1,43 @@
+"""cuBLAS on padded copies: same numbers as the unpadded product, at every misaligned size."""
+
+import pytest
+import torch
+
+from gemmtune import verify
+from gemmtune.backends import get
+from gemmtune.backends.cublas_padded import PaddedConfig, misaligned, padded_size
+from gemmtune.device import current
+from gemmtune.problem import Problem
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("layout", ["linear", "nn"])
+@pytest.mark.parametrize("m,n,k", [(1, 7, 33), (7, 33, 4095), (33, 4097, 65), (5, 64, 13), (3, 13, 64)])
+@pytest.mark.parametrize("align", [8, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_reference(m, n, k, layout, align, bias):
+    problem = Problem(m, n, k, "float32", layout, bias)
+    inputs = verify.make_inputs(problem, DEVICE)
+    kernel = get("cublas_padded").build(problem, PaddedConfig(align), current())
+    assert verify.check(kernel, problem, inputs) <= verify.tolerance(problem)
+    result = kernel(inputs.a, inputs.b, inputs.bias)
+    assert result.shape == (m, n) and result.is_contiguous()
+
+
+def test_offered_only_for_misaligned_problems():
+    backend = get("cublas_padded")
+    assert backend.candidates(Problem(4096, 4096, 4096), current()) == []
+    assert backend.candidates(Problem(4095, 4097, 4095), current()) == [PaddedConfig(8), PaddedConfig(64)]
+    assert misaligned(Problem(8, 8, 4100)) and not misaligned(Problem(8, 8, 4100, "float32"))
+
+
+def test_padded_sizes():
+    assert padded_size(4095, 8, 8) == 4096 and padded_size(4097, 8, 8) == 4104
+    assert padded_size(4097, 8, 64) == 4160 and padded_size(4096, 8, 64) == 4096
+
+
+@pytest.mark.parametrize("data", [{"align": 3}, {"align": True}, {}, {"align": 8, "x": 1}, "align=8"])
+def test_untrusted_configs_are_rejected(data):
+    with pytest.raises(ValueError):
+        get("cublas_padded").parse_config(data)
