@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ def test_import_touches_neither_triton_nor_cuda_nor_files(tmp_path):
         "assert 'torch' not in sys.modules, 'torch imported'\n"
         "print('ok')\n"
     )
-    env = {"GEMMTUNE_CACHE_DIR": str(tmp_path / "store"), "PATH": "/usr/bin:/bin"}
+    src = str(Path(gemmtune.__file__).resolve().parents[1])
+    env = {"GEMMTUNE_CACHE_DIR": str(tmp_path / "store"), "PATH": "/usr/bin:/bin", "PYTHONPATH": src}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert not (tmp_path / "store").exists()

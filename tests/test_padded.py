@@ -41,3 +41,15 @@ def test_padded_sizes():
 def test_untrusted_configs_are_rejected(data):
     with pytest.raises(ValueError):
         get("cublas_padded").parse_config(data)
+
+
+@pytest.mark.parametrize("rows, cols", [(9, 40), (3, 5), (7, 33), (9, 33)])
+def test_copy_padded_cuts_and_zero_fills(rows, cols):
+    from gemmtune.backends.cublas_padded import copy_padded
+
+    src = torch.randn(13, 7, device=DEVICE)[::2, ::1]  # (7, 7), a strided view
+    dst = copy_padded(src, rows, cols)
+    expected = torch.zeros(rows, cols, device=DEVICE)
+    r, c = min(rows, 7), min(cols, 7)
+    expected[:r, :c] = src[:r, :c]
+    assert torch.equal(dst, expected)

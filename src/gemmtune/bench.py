@@ -9,6 +9,7 @@ all of them alike. Raw samples are kept; selection reads their median and spread
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -29,9 +30,18 @@ def measure(fns: Mapping[str, Callable[[], object]], device: Device, *, budget_m
     """Time each zero-argument callable; returns their samples in milliseconds."""
     if not fns:
         return {}
-    if device.interpreter:
-        return _measure_cpu(fns, rounds=max(3, min_rounds // 3), seed=seed)
-    return _measure_cuda(fns, device, budget_ms=budget_ms, min_rounds=min_rounds, seed=seed)
+    # A garbage collection inside a timed call stalls the host after the start event is queued,
+    # so the GPU idles and the sample grows by the pause: collect before, not during.
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        if device.interpreter:
+            return _measure_cpu(fns, rounds=max(3, min_rounds // 3), seed=seed)
+        return _measure_cuda(fns, device, budget_ms=budget_ms, min_rounds=min_rounds, seed=seed)
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _measure_cuda(fns, device, *, budget_ms, min_rounds, seed) -> dict[str, Timing]:

@@ -47,32 +47,51 @@ def padded_size(size: int, step: int, align: int) -> int:
     return size if size % step == 0 else -(-size // align) * align
 
 
+BLOCK_R, BLOCK_C = 16, 256
+
+
+def copy_padded(src: torch.Tensor, rows: int, cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``src`` copied into a contiguous (rows, cols) tensor: cut where smaller, zeros where larger."""
+    from gemmtune.kernels.pad import pad_copy
+
+    dst = torch.empty((rows, cols), dtype=src.dtype, device=src.device) if out is None else out
+    assert dst.shape == (rows, cols) and dst.stride(1) == 1, "the destination's rows must be contiguous"
+    grid = (-(-rows // BLOCK_R), -(-cols // BLOCK_C))
+    pad_copy[grid](src, dst, src.shape[0], src.shape[1], rows, cols, src.stride(0), src.stride(1), dst.stride(0),
+                   BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4)
+    return dst
+
+
 class PaddedKernel:
     def __init__(self, problem: Problem, config: PaddedConfig) -> None:
         step = 16 // problem.element_size
         self._linear = problem.layout == "linear"
-        self._n = problem.n
-        self._pad_k = padded_size(problem.k, step, config.align) - problem.k
-        self._pad_n = padded_size(problem.n, step, config.align) - problem.n
+        self._m, self._n = problem.m, problem.n
+        self._kp = padded_size(problem.k, step, config.align)
+        self._np = padded_size(problem.n, step, config.align)
 
     def __call__(self, a, b, bias, out=None):
-        a_p = F.pad(a, (0, self._pad_k))
-        bias_p = None if bias is None else F.pad(bias, (0, self._pad_n))
+        m, n, kp, np_ = self._m, self._n, self._kp, self._np
+        a_p = copy_padded(a, m, kp)
+        bias_p = None if bias is None else F.pad(bias, (0, np_ - n))
         if self._linear:
-            full = F.linear(a_p, F.pad(b, (0, self._pad_k, 0, self._pad_n)), bias_p)
+            full = F.linear(a_p, copy_padded(b, np_, kp), bias_p)
         else:
-            b_p = F.pad(b, (0, self._pad_n, 0, self._pad_k))
+            b_p = copy_padded(b, kp, np_)
             full = torch.mm(a_p, b_p) if bias_p is None else torch.addmm(bias_p, a_p, b_p)
-        if self._pad_n == 0:
+        if np_ == n:
             return full if out is None else out.copy_(full)
-        wanted = full[:, : self._n]
-        return wanted.contiguous() if out is None else out.copy_(wanted)
+        return copy_padded(full, m, n, out)
 
 
 class CublasPaddedBackend:
     name = "cublas_padded"
 
     def is_available(self, device: Device) -> bool:
+        try:
+            import triton  # noqa: F401  (the copies are a Triton kernel)
+        except ImportError:
+            return False
         return True
 
     def candidates(self, problem: Problem, device: Device) -> list[PaddedConfig]:
