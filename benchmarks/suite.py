@@ -18,14 +18,20 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-import triton
+# Cold caches, set before torch and triton are imported (both read these at import): tune_s is
+# then gemmtune's time from an empty compile cache, and inductor tunes from scratch.
+os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="gemmtune-suite-triton-"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="gemmtune-suite-inductor-"))
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 
-import gemmtune
-from gemmtune import bench, shapes, verify
-from gemmtune.device import current
-from gemmtune.dispatch import DISPATCHER
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+import gemmtune  # noqa: E402
+from gemmtune import bench, shapes, verify  # noqa: E402
+from gemmtune.device import current  # noqa: E402
+from gemmtune.dispatch import DISPATCHER  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 
@@ -109,7 +115,6 @@ def main() -> int:
         print("suite.py needs a CUDA GPU; without one run `gemmtune tune` (interpreter pipeline)", file=sys.stderr)
         return 2
     os.environ.setdefault("GEMMTUNE_CACHE_DIR", tempfile.mkdtemp(prefix="gemmtune-suite-"))  # an empty store
-    os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # inductor tunes from scratch too
     torch.set_float32_matmul_precision("high")  # fp32 shapes as the seeds advise: TF32 for both sides
     started = time.perf_counter()
     device = current()

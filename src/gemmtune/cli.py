@@ -136,21 +136,18 @@ def _tune_with_progress(api, named, args, console: Console):
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
-        shapes_task = progress.add_task("shapes", total=len(named))
+        shapes_task = progress.add_task(f"tuning {named[0].name}", total=len(named))
         trials_task = progress.add_task("candidates", total=None)
-
-        def on_trial(trial):
-            progress.advance(trials_task)
 
         def on_result(result):
             progress.advance(shapes_task)
+            done = int(progress.tasks[shapes_task].completed)
+            if done < len(named):
+                progress.update(shapes_task, description=f"tuning {named[done].name}")
             progress.reset(trials_task)
-            progress.update(shapes_task, description=f"shapes (done: {named[len(done)].name})")
-            done.append(result)
 
-        done: list = []
         return api.tune([n.problem for n in named], store=args.cache, retune=args.retune,
-                        on_result=on_result, on_trial=on_trial)
+                        on_result=on_result, on_trial=lambda trial: progress.advance(trials_task))
 
 
 def _cache(args, console: Console) -> int:

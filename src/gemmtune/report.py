@@ -25,8 +25,9 @@ def result_dict(result: TuneResult, name: str | None = None) -> dict:
 def results_table(results: Sequence[TuneResult], names: Sequence[str] | None = None) -> Table:
     gpu = all(r.gpu_timings for r in results)
     table = Table(title="gemmtune tune" + ("" if gpu else " (CPU interpreter: NOT GPU timings)"))
-    for column in ("shape", "dtype", "layout", "choice", "ms", "cuBLAS ms", "speedup", "tune s"):
-        table.add_column(column, justify="right" if column in ("ms", "cuBLAS ms", "speedup", "tune s") else "left")
+    numeric = ("ms", "cuBLAS ms", "speedup", "tune s", "verified")
+    for column in ("shape", "dtype", "layout", "choice") + numeric:
+        table.add_column(column, justify="right" if column in numeric else "left")
     for i, result in enumerate(results):
         problem = Problem.from_key(result.problem_key)
         name = names[i] if names else f"{problem.m}x{problem.n}x{problem.k}"
@@ -35,7 +36,8 @@ def results_table(results: Sequence[TuneResult], names: Sequence[str] | None = N
         dtype = problem.dtype + ("+tf32" if problem.tf32 else "")
         layout = problem.layout + ("+bias" if problem.bias else "")
         cublas = f"{result.cublas_ms:.4f}" if result.cublas_ms else "-"
-        table.add_row(name, dtype, layout, result.label(), f"{result.time_ms:.4f}", cublas, speedup, tune_s)
+        verified = f"{sum(t.ok for t in result.trials)}/{len(result.trials)}" if result.trials else "-"
+        table.add_row(name, dtype, layout, result.label(), f"{result.time_ms:.4f}", cublas, speedup, tune_s, verified)
     return table
 
 
