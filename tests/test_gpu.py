@@ -78,3 +78,29 @@ def test_a_stored_kernel_runs_inside_cuda_graph_capture(fresh_dispatch):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, expected)
+
+
+def test_graph_timing_keeps_host_stalls_out_of_gpu_time():
+    import time
+
+    from gemmtune import bench
+
+    x = torch.randn(1024, 1024, device="cuda")
+
+    def stalls():
+        time.sleep(0.002)  # a host path far longer than the flush that precedes the kernel
+        return x @ x
+
+    graphed = bench.measure({"stalls": stalls, "plain": lambda: x @ x}, current(), min_rounds=10)
+    plain = bench.measure({"stalls": stalls, "plain": lambda: x @ x}, current(), min_rounds=10, graphs=False)
+    assert graphed["stalls"].median < 1.5 * graphed["plain"].median
+    assert plain["stalls"].median > 1.0  # ms: without graphs the stall is in the sample
+
+
+def test_a_candidate_that_syncs_falls_back_to_plain_timing(caplog):
+    from gemmtune import bench
+
+    x = torch.randn(256, 256, device="cuda")
+    timings = bench.measure({"syncs": lambda: (x @ x).sum().item(), "plain": lambda: x @ x}, current(),
+                            min_rounds=5)
+    assert set(timings) == {"syncs", "plain"} and "cannot be captured" in caplog.text

@@ -5,17 +5,26 @@ L2's size: without that flush a decode GEMM's weights stay in L2 between calls a
 reads 2-3x faster than it will inside a model. Candidates are measured in interleaved rounds
 (each round times every candidate once, in a shuffled order) so clock and thermal drift hit
 all of them alike. Raw samples are kept; selection reads their median and spread.
+
+Each candidate is captured once into a CUDA graph and the graph is replayed between the events:
+otherwise any host stall between the start event and the kernel's launch (a slow Python path,
+the vCPU descheduled) lands in the sample, and did, by up to 3x on 10 µs GEMMs. What the host
+path costs is measured apart, by ``host_loop_ms``. A candidate that cannot be captured (a host
+sync inside) sends the whole comparison back to plain launches, so all sides stay alike.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import random
 import time
 from collections.abc import Callable, Mapping
 
 from gemmtune.device import Device
 from gemmtune.results import Timing
+
+log = logging.getLogger("gemmtune.bench")
 
 MIN_ROUNDS = 10
 MAX_ROUNDS = 200
@@ -26,8 +35,11 @@ MIN_FLUSH_BYTES = 256 << 20
 
 
 def measure(fns: Mapping[str, Callable[[], object]], device: Device, *, budget_ms: float = 400.0,
-            min_rounds: int = MIN_ROUNDS, seed: int = 0) -> dict[str, Timing]:
-    """Time each zero-argument callable; returns their samples in milliseconds."""
+            min_rounds: int = MIN_ROUNDS, seed: int = 0, graphs: bool = True) -> dict[str, Timing]:
+    """Time each zero-argument callable; returns their samples in milliseconds.
+
+    ``graphs`` replays each callable from a CUDA graph (GPU time alone); False times plain calls.
+    """
     if not fns:
         return {}
     # A garbage collection inside a timed call stalls the host after the start event is queued,
@@ -38,7 +50,8 @@ def measure(fns: Mapping[str, Callable[[], object]], device: Device, *, budget_m
     try:
         if device.interpreter:
             return _measure_cpu(fns, rounds=max(3, min_rounds // 3), seed=seed)
-        return _measure_cuda(fns, device, budget_ms=budget_ms, min_rounds=min_rounds, seed=seed)
+        runners = _graphed(fns) if graphs else dict(fns)
+        return _measure_cuda(runners, device, budget_ms=budget_ms, min_rounds=min_rounds, seed=seed)
     finally:
         if was_enabled:
             gc.enable()
@@ -55,6 +68,33 @@ def _measure_cuda(fns, device, *, budget_ms, min_rounds, seed) -> dict[str, Timi
     rounds = int(min(MAX_ROUNDS, max(min_rounds, budget_ms / max(per_round, 1e-3))))
     samples = _cuda_round(fns, flush, rounds=rounds, rng=random.Random(seed + 1))
     return {name: Timing(tuple(s)) for name, s in samples.items()}
+
+
+def _graphed(fns: Mapping[str, Callable[[], object]]) -> dict[str, Callable[[], object]]:
+    """Each callable captured into its own CUDA graph (one shared memory pool: only one graph
+    runs at a time and no output is read); the plain callables if any capture fails."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capturing stream, as capture requires
+        for fn in fns.values():
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    pool = torch.cuda.graph_pool_handle()
+    replays = {}
+    for name, fn in fns.items():
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                fn()
+        except RuntimeError as exc:
+            log.warning("%s cannot be captured in a CUDA graph (%s); timing plain calls", name, exc)
+            torch.cuda.synchronize()
+            return dict(fns)
+        replays[name] = graph.replay
+    return replays
 
 
 def _cuda_round(fns, flush, *, rounds: int, rng: random.Random) -> dict[str, list[float]]:
