@@ -83,3 +83,19 @@ def test_tune_stores_and_reuses(tmp_path):
     assert again[0].from_store and again[0].backend == first[0].backend and again[0].config == first[0].config
     retuned = gemmtune.tune([problem], store=tmp_path, retune=True)
     assert not retuned[0].from_store
+
+
+@pytest.mark.parametrize("act, fn", [("relu", torch.relu), ("gelu", F.gelu), ("silu", F.silu),
+                                     ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh"))])
+def test_linear_activation_fallback_matches_torch_and_keeps_autograd(act, fn):
+    x = torch.randn(4, 7, requires_grad=True)
+    w, bias = torch.randn(3, 7), torch.randn(3)
+    out = gemmtune.linear(x, w, bias, activation=act)
+    torch.testing.assert_close(out, fn(F.linear(x, w, bias)))
+    out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_linear_rejects_unknown_activation():
+    with pytest.raises(ValueError, match="activation='tanh' is not supported; accepted: None, relu"):
+        gemmtune.linear(torch.ones(2, 3), torch.ones(4, 3), activation="tanh")

@@ -62,7 +62,7 @@ def test_interpreter_refuses_gpu_sized_shapes(capsys):
 def test_import_of_a_bad_file_is_refused(capsys, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "gemmtune-store", "version": 1, "choices": [
-        {"device": "d", "problem": "v1/nn/float32/1x1x1/bias=0", "backend": "triton_tiled",
+        {"device": "d", "problem": "v2/nn/float32/1x1x1/bias=0/act=none", "backend": "triton_tiled",
          "config": {"BLOCK_M": 3}, "time_ms": 1.0, "cublas_ms": 1.0, "rel_err": 0.0, "tune_s": 1.0,
          "gpu_timings": True}]}))
     code, _, err = run(capsys, "cache", "--cache", str(tmp_path / "s"), "import", str(bad))

@@ -31,6 +31,16 @@ def test_matches_reference(m, n, k, layout, dtype):
         assert err <= verify.tolerance(problem), (config, err)
 
 
+@pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("layout", ["linear", "nn"])
+def test_fused_activations_match_reference(act, layout):
+    problem = Problem(33, 47, 65, "float32", layout, bias=True, activation=act)
+    inputs = verify.make_inputs(problem, DEVICE)
+    for config in CONFIGS:
+        err = verify.check(BACKEND.build(problem, config, current()), problem, inputs)
+        assert err <= verify.tolerance(problem), (config, act, err)
+
+
 def test_every_output_element_is_written():
     problem = Problem(33, 47, 65, "float32", "nn")
     inputs = verify.make_inputs(problem, DEVICE)

@@ -53,3 +53,11 @@ def test_copy_padded_cuts_and_zero_fills(rows, cols):
     r, c = min(rows, 7), min(cols, 7)
     expected[:r, :c] = src[:r, :c]
     assert torch.equal(dst, expected)
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu_tanh"])
+def test_activation_after_the_cut(act):
+    problem = Problem(7, 33, 65, "float32", "linear", True, activation=act)
+    inputs = verify.make_inputs(problem, DEVICE)
+    kernel = get("cublas_padded").build(problem, PaddedConfig(8), current())
+    assert verify.check(kernel, problem, inputs) <= verify.tolerance(problem)

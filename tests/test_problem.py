@@ -5,13 +5,14 @@ from gemmtune.problem import Problem, parse_shape
 
 def test_key_format_is_pinned():
     # Persisted keys: changing this format orphans every stored result. Bump KEY_VERSION instead.
-    assert Problem(1, 6144, 4096).key() == "v1/linear/bfloat16/1x6144x4096/bias=0"
-    assert Problem(4095, 4097, 4095, "float32", "nn", bias=True, tf32=True).key() == "v1/nn/float32+tf32/4095x4097x4095/bias=1"
+    assert Problem(1, 6144, 4096).key() == "v2/linear/bfloat16/1x6144x4096/bias=0/act=none"
+    assert Problem(4095, 4097, 4095, "float32", "nn", bias=True, tf32=True).key() == "v2/nn/float32+tf32/4095x4097x4095/bias=1/act=none"
+    assert Problem(256, 1024, 1024, bias=True, activation="gelu_tanh").key() == "v2/linear/bfloat16/256x1024x1024/bias=1/act=gelu_tanh"
 
 
 @pytest.mark.parametrize("problem", [
     Problem(1, 1, 1), Problem(7, 33, 4095, "float16", "nn", True), Problem(256, 1024, 1024, "float32", tf32=True),
-    Problem(256, 1024, 1024, "float32", tf32=False),
+    Problem(256, 1024, 1024, "float32", tf32=False), Problem(3, 5, 7, bias=True, activation="silu"),
 ])
 def test_key_round_trips(problem):
     assert Problem.from_key(problem.key()) == problem
@@ -29,14 +30,18 @@ def test_tf32_only_means_something_for_float32():
     (dict(m=True, n=1, k=1), "Problem.m"),
     (dict(m=1, n=1, k=1, dtype="float64"), "accepted: float16, bfloat16, float32"),
     (dict(m=1, n=1, k=1, layout="tn"), "accepted: linear, nn"),
+    (dict(m=1, n=1, k=1, activation="tanh"), "accepted: none, relu, gelu, gelu_tanh, silu"),
 ])
 def test_invalid_problems_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Problem(**kwargs)
 
 
-@pytest.mark.parametrize("key", ["", "v2/linear/bfloat16/1x1x1/bias=0", "v1/linear/bfloat16/0x1x1/bias=0",
-                                 "v1/linear/int8/1x1x1/bias=0", "v1/linear/bfloat16/1x1x1/bias=0; DROP TABLE", None])
+@pytest.mark.parametrize("key", [
+    "", "v1/linear/bfloat16/1x1x1/bias=0", "v2/linear/bfloat16/1x1x1/bias=0", "v2/linear/bfloat16/0x1x1/bias=0/act=none",
+    "v2/linear/int8/1x1x1/bias=0/act=none", "v2/linear/bfloat16/1x1x1/bias=0/act=tanh",
+    "v2/linear/bfloat16/1x1x1/bias=0/act=none; DROP TABLE", None,
+])
 def test_from_key_rejects_malformed(key):
     with pytest.raises(ValueError, match="not a gemmtune problem key"):
         Problem.from_key(key)

@@ -19,7 +19,7 @@ from gemmtune.store import DEFAULT_FILENAME, SCHEMA_VERSION, Store, StoreError
 
 DEVICE = "nvidia-h100-80gb-hbm3-9.0-132-abc123def456"
 OTHER_DEVICE = "nvidia-a100-sxm4-80gb-8.0-108-0123456789ab"
-KEY = "v1/linear/bfloat16/1x6144x4096/bias=0"
+KEY = "v2/linear/bfloat16/1x6144x4096/bias=0/act=none"
 CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 BAD_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 5}
 
@@ -36,7 +36,7 @@ def make_result(key: str = KEY, device: str = DEVICE, **changes) -> TuneResult:
 
 
 def key_for(m: int) -> str:
-    return f"v1/nn/float16/{m}x256x512/bias=1"
+    return f"v2/nn/float16/{m}x256x512/bias=1/act=none"
 
 
 def valid_entry(**changes) -> dict:
@@ -285,7 +285,7 @@ BAD_ENTRIES = {
     "huge integer": (valid_entry(tune_s=10**400), "tune_s"),
     "time as a string": (valid_entry(time_ms="0.015"), "time_ms"),
     "null time": (valid_entry(time_ms=None), "time_ms"),
-    "bad problem key": (valid_entry(problem="v1/linear/bfloat16/0x1x1/bias=0"), "problem"),
+    "bad problem key": (valid_entry(problem="v2/linear/bfloat16/0x1x1/bias=0/act=none"), "problem"),
     "problem not a str": (valid_entry(problem=42), "problem"),
     "empty device": (valid_entry(device=""), "device"),
     "device with a newline": (valid_entry(device="gpu\nrm -rf /"), "device"),

@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from gemmtune import activation as activations
 from gemmtune.device import current
 from gemmtune.dispatch import DISPATCHER
-from gemmtune.problem import Problem
+from gemmtune.problem import ACTIVATIONS, Problem
 from gemmtune.results import Trial, TuneResult
 from gemmtune.store import Store
 from gemmtune.tuner import TuneOptions, tune_problem
@@ -64,11 +65,17 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.matmul(a, b)
     m, k = a.shape
     n = b.shape[1]
-    return _run("nn", a, b, None, m, n, k)
+    return _run("nn", a, b, None, m, n, k, "none")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``: x (..., K), weight (N, K), bias (N,) or None."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           activation: str | None = None) -> torch.Tensor:
+    """``act(F.linear(x, weight, bias))``: x (..., K), weight (N, K), bias (N,) or None;
+    ``activation`` one of relu, gelu, gelu_tanh, silu, fused into the kernel's epilogue."""
+    act = "none" if activation is None else activation
+    if act not in ACTIVATIONS:
+        raise ValueError(f"linear: activation={activation!r} is not supported; accepted: None, "
+                         + ", ".join(ACTIVATIONS[1:]))
     _require_tensor("x", x)
     _require_tensor("weight", weight)
     if weight.dim() != 2:
@@ -83,20 +90,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             raise ValueError(f"linear: bias must have shape ({n},), got {tuple(bias.shape)}")
         _require_same("bias", bias, x)
     if _falls_back(x, weight, bias):
-        return F.linear(x, weight, bias)
+        return activations.apply(F.linear(x, weight, bias), act, inplace=False)
     x2 = x.reshape(-1, k)
-    out = _run("linear", x2, weight, bias, x2.shape[0], n, k)
+    out = _run("linear", x2, weight, bias, x2.shape[0], n, k, act)
     return out.reshape(*x.shape[:-1], n)
 
 
-def _run(layout: str, a, b, bias, m: int, n: int, k: int) -> torch.Tensor:
+def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str) -> torch.Tensor:
     tf32 = a.dtype is torch.float32 and torch.get_float32_matmul_precision() != "highest"
-    key = (layout, m, n, k, a.dtype, bias is not None, tf32, a.device.index)
+    key = (layout, m, n, k, a.dtype, bias is not None, tf32, act, a.device.index)
     kernel = DISPATCHER.kernels.get(key)
     if kernel is None:  # the slow path: store, then tuning; never while a CUDA graph is captured
         if torch.cuda.is_current_stream_capturing():
-            return F.linear(a, b, bias) if layout == "linear" else _torch_mm(a, b, bias)
-        kernel = DISPATCHER.kernel(key, lambda: Problem(m, n, k, _DTYPE_NAMES[a.dtype], layout, bias is not None, tf32))
+            out = F.linear(a, b, bias) if layout == "linear" else _torch_mm(a, b, bias)
+            return activations.apply(out, act)
+        kernel = DISPATCHER.kernel(
+            key, lambda: Problem(m, n, k, _DTYPE_NAMES[a.dtype], layout, bias is not None, tf32, act))
     return kernel(a, b, bias)
 
 

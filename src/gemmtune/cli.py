@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from gemmtune import settings
+from gemmtune.problem import ACTIVATIONS
 
 # The interpreter runs a 64^3 GEMM in about a second per candidate; far larger is hours.
 INTERPRETER_MAX_MACS = 1 << 21
@@ -52,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="dtype for --shape (default bfloat16)")
     tune.add_argument("--layout", default="linear", choices=("linear", "nn"), help="linear: x @ w.T as nn.Linear; nn: a @ b (default linear)")
     tune.add_argument("--bias", action="store_true", help="add a bias vector (fused where the kernel can)")
+    tune.add_argument("--activation", default="none", choices=ACTIVATIONS,
+                      help="element-wise activation after the bias, fused into Triton kernels (default none)")
     tune.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
                       help="allow TF32 for float32 (default: torch's float32 matmul precision)")
     tune.add_argument("--retune", action="store_true", help="tune again even where the store has an answer")
@@ -65,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     listing = cache_sub.add_parser("list", help="every stored choice")
     listing.add_argument("--device", help="only this device fingerprint")
     show = cache_sub.add_parser("show", help="one problem's choice and every trial behind it")
-    show.add_argument("problem", help="a problem key, e.g. v1/linear/bfloat16/1x6144x4096/bias=0")
+    show.add_argument("problem", help="a problem key, e.g. v2/linear/bfloat16/1x6144x4096/bias=0/act=none")
     show.add_argument("--device", help="device fingerprint (default: this machine's)")
     export = cache_sub.add_parser("export", help="write the choices to a JSON file")
     export.add_argument("path", type=Path)
@@ -111,7 +114,7 @@ def _tune(args, console: Console) -> int:
 
     device = current()
     tf32 = args.tf32 if args.tf32 is not None else torch.get_float32_matmul_precision() != "highest"
-    named = [shapes.NamedProblem(text, "", Problem(*parse_shape(text), args.dtype, args.layout, args.bias, tf32))
+    named = [shapes.NamedProblem(text, "", Problem(*parse_shape(text), args.dtype, args.layout, args.bias, tf32, args.activation))
              for text in args.shape]
     if args.shapes:
         named += shapes.load(args.shapes, tf32=tf32)

@@ -7,11 +7,14 @@ from dataclasses import dataclass
 
 LAYOUTS = ("linear", "nn")
 DTYPES = ("float16", "bfloat16", "float32")
-KEY_VERSION = "v1"
+# Applied to every output element after the bias, in float32, before the cast to the output dtype.
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+KEY_VERSION = "v2"
 
 _KEY_RE = re.compile(
-    r"^v1/(?P<layout>linear|nn)/(?P<dtype>float16|bfloat16|float32)(?P<tf32>\+tf32)?"
-    r"/(?P<m>[1-9]\d*)x(?P<n>[1-9]\d*)x(?P<k>[1-9]\d*)/bias=(?P<bias>[01])$"
+    r"^v2/(?P<layout>linear|nn)/(?P<dtype>float16|bfloat16|float32)(?P<tf32>\+tf32)?"
+    r"/(?P<m>[1-9]\d*)x(?P<n>[1-9]\d*)x(?P<k>[1-9]\d*)/bias=(?P<bias>[01])"
+    r"/act=(?P<act>none|relu|gelu|gelu_tanh|silu)$"
 )
 
 
@@ -21,7 +24,7 @@ class Problem:
 
     ``layout="linear"`` is ``x @ w.T`` with ``x`` (M, K) and ``w`` (N, K), as ``nn.Linear``;
     ``layout="nn"`` is ``a @ b`` with ``a`` (M, K) and ``b`` (K, N). ``bias`` adds a vector of
-    N values to every row. ``tf32`` says float32 inputs may use TF32 matrix units; it is part
+    N values to every row; ``activation`` is then applied element-wise. ``tf32`` says float32 inputs may use TF32 matrix units; it is part
     of the key because it changes both the speed and the numbers.
     """
 
@@ -32,6 +35,7 @@ class Problem:
     layout: str = "linear"
     bias: bool = False
     tf32: bool = False
+    activation: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("m", "n", "k"):
@@ -42,6 +46,8 @@ class Problem:
             raise ValueError(f"Problem.dtype {self.dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"Problem.layout {self.layout!r} is not a layout; accepted: {', '.join(LAYOUTS)}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"Problem.activation {self.activation!r} is not supported; accepted: {', '.join(ACTIVATIONS)}")
         if self.tf32 and self.dtype != "float32":
             object.__setattr__(self, "tf32", False)
 
@@ -50,7 +56,7 @@ class Problem:
         precision = "+tf32" if self.tf32 else ""
         return (
             f"{KEY_VERSION}/{self.layout}/{self.dtype}{precision}"
-            f"/{self.m}x{self.n}x{self.k}/bias={int(self.bias)}"
+            f"/{self.m}x{self.n}x{self.k}/bias={int(self.bias)}/act={self.activation}"
         )
 
     @classmethod
@@ -61,6 +67,7 @@ class Problem:
         return cls(
             m=int(match["m"]), n=int(match["n"]), k=int(match["k"]), dtype=match["dtype"],
             layout=match["layout"], bias=match["bias"] == "1", tf32=match["tf32"] is not None,
+            activation=match["act"],
         )
 
     @property
@@ -77,7 +84,7 @@ class Problem:
         return self.element_size * (self.m * self.k + self.k * self.n + self.m * self.n)
 
     def describe(self) -> str:
-        extra = "+bias" if self.bias else ""
+        extra = ("+bias" if self.bias else "") + ("" if self.activation == "none" else f"+{self.activation}")
         precision = "+tf32" if self.tf32 else ""
         return f"{self.m}x{self.n}x{self.k} {self.dtype}{precision} {self.layout}{extra}"
 

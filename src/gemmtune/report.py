@@ -15,6 +15,7 @@ def result_dict(result: TuneResult, name: str | None = None) -> dict:
     return {
         "name": name or problem.describe(), "m": problem.m, "n": problem.n, "k": problem.k,
         "dtype": problem.dtype, "tf32": problem.tf32, "layout": problem.layout, "bias": problem.bias,
+        "activation": problem.activation,
         "backend": result.backend, "config": result.config, "choice": result.label(),
         "time_ms": result.time_ms, "cublas_ms": result.cublas_ms, "speedup": result.speedup,
         "rel_err": result.rel_err, "tune_s": result.tune_s, "from_store": result.from_store,
@@ -35,6 +36,7 @@ def results_table(results: Sequence[TuneResult], names: Sequence[str] | None = N
         tune_s = "stored" if result.from_store else f"{result.tune_s:.1f}"
         dtype = problem.dtype + ("+tf32" if problem.tf32 else "")
         layout = problem.layout + ("+bias" if problem.bias else "")
+        layout += "" if problem.activation == "none" else f"+{problem.activation}"
         cublas = f"{result.cublas_ms:.4f}" if result.cublas_ms else "-"
         verified = f"{sum(t.ok for t in result.trials)}/{len(result.trials)}" if result.trials else "-"
         table.add_row(name, dtype, layout, result.label(), f"{result.time_ms:.4f}", cublas, speedup, tune_s, verified)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gemmtune import activation
 from gemmtune.problem import Problem
 
 # ||out - ref|| / ||ref|| allowed per precision. Rounding the output alone costs about 2e-3 in
@@ -50,7 +51,8 @@ def make_inputs(problem: Problem, device: str, *, seed: int | None = None) -> In
 def reference(problem: Problem, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     b64 = b.double().t() if problem.layout == "linear" else b.double()
     out = a.double() @ b64
-    return out if bias is None else out + bias.double()
+    out = out if bias is None else out + bias.double()
+    return activation.apply(out, problem.activation)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

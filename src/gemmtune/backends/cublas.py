@@ -1,5 +1,6 @@
-"""cuBLAS through torch's own ``F.linear`` / ``mm`` / ``addmm``: the reference every
-candidate must beat. On a machine without a GPU the same calls run torch's CPU kernels."""
+"""cuBLAS through torch's own ``F.linear`` / ``mm`` / ``addmm`` (bias fused by cuBLAS), then
+torch's activation: what eager PyTorch runs, and the reference every candidate must beat. On a
+machine without a GPU the same calls run torch's CPU kernels."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gemmtune import activation
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -47,7 +49,16 @@ class CublasBackend:
         return CublasConfig()
 
     def build(self, problem: Problem, config: CublasConfig, device: Device):
-        return _linear if problem.layout == "linear" else _mm
+        gemm = _linear if problem.layout == "linear" else _mm
+        if problem.activation == "none":
+            return gemm
+        name = problem.activation
+
+        def gemm_then_activation(a, b, bias, out=None):
+            result = activation.apply(gemm(a, b, bias), name)
+            return result if out is None else out.copy_(result)
+
+        return gemm_then_activation
 
 
 BACKEND = CublasBackend()

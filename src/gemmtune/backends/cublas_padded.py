@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gemmtune import activation
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -69,6 +70,7 @@ class PaddedKernel:
         self._m, self._n = problem.m, problem.n
         self._kp = padded_size(problem.k, step, config.align)
         self._np = padded_size(problem.n, step, config.align)
+        self._activation = problem.activation
 
     def __call__(self, a, b, bias, out=None):
         m, n, kp, np_ = self._m, self._n, self._kp, self._np
@@ -79,6 +81,7 @@ class PaddedKernel:
         else:
             b_p = copy_padded(b, kp, np_)
             full = torch.mm(a_p, b_p) if bias_p is None else torch.addmm(bias_p, a_p, b_p)
+        full = activation.apply(full, self._activation)  # element-wise: the padded columns don't matter
         if np_ == n:
             return full if out is None else out.copy_(full)
         return copy_padded(full, m, n, out)

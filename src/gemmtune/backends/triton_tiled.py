@@ -115,7 +115,7 @@ class TiledKernel:
         self._linear = problem.layout == "linear"
         self._config = config
         self._constexprs = dict(
-            EVEN_K=problem.k % config.block_k == 0,
+            ACTIVATION=problem.activation, EVEN_K=problem.k % config.block_k == 0,
             PRECISION="tf32" if problem.tf32 else "ieee",
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,

@@ -1,4 +1,4 @@
-"""A tiled GEMM for any M, N, K >= 1: C = A @ B (+ bias), fp32 accumulation.
+"""A tiled GEMM for any M, N, K >= 1: C = act(A @ B + bias), fp32 accumulation.
 
 A is (M, K) and B is (K, N), each given by its strides, so nn.Linear's ``x @ w.T`` is the same
 kernel with B's strides swapped. Edges are masked, so sizes like 4095 need no padding. Tiles
@@ -8,13 +8,15 @@ are visited in groups of GROUP_M rows so that neighbouring programs share B tile
 import triton
 import triton.language as tl
 
+from gemmtune.kernels.epilogue import activate
+
 
 @triton.jit
 def tiled_matmul(
     a_ptr, b_ptr, c_ptr, bias_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -51,5 +53,6 @@ def tiled_matmul(
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    acc = activate(acc, ACTIVATION)
     c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))

@@ -1,5 +1,6 @@
 """Shape sets: the public benchmark shapes shipped with the package, and the loader for files
-of the same format (``{"shapes": [{"name", "m", "n", "k", "dtype", "layout", "group"}]}``)."""
+of the same format (``{"shapes": [{"name", "m", "n", "k", "dtype", "layout", "group"}]}``, with optional
+``bias`` and ``activation``)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def load(path: str | Path | None = None, *, tf32: bool = True) -> list[NamedProb
     for i, entry in enumerate(entries):
         try:
             problem = Problem(entry["m"], entry["n"], entry["k"], entry.get("dtype", "bfloat16"),
-                              entry.get("layout", "linear"), bool(entry.get("bias", False)), tf32)
+                              entry.get("layout", "linear"), bool(entry.get("bias", False)), tf32,
+                              entry.get("activation", "none"))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source}: shape #{i} ({entry!r}) is invalid: {exc}") from None
         out.append(NamedProblem(entry.get("name", problem.describe()), entry.get("group", ""), problem))
@@ -46,6 +48,6 @@ def load(path: str | Path | None = None, *, tf32: bool = True) -> list[NamedProb
 INTERPRETER_DEMO = (
     NamedProblem("demo.square", "small", Problem(64, 64, 64, "float16", "nn")),
     NamedProblem("demo.decode", "decode", Problem(1, 96, 128, "float16", "linear")),
-    NamedProblem("demo.odd", "misaligned", Problem(33, 47, 65, "float32", "linear", bias=True)),
+    NamedProblem("demo.odd", "misaligned", Problem(33, 47, 65, "float32", "linear", bias=True, activation="gelu")),
     NamedProblem("demo.thin", "small", Problem(7, 40, 100, "float32", "nn")),
 )
