@@ -5,7 +5,7 @@ import torch
 
 from gemmtune import verify
 from gemmtune.backends import get
-from gemmtune.backends.cublas_padded import PaddedConfig, misaligned, padded_size
+from gemmtune.backends.cublas_padded import PaddedConfig, padded_size
 from gemmtune.device import current
 from gemmtune.problem import Problem
 
@@ -29,7 +29,7 @@ def test_offered_only_for_misaligned_problems():
     backend = get("cublas_padded")
     assert backend.candidates(Problem(4096, 4096, 4096), current()) == []
     assert backend.candidates(Problem(4095, 4097, 4095), current()) == [PaddedConfig(8), PaddedConfig(64)]
-    assert misaligned(Problem(8, 8, 4100)) and not misaligned(Problem(8, 8, 4100, "float32"))
+    assert not Problem(8, 8, 4100).rows_aligned and Problem(8, 8, 4100, "float32").rows_aligned
 
 
 def test_padded_sizes():

@@ -79,6 +79,13 @@ class Problem:
         return 4 if self.dtype == "float32" else 2
 
     @property
+    def rows_aligned(self) -> bool:
+        """Every operand's and the output's rows are whole multiples of 16 bytes (K and N are),
+        as cuBLAS's fast path and TMA descriptors need."""
+        step = 16 // self.element_size
+        return self.k % step == 0 and self.n % step == 0
+
+    @property
     def min_bytes(self) -> int:
         """Bytes a perfect kernel moves: each operand read once, the output written once."""
         return self.element_size * (self.m * self.k + self.k * self.n + self.m * self.n)

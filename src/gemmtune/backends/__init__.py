@@ -9,6 +9,8 @@ from gemmtune.backends.base import Backend
 _MODULES = {
     "cublas": "gemmtune.backends.cublas",
     "cublas_padded": "gemmtune.backends.cublas_padded",
+    "triton_persistent": "gemmtune.backends.triton_persistent",
+    "triton_splitk": "gemmtune.backends.triton_splitk",
     "triton_tiled": "gemmtune.backends.triton_tiled",
 }
 REFERENCE = "cublas"  # the backend every choice must beat beyond noise

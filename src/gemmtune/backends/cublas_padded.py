@@ -37,12 +37,6 @@ class PaddedConfig:
         return {"align": self.align}
 
 
-def misaligned(problem: Problem) -> bool:
-    """True when a row of an operand or of the output is not a whole number of 16 bytes."""
-    step = 16 // problem.element_size
-    return problem.k % step != 0 or problem.n % step != 0
-
-
 def padded_size(size: int, step: int, align: int) -> int:
     """``size`` if already aligned to ``step``, else rounded up to a multiple of ``align``."""
     return size if size % step == 0 else -(-size // align) * align
@@ -98,7 +92,7 @@ class CublasPaddedBackend:
         return True
 
     def candidates(self, problem: Problem, device: Device) -> list[PaddedConfig]:
-        return [PaddedConfig(align) for align in ALIGNS] if misaligned(problem) else []
+        return [] if problem.rows_aligned else [PaddedConfig(align) for align in ALIGNS]
 
     def parse_config(self, data: Mapping) -> PaddedConfig:
         if not isinstance(data, Mapping) or set(data) != {"align"}:

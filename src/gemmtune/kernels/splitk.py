@@ -1,0 +1,102 @@
+"""A split-K GEMM for decode and other small-M shapes: C = act(A @ B + bias), fp32 accumulation.
+
+With M <= 64 a GEMM is a stream over the weights: tiles along N alone leave most SMs idle, so
+K is split too. Program (pid_n, pid_k, pid_m) covers output tile (pid_m, pid_n) over one slice
+of K. A is (M, K); B is (K, N) given by its strides, so nn.Linear's ``x @ w.T`` (w (N, K),
+K-contiguous) is the same kernel with B's strides swapped and the weights are read along K.
+
+The partial sums are reduced inside the same launch: every program writes its fp32 partial to
+a workspace and bumps a per-tile counter; the program that arrives last sums the partials in
+a fixed order (so the result is deterministic), applies the epilogue and stores the output.
+"""
+
+import triton
+import triton.language as tl
+
+from gemmtune.kernels.epilogue import activate
+
+
+@triton.jit
+def _store_output(acc, rm, rn, c_ptr, bias_ptr, M, N, stride_cm, stride_cn,
+                  HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+    """The fused epilogue on a finished fp32 tile: bias, activation, one cast, masked store."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    acc = activate(acc, ACTIVATION)
+    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def splitk_matmul(
+    a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, counter_ptr,
+    M, N, K, k_per_split,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``k_per_split`` is a multiple of BLOCK_K with SPLIT_K * k_per_split >= K; EVEN_K says
+    every slice lies wholly inside K, so no load along K needs a mask."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split
+    # Rows and columns past the edge wrap to valid ones instead of being masked, so the loads
+    # stay unmasked along M and N; the store drops what they produce.
+    rm_safe = rm % M
+    rn_safe = rn % N
+    a_ptrs = a_ptr + rm_safe[:, None] * stride_am + (k_start + rk)[None, :] * stride_ak
+    if USE_DOT:  # B as (BLOCK_K, BLOCK_N) for tl.dot
+        b_ptrs = b_ptr + (k_start + rk)[:, None] * stride_bk + rn_safe[None, :] * stride_bn
+    else:  # B as (BLOCK_N, BLOCK_K): each weight row is read along K, its contiguous dimension
+        b_ptrs = b_ptr + rn_safe[:, None] * stride_bn + (k_start + rk)[None, :] * stride_bk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, k_per_split, BLOCK_K, num_stages=STAGES):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k_start - k0  # <= 0 in a slice past K: everything masked
+            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+            if USE_DOT:
+                b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
+            else:
+                b = tl.load(b_ptrs, mask=rk[None, :] < k_left, other=0.0)
+        if USE_DOT:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        else:
+            # Tiny M: tensor cores would waste most of each 16-row instruction; multiply-add in
+            # fp32 on the CUDA cores and reduce over K instead.
+            prod = a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :]
+            acc += tl.sum(prod, axis=2)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if SPLIT_K == 1:
+        _store_output(acc, rm, rn, c_ptr, bias_ptr, M, N, stride_cm, stride_cn, HAS_BIAS, ACTIVATION)
+    else:
+        # Workspace [SPLIT_K, M, N] fp32, contiguous.
+        tile_mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tile_offs = rm[:, None] * N + rn[None, :]
+        tl.store(ws_ptr + pid_k * M * N + tile_offs, acc, mask=tile_mask)
+        # Every thread's partial is written before the one thread doing the atomic releases it.
+        tl.debug_barrier()
+        tile_id = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(counter_ptr + tile_id, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:  # the last of this tile's programs: all partials are written
+            tl.debug_barrier()
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # fixed order: the sum does not depend on who was last
+                # .cg reads L2, never an L1 line that could predate another SM's write
+                total += tl.load(ws_ptr + s * M * N + tile_offs, mask=tile_mask, other=0.0,
+                                 cache_modifier=".cg")
+            _store_output(total, rm, rn, c_ptr, bias_ptr, M, N, stride_cm, stride_cn, HAS_BIAS, ACTIVATION)
+            # Leave the counter at zero for the next launch: no memset launch before each call,
+            # and a CUDA graph that replays this kernel finds its counters zeroed every time.
+            tl.atomic_xchg(counter_ptr + tile_id, 0)

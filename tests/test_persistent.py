@@ -1,0 +1,65 @@
+"""The persistent TMA kernel against a float64 reference: under the interpreter without a GPU,
+on Hopper with one. Aligned rows only (the backend's contract); any M, N, K otherwise."""
+
+import pytest
+import torch
+
+from gemmtune import verify
+from gemmtune.backends.triton_persistent import BACKEND, PersistentConfig, space
+from gemmtune.device import Device, current
+from gemmtune.problem import Problem
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
+H100 = Device("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, 50 << 20)
+A100 = Device("NVIDIA A100", (8, 0), 108, 166912, 40 << 20)
+pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not ON_HOPPER, reason="TMA descriptors need Hopper")
+
+SMALL = [PersistentConfig(16, 16, 16, 8, 1, 1), PersistentConfig(32, 16, 32, 2, 1, 1)]
+CONFIGS = SMALL if DEVICE == "cpu" else [PersistentConfig(128, 128, 64, 8, 8, 3),
+                                         PersistentConfig(128, 256, 64, 8, 8, 3, True)]
+
+
+@pytest.mark.parametrize("layout", ["linear", "nn"])
+@pytest.mark.parametrize("m,n,k", [(1, 8, 8), (33, 40, 72), (7, 16, 200), (70, 24, 40)])
+@pytest.mark.parametrize("bias, act", [(False, "none"), (True, "gelu_tanh")])
+def test_matches_reference(m, n, k, layout, bias, act):
+    problem = Problem(m, n, k, "float16", layout, bias, activation=act)
+    inputs = verify.make_inputs(problem, DEVICE)
+    for config in CONFIGS:
+        err = verify.check(BACKEND.build(problem, config, current()), problem, inputs)
+        assert err <= verify.tolerance(problem), (config, err)
+
+
+def test_strided_views_are_copied_not_misread():
+    problem = Problem(24, 16, 32, "float32", "nn")
+    a = torch.randn(32, 48, device=DEVICE)[:, :24].t()  # (24, 32), column-major view
+    b = torch.randn(32, 16, device=DEVICE)
+    kernel = BACKEND.build(problem, CONFIGS[0], current())
+    assert verify.rel_err(kernel(a, b, None), a.double() @ b.double()) < 1e-5
+
+
+def test_space_is_hopper_only_and_fits():
+    problem = Problem(8192, 8192, 8192)
+    configs = space(problem, H100)
+    assert configs and all(c.smem_bytes(2) <= H100.smem_per_block for c in configs)
+    assert any(c.warp_specialize for c in configs) and any(not c.warp_specialize for c in configs)
+    assert space(problem, A100) == [] and space(Problem(16, 4096, 4096), H100) == []
+    assert BACKEND.candidates(Problem(4095, 4097, 4095), H100) == []  # misaligned rows: padded path
+
+
+@pytest.mark.parametrize("data", [
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3,
+     "WARP_SPECIALIZE": 1},
+    {"BLOCK_M": 100, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3,
+     "WARP_SPECIALIZE": False},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+])
+def test_untrusted_configs_are_rejected(data):
+    with pytest.raises(ValueError):
+        BACKEND.parse_config(data)
+
+
+def test_config_round_trips():
+    config = PersistentConfig(128, 256, 64, 8, 8, 4, True)
+    assert BACKEND.parse_config(config.as_dict()) == config

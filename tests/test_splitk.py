@@ -1,0 +1,236 @@
+"""The split-K decode kernel against a float64 reference, its in-launch reduction, its config and
+its search space. Kernels run under the interpreter without a GPU (programs one after another,
+so the last program of every tile takes the reduction path) and on the GPU when there is one."""
+
+import pytest
+import torch
+
+from gemmtune import verify
+from gemmtune.backends import get
+from gemmtune.backends.triton_splitk import BACKEND, SplitKConfig, space
+from gemmtune.device import Device, current
+from gemmtune.problem import Problem
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = ["float32", "float16"] + (["bfloat16"] if DEVICE == "cuda" else [])  # bf16 dots are wrong in the interpreter
+SIZES = [(1, 1, 1), (1, 33, 4095), (7, 33, 65), (16, 100, 300), (33, 7, 129), (64, 48, 40)]
+
+H100 = Device("H100", (9, 0), 132, 232448, 50 << 20)
+T4 = Device("Tesla T4", (7, 5), 40, 65536, 4 << 20)
+TINY = Device("tiny", (8, 0), 2, 16384, 1 << 20)
+INTERPRETER = Device("CPU (Triton interpreter)", (0, 0), 2, 101376, 4 << 20, interpreter=True)
+
+
+def _pow2(x):
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def fma(m, split_k, block_n=32, block_k=64):
+    """The FMA form with the BLOCK_M the space would pick (several row-blocks past M=16)."""
+    return SplitKConfig(min(16, _pow2(m)), block_n, block_k, split_k, False, 1, 1)
+
+
+def dot(m, split_k, block_n=32, block_k=64):
+    return SplitKConfig(max(16, min(64, _pow2(m))), block_n, block_k, split_k, True, 1, 1)
+
+
+def check(problem, config, inputs=None):
+    inputs = inputs or verify.make_inputs(problem, DEVICE)
+    err = verify.check(BACKEND.build(problem, config, current()), problem, inputs)  # NaN-poisoned out
+    assert err <= verify.tolerance(problem), (problem.describe(), config.key(), err)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["linear", "nn"])
+@pytest.mark.parametrize("m,n,k", SIZES)
+def test_split_k_matches_reference(m, n, k, layout, dtype):
+    # SPLIT_K=4 at K=1 leaves three slices empty: they must still report to the counter
+    problem = Problem(m, n, k, dtype, layout, bias=(m + n) % 2 == 0)
+    inputs = verify.make_inputs(problem, DEVICE)
+    for config in (fma(m, 4), dot(m, 2, block_k=128)):
+        check(problem, config, inputs)
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+@pytest.mark.parametrize("m,n,k", SIZES)
+def test_single_split_matches_reference(m, n, k, use_dot):
+    layout = "nn" if (m + k) % 2 else "linear"
+    problem = Problem(m, n, k, "float32", layout, bias=True)
+    check(problem, (dot if use_dot else fma)(m, 1, block_k=128))
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_fused_activations_match_reference(act, use_dot):
+    problem = Problem(7, 33, 65, "float32", "linear", bias=True, activation=act)
+    check(problem, (dot if use_dot else fma)(7, 2))
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_a_kernel_called_again_finds_its_counters_reset(use_dot):
+    problem = Problem(5, 40, 200, "float16", "linear", bias=True)
+    config = (dot if use_dot else fma)(5, 4, block_n=16)
+    kernel = BACKEND.build(problem, config, current())
+    for seed in (1, 2, 3):  # fresh inputs every call; a counter left at SPLIT_K would leave NaNs
+        inputs = verify.make_inputs(problem, DEVICE, seed=seed)
+        assert verify.check(kernel, problem, inputs) <= verify.tolerance(problem), seed
+        (workspace, counters), = kernel._scratch.values()
+        assert counters.numel() == 3 and not counters.any()
+    assert len(kernel._scratch) == 1  # one workspace, reused
+
+
+def test_split_k_sum_is_deterministic():
+    problem = Problem(3, 50, 1000, "float32", "linear")
+    inputs = verify.make_inputs(problem, DEVICE, seed=7)
+    kernel = BACKEND.build(problem, fma(3, 8, block_k=128), current())
+    first = kernel(inputs.a, inputs.b, None).clone()
+    assert torch.equal(first, kernel(inputs.a, inputs.b, None))
+
+
+def test_strided_and_transposed_views():
+    problem = Problem(6, 24, 72, "float32", "nn")
+    a = torch.randn(72, 10, device=DEVICE)[:, :6].t()  # (6, 72) transposed view, non-contiguous
+    b = torch.randn(24, 144, device=DEVICE)[:, ::2].t()  # (72, 24) strided
+    ref = a.double() @ b.double()
+    for config in (fma(6, 2, block_n=16, block_k=32), dot(6, 2, block_n=16, block_k=32)):
+        assert verify.rel_err(BACKEND.build(problem, config, current())(a, b, None), ref) < 1e-5
+
+
+def test_tf32_precision_is_requested_only_when_allowed():
+    ieee = BACKEND.build(Problem(8, 8, 8, "float32", tf32=False), dot(8, 1), current())
+    tf32 = BACKEND.build(Problem(8, 8, 8, "float32", tf32=True), dot(8, 1), current())
+    assert ieee._constexprs["PRECISION"] == "ieee" and tf32._constexprs["PRECISION"] == "tf32"
+
+
+# --- config -------------------------------------------------------------------------------
+
+GOOD = {"BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "USE_DOT": False, "num_warps": 4,
+        "num_stages": 3}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"BLOCK_M": 32}, r"BLOCK_M=32 is out of bounds with USE_DOT=False; accepted: \(1, 2, 4, 8, 16\)"),
+    ({"BLOCK_M": 8, "USE_DOT": True}, r"BLOCK_M=8 is out of bounds with USE_DOT=True; accepted: \(16, 32, 64\)"),
+    ({"BLOCK_N": 512}, "BLOCK_N=512"),
+    ({"BLOCK_K": 16}, "BLOCK_K=16"),
+    ({"SPLIT_K": 3}, r"SPLIT_K=3 is out of bounds; accepted: \(1, 2, 4, 8, 16, 32\)"),
+    ({"SPLIT_K": True}, "SPLIT_K=True"),
+    ({"USE_DOT": 1}, r"USE_DOT=1 is out of bounds; accepted: \(False, True\)"),
+    ({"num_warps": 16}, "num_warps=16"),
+    ({"num_stages": 0}, "num_stages=0"),
+    ({"num_stages": 2.0}, "num_stages=2.0"),
+])
+def test_untrusted_configs_are_rejected(change, message):
+    with pytest.raises(ValueError, match=message):
+        get("triton_splitk").parse_config({**GOOD, **change})
+
+
+@pytest.mark.parametrize("data", [
+    {k: v for k, v in GOOD.items() if k != "SPLIT_K"}, {**GOOD, "GROUP_M": 8}, [1, 2, 3], None,
+])
+def test_configs_need_exactly_the_keys(data):
+    with pytest.raises(ValueError, match="exactly the keys"):
+        get("triton_splitk").parse_config(data)
+
+
+def test_config_dict_round_trips():
+    c = get("triton_splitk").parse_config(GOOD)
+    assert c == SplitKConfig(1, 64, 256, 4, False, 4, 3) and c.as_dict() == GOOD
+    assert c.key() == "BLOCK_M=1,BLOCK_N=64,BLOCK_K=256,SPLIT_K=4,USE_DOT=False,num_warps=4,num_stages=3"
+
+
+# --- space --------------------------------------------------------------------------------
+
+DEVICES = [H100, T4, TINY, INTERPRETER]
+DECODE = [Problem(1, 6144, 4096), Problem(16, 4096, 14336), Problem(32, 128256, 4096),
+          Problem(5, 33, 7, "float32", "nn"), Problem(1, 1, 1), Problem(64, 4096, 4096, "float16")]
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=lambda d: d.name)
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 16, 17, 33, 64])
+def test_space_is_never_empty_for_small_m(device, m):
+    for problem in (Problem(m, 4096, 4096), Problem(m, 7, 13, "float32", "nn")):
+        assert space(problem, device) and BACKEND.candidates(problem, device)
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=lambda d: d.name)
+def test_no_candidates_past_m_64(device):
+    assert space(Problem(65, 4096, 4096), device) == []
+    assert BACKEND.candidates(Problem(4096, 4096, 4096), device) == []
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=lambda d: d.name)
+@pytest.mark.parametrize("problem", DECODE, ids=lambda p: p.describe())
+def test_every_config_fits_the_device_and_the_problem(device, problem):
+    configs = space(problem, device)
+    assert configs and len(set(configs)) == len(configs)
+    for c in configs:
+        assert c.smem_bytes(problem.element_size) <= device.smem_per_block, c
+        assert c.block_m >= problem.m, c  # one row-block covers M
+        assert c.block_m <= max(16, _pow2(problem.m)), c
+        assert c.block_k <= max(32, _pow2(problem.k)) and c.block_n <= max(16, _pow2(problem.n)), c
+        assert c.split_k == 1 or problem.k >= c.split_k * c.block_k, c
+        assert get("triton_splitk").parse_config(c.as_dict()) == c
+    programs = [c.programs(problem) for c in configs]
+    assert min(programs) >= device.sm_count or min(programs) == max(programs)
+
+
+def test_decode_space_on_an_h100_fills_the_sms_with_both_forms():
+    problem = Problem(1, 6144, 4096)
+    configs = space(problem, H100)
+    assert 15 <= len(configs) <= 30
+    assert all(c.programs(problem) >= H100.sm_count for c in configs)
+    assert {c.use_dot for c in configs} == {False, True}
+    assert any(c.split_k > 1 for c in configs)  # 6144 / 64 = 96 tiles: a split is needed to fill 132 SMs
+
+
+def test_splits_that_would_move_more_partials_than_weights_are_dropped():
+    for c in space(Problem(64, 4096, 4096), H100):
+        assert 8 * c.split_k * 64 <= 0.25 * 2 * 4096
+
+
+def test_the_interpreter_gets_a_tiny_space():
+    for problem in DECODE:
+        configs = space(problem, INTERPRETER)
+        assert 1 <= len(configs) <= 4 and all(c.num_stages == 1 for c in configs)
+    assert 2 <= len(space(Problem(1, 6144, 4096), INTERPRETER)) <= 4
+
+
+def test_registered():
+    assert get("triton_splitk") is BACKEND
+
+
+# --- GPU ----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (16, 4096, 14336)])
+def test_decode_candidates_match_reference_on_gpu(m, n, k):
+    problem = Problem(m, n, k, "bfloat16", "linear")
+    device = current()
+    for config in space(problem, device):
+        kernel = BACKEND.build(problem, config, device)
+        for seed in (1, 2):  # twice: the second call proves the counters were left at zero
+            inputs = verify.make_inputs(problem, "cuda", seed=seed)
+            err = verify.check(kernel, problem, inputs)
+            assert err <= verify.tolerance(problem), (config.key(), seed, err)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_reduce_correctly():
+    problem = Problem(1, 6144, 4096, "bfloat16", "linear", bias=True)
+    config = SplitKConfig(1, 64, 256, 4, False, 4, 3)
+    kernel = BACKEND.build(problem, config, current())
+    inputs = verify.make_inputs(problem, "cuda", seed=1)
+    a, b, bias = inputs.a.clone(), inputs.b.clone(), inputs.bias.clone()
+    out = torch.empty(1, 6144, dtype=torch.bfloat16, device="cuda")
+    kernel(a, b, bias, out=out)  # workspace and counters exist before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel(a, b, bias, out=out)
+    for seed in (2, 3, 4):
+        fresh = verify.make_inputs(problem, "cuda", seed=seed)
+        a.copy_(fresh.a), b.copy_(fresh.b), bias.copy_(fresh.bias)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert verify.rel_err(out, fresh.reference) <= verify.tolerance(problem), seed
