@@ -22,14 +22,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     _configure_logging(args.verbose)
-    console = Console(stderr=False)
+    console = _console()
     from gemmtune.store import StoreError
 
     try:
         return args.run(args, console)
     except (ValueError, TypeError, OSError, StoreError) as exc:
-        Console(stderr=True).print(f"[red]gemmtune {args.command}: {exc}[/red]")
+        _console(stderr=True).print(f"[red]gemmtune {args.command}: {exc}[/red]")
         return 2
+
+
+def _console(stderr: bool = False) -> Console:
+    """A terminal's own width; piped (make, CI, a log file) wide enough that tables stay whole."""
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, width=None if stream.isatty() else 160)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -121,7 +127,7 @@ def _tune(args, console: Console) -> int:
     if not named:
         named = list(shapes.INTERPRETER_DEMO) if device.interpreter else shapes.load(tf32=tf32)
     if device.interpreter:
-        Console(stderr=True).print("[yellow]No CUDA GPU: running gemmtune's pipeline through Triton's interpreter on the CPU. "
+        _console(stderr=True).print("[yellow]No CUDA GPU: running gemmtune's pipeline through Triton's interpreter on the CPU. "
                       "Its timings are NOT GPU timings; they only show the pipeline works.[/yellow]")
         too_big = [n.name for n in named if n.problem.m * n.problem.n * n.problem.k > INTERPRETER_MAX_MACS]
         if too_big:
@@ -138,7 +144,7 @@ def _tune(args, console: Console) -> int:
 def _tune_with_progress(api, named, args, console: Console):
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+    with Progress(*columns, console=_console(stderr=True), transient=True) as progress:
         shapes_task = progress.add_task(f"tuning {named[0].name}", total=len(named))
         trials_task = progress.add_task("candidates", total=None)
 
