@@ -3,6 +3,7 @@ that knows which backends exist."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
@@ -42,3 +43,8 @@ class Backend(Protocol):
         ...
 
     def build(self, problem: "Problem", config: Config, device: "Device") -> Kernel: ...
+
+
+def triton_importable() -> bool:
+    """Whether the Triton backends can run at all (checked without importing triton)."""
+    return importlib.util.find_spec("triton") is not None

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from gemmtune import activation
+from gemmtune.backends.base import triton_importable
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -85,11 +86,7 @@ class CublasPaddedBackend:
     name = "cublas_padded"
 
     def is_available(self, device: Device) -> bool:
-        try:
-            import triton  # noqa: F401  (the copies are a Triton kernel)
-        except ImportError:
-            return False
-        return True
+        return triton_importable()  # the copies are a Triton kernel
 
     def candidates(self, problem: Problem, device: Device) -> list[PaddedConfig]:
         return [] if problem.rows_aligned else [PaddedConfig(align) for align in ALIGNS]

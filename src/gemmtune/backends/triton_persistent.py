@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gemmtune.backends.base import triton_importable
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -135,11 +136,7 @@ class TritonPersistentBackend:
     name = "triton_persistent"
 
     def is_available(self, device: Device) -> bool:
-        try:
-            from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-        except ImportError:
-            return False
-        return device.interpreter or device.is_hopper
+        return triton_importable() and (device.interpreter or device.is_hopper)
 
     def candidates(self, problem: Problem, device: Device) -> list[PersistentConfig]:
         return space(problem, device) if problem.rows_aligned else []

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gemmtune.backends.base import triton_importable
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -217,11 +218,7 @@ class TritonSplitKBackend:
     name = "triton_splitk"
 
     def is_available(self, device: Device) -> bool:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return False
-        return device.interpreter or device.capability >= (7, 0)
+        return triton_importable() and (device.interpreter or device.capability >= (7, 0))
 
     def supports(self, problem: Problem) -> bool:
         return problem.m <= MAX_M and problem.k * problem.n <= MAX_ELEMENTS

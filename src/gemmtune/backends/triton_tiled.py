@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gemmtune.backends.base import triton_importable
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -140,11 +141,7 @@ class TritonTiledBackend:
     name = "triton_tiled"
 
     def is_available(self, device: Device) -> bool:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return False
-        return device.interpreter or device.capability >= (7, 0)
+        return triton_importable() and (device.interpreter or device.capability >= (7, 0))
 
     def supports(self, problem: Problem) -> bool:
         return max(problem.m * problem.k, problem.k * problem.n, problem.m * problem.n) <= MAX_ELEMENTS
