@@ -75,3 +75,11 @@ def test_import_of_a_bad_file_is_refused(capsys, tmp_path):
 def test_doctor_runs(capsys):
     code, out, _ = run(capsys, "doctor", "--json")
     assert code == 0 and json.loads(out)
+
+
+def test_budget_flag(capsys):
+    from gemmtune.cli import parse_budget
+
+    assert parse_budget("8").trials == 8 and parse_budget("2.5s").seconds == 2.5 and parse_budget(None).trials is None
+    code, _, err = run(capsys, "tune", "--shape", "7x8x9", "--budget", "lots")
+    assert code == 2 and "--budget 'lots'" in err

@@ -3,7 +3,7 @@ noise-aware selection rule on synthetic timings."""
 
 import pytest
 
-from gemmtune import backends
+from gemmtune import backends, search
 from gemmtune.device import current
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing
@@ -94,3 +94,20 @@ def test_a_candidate_that_raises_becomes_a_failed_trial(monkeypatch):
 def test_unknown_backend_in_options():
     with pytest.raises(ValueError, match="unknown backend"):
         tune_problem(Problem(8, 8, 8, "float32"), current(), options=TuneOptions(backends=("cutlass",)))
+
+
+def test_strategy_is_validated():
+    with pytest.raises(ValueError, match="accepted: exhaustive, topk, random, descent"):
+        TuneOptions(strategy="bayes")
+
+
+def test_a_trial_budget_caps_each_modelled_backend():
+
+    problem = Problem(16, 32, 64, "float32", "nn")
+    result = tune_problem(problem, current(), options=TuneOptions(strategy="topk", budget=search.Budget(trials=1), seed=4))
+    per_backend = {}
+    for t in result.trials:
+        per_backend[t.backend] = per_backend.get(t.backend, 0) + 1
+    modelled = [name for name in per_backend if name.startswith("triton_")]
+    assert modelled and all(per_backend[name] == 1 for name in modelled)
+    assert per_backend["cublas"] == 1

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from gemmtune import settings
 from gemmtune.problem import ACTIVATIONS
+from gemmtune.search import STRATEGIES, Budget
 
 # The interpreter runs a 64^3 GEMM in about a second per candidate; far larger is hours.
 INTERPRETER_MAX_MACS = 1 << 21
@@ -64,6 +65,11 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
                       help="allow TF32 for float32 (default: torch's float32 matmul precision)")
     tune.add_argument("--retune", action="store_true", help="tune again even where the store has an answer")
+    tune.add_argument("--strategy", default="topk", choices=STRATEGIES,
+                      help="how each backend's configs are searched: topk measures the cost model's best "
+                           "(default), exhaustive all of them, random a sample, descent walks neighbours")
+    tune.add_argument("--budget", default=None, metavar="N|Ts",
+                      help="per backend: N candidates, or T seconds with an s suffix (e.g. 8, 2.5s)")
     tune.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
     tune.add_argument("--cache", type=Path, help="store file or directory")
     tune.set_defaults(run=_tune)
@@ -142,6 +148,8 @@ def _tune(args, console: Console) -> int:
 
 
 def _tune_with_progress(api, named, args, console: Console):
+    from gemmtune.tuner import TuneOptions
+
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=_console(stderr=True), transient=True) as progress:
@@ -155,8 +163,21 @@ def _tune_with_progress(api, named, args, console: Console):
                 progress.update(shapes_task, description=f"tuning {named[done].name}")
             progress.reset(trials_task)
 
-        return api.tune([n.problem for n in named], store=args.cache, retune=args.retune,
+        options = TuneOptions(strategy=args.strategy, budget=parse_budget(args.budget))
+        return api.tune([n.problem for n in named], store=args.cache, retune=args.retune, options=options,
                         on_result=on_result, on_trial=lambda trial: progress.advance(trials_task))
+
+
+def parse_budget(text: str | None) -> Budget:
+    """``--budget``: "8" is eight candidates per backend, "2.5s" two and a half seconds."""
+    if text is None:
+        return Budget()
+    try:
+        if text.endswith("s"):
+            return Budget(seconds=float(text[:-1]))
+        return Budget(trials=int(text))
+    except ValueError as exc:
+        raise ValueError(f"--budget {text!r}: expected a count (8) or seconds (2.5s); {exc}") from None
 
 
 def _cache(args, console: Console) -> int:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from gemmtune import backends, bench, verify
+from gemmtune import backends, bench, search, verify
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing, Trial, TuneResult
@@ -26,11 +26,18 @@ MIN_ROUNDS_FINAL = 20
 
 @dataclass(frozen=True)
 class TuneOptions:
-    finalists: int = 4  # candidates re-measured beside cuBLAS after the screening round
-    screen_budget_ms: float = 150.0
+    strategy: str = "topk"  # how each backend's space is searched (gemmtune.search.STRATEGIES)
+    budget: search.Budget = search.Budget()  # per backend whose configs the cost model ranks
+    finalists: int = 4  # candidates re-measured beside cuBLAS after screening
+    screen_budget_ms: float = 40.0  # each candidate's own screening measurement
     final_budget_ms: float = 500.0
     backends: tuple[str, ...] | None = None  # None: every registered backend
     seed: int | None = None  # inputs' seed; None draws fresh random inputs
+
+    def __post_init__(self) -> None:
+        if self.strategy not in search.STRATEGIES:
+            raise ValueError(f"TuneOptions.strategy {self.strategy!r} is not a strategy; accepted: "
+                             f"{', '.join(search.STRATEGIES)}")
 
 
 @dataclass
@@ -39,6 +46,7 @@ class _Candidate:
     config: dict
     kernel: Callable
     rel_err: float
+    screen: Timing | None = None
 
     @property
     def label(self) -> str:
@@ -52,29 +60,34 @@ def tune_problem(problem: Problem, device: Device, *, options: TuneOptions = Tun
     inputs = verify.make_inputs(problem, "cpu" if device.interpreter else "cuda", seed=options.seed)
     failed: list[Trial] = []
     ready: list[_Candidate] = []
-    for backend_name, config in _candidate_configs(problem, device, options.backends):
+
+    def evaluate(backend_name: str, config) -> float | None:
         outcome = _build_and_verify(backend_name, config, problem, device, inputs)
         if isinstance(outcome, Trial):
             failed.append(outcome)
             _report(outcome, on_trial)
-        else:
-            ready.append(outcome)
+            return None
+        timing = bench.measure({outcome.label: _bound(outcome.kernel, inputs)}, device,
+                               budget_ms=options.screen_budget_ms, min_rounds=3)
+        outcome.screen = timing[outcome.label]
+        ready.append(outcome)
+        _report(_ok_trial(outcome, outcome.screen), on_trial)
+        return outcome.screen.median
+
+    for name in options.backends or backends.names():
+        _search_backend(name, problem, device, options, evaluate)
     reference = next((c for c in ready if c.backend == backends.REFERENCE), None)
     if reference is None:
         raise RuntimeError(f"the reference backend failed on {problem.describe()}: {failed[:1]}")
 
     run = {c.label: _bound(c.kernel, inputs) for c in ready}
-    screen = bench.measure(run, device, budget_ms=options.screen_budget_ms, min_rounds=3)
-    others = sorted((c for c in ready if c is not reference), key=lambda c: screen[c.label].median)
+    others = sorted((c for c in ready if c is not reference), key=lambda c: c.screen.median)
     finalists = [reference] + others[: options.finalists]
     final = bench.measure({c.label: run[c.label] for c in finalists}, device,
                           budget_ms=options.final_budget_ms, min_rounds=MIN_ROUNDS_FINAL)
     costs = {c.label: _cost(final[c.label], run[c.label], device) for c in finalists}
-
-    trials = [_ok_trial(c, final.get(c.label) or screen[c.label]) for c in ready] + failed
-    for trial in trials[: len(ready)]:
-        _report(trial, on_trial)
     chosen = select(reference, finalists, final, costs)
+    trials = [_ok_trial(c, final.get(c.label) or c.screen) for c in ready] + failed
     return TuneResult(
         problem_key=problem.key(), device=device.fingerprint(), backend=chosen.backend,
         config=chosen.config, time_ms=costs[chosen.label], cublas_ms=costs[reference.label],
@@ -82,6 +95,24 @@ def tune_problem(problem: Problem, device: Device, *, options: TuneOptions = Tun
         gpu_timings=not device.interpreter,
     )
 
+
+def _search_backend(name: str, problem: Problem, device: Device, options: TuneOptions, evaluate) -> None:
+    """Measure the configs of one backend that its cost model and the strategy pick. Backends
+    without a cost model (cuBLAS, the padded path: a config or two) are measured whole."""
+    backend = backends.get(name)
+    if not backend.is_available(device):
+        return
+    configs = backend.candidates(problem, device)
+    if not configs:
+        return
+    if backend.predict_ms(problem, device, configs[0]) is None:
+        for config in configs:
+            evaluate(name, config)
+        return
+    search.run(options.strategy, configs, lambda config: evaluate(name, config), options.budget,
+               predict=lambda config: backend.predict_ms(problem, device, config),
+               neighbours=search.neighbours_by_fields(configs, lambda config: config.as_dict()),
+               seed=options.seed or 0)
 
 
 def select(reference: _Candidate, finalists: list[_Candidate], timings: dict[str, Timing],
@@ -94,14 +125,6 @@ def select(reference: _Candidate, finalists: list[_Candidate], timings: dict[str
     if costs[best.label] < costs[reference.label] * (1.0 - max(MIN_GAIN, noise)):
         return best
     return reference
-
-
-def _candidate_configs(problem: Problem, device: Device, names: Iterable[str] | None):
-    for name in names or backends.names():
-        backend = backends.get(name)
-        if backend.is_available(device):
-            for config in backend.candidates(problem, device):
-                yield name, config
 
 
 def _build_and_verify(backend_name: str, config, problem: Problem, device: Device, inputs):

@@ -38,6 +38,11 @@ class Backend(Protocol):
         """The configs worth trying for this problem on this device, already pruned."""
         ...
 
+    def predict_ms(self, problem: "Problem", device: "Device", config: Config) -> float | None:
+        """The cost model's guess of this config's time, to rank configs before compiling; None
+        for a backend whose few configs are always measured."""
+        ...
+
     def parse_config(self, data: Mapping) -> Config:
         """A config from untrusted data (the store, an import): raises ValueError unless valid."""
         ...

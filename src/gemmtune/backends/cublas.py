@@ -43,6 +43,9 @@ class CublasBackend:
     def candidates(self, problem: Problem, device: Device) -> list[CublasConfig]:
         return [CublasConfig()]
 
+    def predict_ms(self, problem: Problem, device: Device, config) -> float | None:
+        return None
+
     def parse_config(self, data: Mapping) -> CublasConfig:
         if not isinstance(data, Mapping) or data:
             raise ValueError(f"cublas takes no config parameters, got {data!r}")

@@ -91,6 +91,9 @@ class CublasPaddedBackend:
     def candidates(self, problem: Problem, device: Device) -> list[PaddedConfig]:
         return [] if problem.rows_aligned else [PaddedConfig(align) for align in ALIGNS]
 
+    def predict_ms(self, problem: Problem, device: Device, config) -> float | None:
+        return None
+
     def parse_config(self, data: Mapping) -> PaddedConfig:
         if not isinstance(data, Mapping) or set(data) != {"align"}:
             raise ValueError(f"cublas_padded config needs exactly the key 'align', got {data!r}")

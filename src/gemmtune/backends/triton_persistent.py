@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gemmtune import costmodel
 from gemmtune.backends.base import triton_importable
 from gemmtune.device import Device
 from gemmtune.problem import Problem
@@ -140,6 +141,10 @@ class TritonPersistentBackend:
 
     def candidates(self, problem: Problem, device: Device) -> list[PersistentConfig]:
         return space(problem, device) if problem.rows_aligned else []
+
+    def predict_ms(self, problem: Problem, device: Device, config) -> float | None:
+        return costmodel.tile_gemm_ms(problem, device, config.block_m, config.block_n, config.block_k,
+                                      config.num_stages)
 
     def parse_config(self, data: Mapping) -> PersistentConfig:
         if not isinstance(data, Mapping) or set(data) != set(_FIELDS):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gemmtune import costmodel
 from gemmtune.backends.base import triton_importable
 from gemmtune.device import Device
 from gemmtune.problem import Problem
@@ -225,6 +226,9 @@ class TritonSplitKBackend:
 
     def candidates(self, problem: Problem, device: Device) -> list[SplitKConfig]:
         return space(problem, device) if self.supports(problem) else []
+
+    def predict_ms(self, problem: Problem, device: Device, config) -> float | None:
+        return costmodel.splitk_ms(problem, device, config.block_m, config.block_n, config.split_k)
 
     def parse_config(self, data: Mapping) -> SplitKConfig:
         if not isinstance(data, Mapping) or set(data) != set(_FIELDS):

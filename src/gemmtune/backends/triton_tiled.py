@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gemmtune import costmodel
 from gemmtune.backends.base import triton_importable
 from gemmtune.device import Device
 from gemmtune.problem import Problem
@@ -148,6 +149,10 @@ class TritonTiledBackend:
 
     def candidates(self, problem: Problem, device: Device) -> list[TiledConfig]:
         return space(problem, device) if self.supports(problem) else []
+
+    def predict_ms(self, problem: Problem, device: Device, config) -> float | None:
+        return costmodel.tile_gemm_ms(problem, device, config.block_m, config.block_n, config.block_k,
+                                      config.num_stages)
 
     def parse_config(self, data: Mapping) -> TiledConfig:
         if not isinstance(data, Mapping) or set(data) != set(_FIELDS):

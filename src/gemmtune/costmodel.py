@@ -1,0 +1,74 @@
+"""A cost model that ranks configs before anything is compiled.
+
+It only has to order the candidates of one problem on one device well enough that the measured
+best sits among the first few (``search`` then measures just those). So it is a roofline with
+the effects that separate configs: wave quantization (a partly filled last wave costs a whole
+one), the arithmetic intensity of a tile (small tiles reread operands from L2 and run matrix
+units below rate), the bytes a split-K grid streams and how many SMs it keeps loading, and the
+lost vector loads of rows that are not 16-byte aligned. Absolute times are rough by design.
+"""
+
+from __future__ import annotations
+
+from gemmtune.device import Device
+from gemmtune.problem import Problem
+
+# Dense 16-bit matrix flops per SM per clock, by compute capability major (Hopper's wgmma,
+# Ampere's mma.sync, older tensor cores); CUDA-core fp32 is 256 (128 FMA).
+MATRIX_FLOPS_PER_SM_CLOCK = {9: 4096, 8: 2048, 7: 1024}
+FP32_FLOPS_PER_SM_CLOCK = 256
+CLOCK_HZ = 1.7e9
+# DRAM bytes/s by compute capability major: a rough default; only the compute/memory balance
+# of one problem depends on it, not the order of tile shapes.
+DRAM_BYTES_PER_S = {9: 3.5e12, 8: 1.8e12}
+L2_OVER_DRAM = 2.5
+LAUNCH_MS = 0.003
+REFERENCE_INTENSITY = 128 * 256 / (128 + 256)  # a 128x256 tile's flops per byte loaded, relative
+MISALIGNED_PENALTY = 2.0  # measured: tiled on 4095x4097x4095 ran 2.1x below cuBLAS (NOTES step 1)
+
+
+def matrix_flops(problem: Problem, device: Device) -> float:
+    major = device.capability[0]
+    per_clock = MATRIX_FLOPS_PER_SM_CLOCK.get(major, 512)
+    if problem.dtype == "float32":
+        per_clock = per_clock // 2 if problem.tf32 else FP32_FLOPS_PER_SM_CLOCK
+    return per_clock * device.sm_count * CLOCK_HZ
+
+
+def dram_bytes_per_s(device: Device) -> float:
+    return DRAM_BYTES_PER_S.get(device.capability[0], 0.8e12)
+
+
+def tile_gemm_ms(problem: Problem, device: Device, block_m: int, block_n: int, block_k: int,
+                 num_stages: int) -> float:
+    """A tiled or persistent GEMM's predicted time in ms: each SM works through its share of
+    the output tiles (a last, partly filled wave costs a whole one)."""
+    tiles_m, tiles_n = -(-problem.m // block_m), -(-problem.n // block_n)
+    waves = -(-(tiles_m * tiles_n) // device.sm_count)
+    intensity = block_m * block_n / (block_m + block_n)
+    efficiency = min(1.0, intensity / REFERENCE_INTENSITY) ** 0.5
+    if num_stages < 3:
+        efficiency *= 0.7  # too shallow a pipeline to hide load latency
+    k_padded = -(-problem.k // block_k) * block_k
+    per_sm_flops = matrix_flops(problem, device) / device.sm_count
+    compute_s = waves * 2 * block_m * block_n * k_padded / (per_sm_flops * efficiency)
+    es = problem.element_size
+    reread = (problem.m * problem.k * tiles_n + problem.n * problem.k * tiles_m) * es
+    memory_s = reread / (dram_bytes_per_s(device) * L2_OVER_DRAM) + problem.min_bytes / dram_bytes_per_s(device)
+    total = max(compute_s, memory_s) * 1e3
+    if not problem.rows_aligned:
+        total *= MISALIGNED_PENALTY
+    return total + LAUNCH_MS
+
+
+def splitk_ms(problem: Problem, device: Device, block_m: int, block_n: int, split_k: int) -> float:
+    """A split-K decode GEMM: the weights streamed once, at a rate set by how many SMs load."""
+    es = problem.element_size
+    programs = -(-problem.n // block_n) * split_k * -(-problem.m // block_m)
+    fill = min(1.0, programs / (2 * device.sm_count))  # two programs per SM keep loads in flight
+    weights = problem.n * problem.k * es
+    workspace = 8 * split_k * problem.m * problem.n if split_k > 1 else 0
+    activations = problem.m * problem.k * es * -(-problem.n // block_n)
+    memory_s = (weights + workspace) / (dram_bytes_per_s(device) * fill) + activations / (
+        dram_bytes_per_s(device) * L2_OVER_DRAM)
+    return memory_s * 1e3 + LAUNCH_MS

@@ -1,0 +1,67 @@
+"""Which configs of a space to measure, within a budget of trials and seconds.
+
+The tuner passes ``evaluate`` (one measurement, None when the candidate fails) and reads back
+what was measured. This package imports neither torch, triton nor numpy, so every strategy is
+tested with a fake evaluate and a fake clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from gemmtune.search import descent, orders
+from gemmtune.search.budget import Budget, C, Session
+from gemmtune.search.neighbours import neighbours_by_fields
+
+__all__ = ["Budget", "STRATEGIES", "DEFAULT_TOPK", "run", "neighbours_by_fields"]
+
+STRATEGIES = ("exhaustive", "topk", "random", "descent")
+DEFAULT_TOPK = 8
+_RANDOM_TRIALS = 16  # random's default when no budget is given: a sample, not the whole space
+
+
+def run(strategy: str, space: Sequence[C], evaluate: Callable[[C], float | None],
+        budget: Budget = Budget(), *,
+        predict: Callable[[C], float] | None = None,
+        neighbours: Callable[[C], Sequence[C]] | None = None,
+        seed: int = 0, clock: Callable[[], float] = time.monotonic) -> dict[C, float | None]:
+    """Evaluate configs of ``space`` (hashable items) as the strategy chooses, within the budget.
+
+    evaluate returns the measured time (lower is better) or None for a failed candidate.
+    ``predict`` ranks configs for topk (required) and picks descent's start; ``neighbours``
+    is required by descent; ``seed`` fixes random's order. The seconds budget is checked with
+    ``clock`` before each evaluation. Returns {config: measured or None} for every config
+    evaluated, in evaluation order (dict order). Never evaluates a config twice.
+    """
+    _check(strategy, predict, neighbours)
+    unique = list(dict.fromkeys(space))  # a repeated config would otherwise cost a second trial
+    session = Session(evaluate, _trial_cap(strategy, budget, len(unique)), budget.seconds, clock)
+    if strategy == "exhaustive":
+        session.walk(orders.exhaustive(unique))
+    elif strategy == "topk":
+        session.walk(orders.topk(unique, predict, budget.trials or DEFAULT_TOPK))
+    elif strategy == "random":
+        session.walk(orders.random_order(unique, seed))
+    else:
+        descent.search(unique, session, neighbours, predict)
+    return session.results
+
+
+def _check(strategy: str, predict: object, neighbours: object) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
+    if strategy == "topk" and predict is None:
+        raise ValueError("predict is required by strategy 'topk' (it ranks the configs)")
+    if strategy == "descent" and neighbours is None:
+        raise ValueError("neighbours is required by strategy 'descent' (see neighbours_by_fields)")
+
+
+def _trial_cap(strategy: str, budget: Budget, size: int) -> int | None:
+    if budget.trials is not None:
+        return budget.trials
+    if strategy == "topk":
+        return DEFAULT_TOPK
+    if strategy == "random" and budget.seconds is None:
+        return min(size, _RANDOM_TRIALS)
+    return None

@@ -1,0 +1,52 @@
+"""The cost model against results recorded on an H200 (tests/data): replayed, no GPU needed."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gemmtune import costmodel
+from gemmtune.backends import get
+from gemmtune.device import Device
+from gemmtune.problem import Problem
+
+RECORDED = json.loads((Path(__file__).parent / "data" / "h200-tiled-trials.json").read_text())
+H200 = Device(RECORDED["device"]["name"], tuple(RECORDED["device"]["capability"]), RECORDED["device"]["sm_count"],
+              RECORDED["device"]["smem_per_block"], RECORDED["device"]["l2_bytes"])
+
+
+def ranked(key):
+    problem = Problem.from_key(key)
+    backend = get("triton_tiled")
+    trials = RECORDED["problems"][key]
+    return sorted(trials, key=lambda t: backend.predict_ms(problem, H200, backend.parse_config(t["config"])))
+
+
+@pytest.mark.parametrize("key", sorted(RECORDED["problems"]))
+def test_the_top_8_predictions_hold_the_measured_best(key):
+    best = min(t["median_ms"] for t in RECORDED["problems"][key])
+    assert min(t["median_ms"] for t in ranked(key)[:8]) == best
+
+
+def test_wave_quantization_and_tile_intensity_order_configs():
+    problem = Problem(4096, 4096, 4096)
+    big = costmodel.tile_gemm_ms(problem, H200, 128, 256, 64, 3)
+    small = costmodel.tile_gemm_ms(problem, H200, 32, 32, 64, 3)
+    assert big < small
+    # 132 SMs: 132 tiles take one wave, 133 tiles take two (IEEE fp32: compute-bound for sure)
+    one_wave = costmodel.tile_gemm_ms(Problem(128 * 132, 128, 4096, "float32"), H200, 128, 128, 64, 3)
+    two_waves = costmodel.tile_gemm_ms(Problem(128 * 133, 128, 4096, "float32"), H200, 128, 128, 64, 3)
+    assert two_waves > 1.5 * one_wave
+
+
+def test_splitk_fills_the_gpu_before_it_splits_more():
+    problem = Problem(1, 6144, 4096)
+    unsplit = costmodel.splitk_ms(problem, H200, 1, 64, 1)  # 96 programs on 132 SMs
+    split = costmodel.splitk_ms(problem, H200, 1, 64, 4)
+    assert split < unsplit
+
+
+def test_backends_without_a_model_say_so():
+    problem = Problem(4095, 4097, 4095)
+    assert get("cublas").predict_ms(problem, H200, get("cublas").parse_config({})) is None
+    assert get("cublas_padded").predict_ms(problem, H200, get("cublas_padded").parse_config({"align": 8})) is None
