@@ -23,31 +23,43 @@ from gemmtune.problem import ACTIVATIONS, Problem
 from gemmtune.results import Trial, TuneResult
 from gemmtune.store import Store
 from gemmtune.tuner import TuneOptions, tune_problem
+from gemmtune.worker import IsolatedRunner
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 def tune(problems: Problem | Iterable[Problem], *, store: Store | str | Path | None = None,
-         options: TuneOptions | None = None, retune: bool = False,
+         options: TuneOptions | None = None, retune: bool = False, isolate: bool = False,
          on_result: Callable[[TuneResult], None] | None = None,
          on_trial: Callable[[Trial], None] | None = None) -> list[TuneResult]:
     """Tune each problem on the current device (the CPU interpreter without a GPU) and store
-    the choice. A problem already in the store is returned from it unless ``retune``."""
+    the choice. A problem already in the store is returned from it unless ``retune``.
+
+    ``isolate`` runs the candidates in a worker process (``gemmtune.worker``): a candidate that
+    crashes or hangs becomes a failed trial instead of taking this process with it.
+    """
     problems = [problems] if isinstance(problems, Problem) else list(problems)
     for i, problem in enumerate(problems):
         if not isinstance(problem, Problem):
             raise TypeError(f"tune(problems=...): item {i} is a {type(problem).__name__}, expected gemmtune.Problem")
     store = store if isinstance(store, Store) else Store(store)
     device = current()
+    runner = IsolatedRunner(device, device_index=torch.cuda.current_device() if not device.interpreter else 0) \
+        if isolate else None
     results = []
-    for problem in problems:
-        result = None if retune else store.get(device.fingerprint(), problem.key())
-        if result is None:
-            result = tune_problem(problem, device, options=options or TuneOptions(), on_trial=on_trial)
-            store.put(result)
-        results.append(result)
-        if on_result is not None:
-            on_result(result)
+    try:
+        for problem in problems:
+            result = None if retune else store.get(device.fingerprint(), problem.key())
+            if result is None:
+                result = tune_problem(problem, device, options=options or TuneOptions(), on_trial=on_trial,
+                                      runner=runner)
+                store.put(result)
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
+    finally:
+        if runner is not None:
+            runner.close()
     DISPATCHER.forget()
     return results
 

@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
                            "(default), exhaustive all of them, random a sample, descent walks neighbours")
     tune.add_argument("--budget", default=None, metavar="N|Ts",
                       help="per backend: N candidates, or T seconds with an s suffix (e.g. 8, 2.5s)")
+    tune.add_argument("--in-process", action="store_true",
+                      help="run candidates in this process (default: a worker process, so a crashing or "
+                           "hanging candidate becomes a failed trial)")
     tune.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
     tune.add_argument("--cache", type=Path, help="store file or directory")
     tune.set_defaults(run=_tune)
@@ -165,7 +168,8 @@ def _tune_with_progress(api, named, args, console: Console):
 
         options = TuneOptions(strategy=args.strategy, budget=parse_budget(args.budget))
         return api.tune([n.problem for n in named], store=args.cache, retune=args.retune, options=options,
-                        on_result=on_result, on_trial=lambda trial: progress.advance(trials_task))
+                        isolate=not args.in_process, on_result=on_result,
+                        on_trial=lambda trial: progress.advance(trials_task))
 
 
 def parse_budget(text: str | None) -> Budget:

@@ -63,6 +63,18 @@ class Trial:
         inner = ",".join(f"{k}={v}" for k, v in self.config.items())
         return f"{self.backend}({inner})"
 
+    def to_dict(self) -> dict:
+        """Plain JSON types, for a worker process's reply."""
+        return {"backend": self.backend, "config": self.config, "status": self.status.value,
+                "samples": list(self.timing.samples) if self.timing else None, "rel_err": self.rel_err,
+                "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Trial":
+        samples = data["samples"]
+        return cls(data["backend"], dict(data["config"]), Status(data["status"]),
+                   Timing(tuple(samples)) if samples else None, data["rel_err"], data["reason"])
+
 
 @dataclass(frozen=True)
 class TuneResult:

@@ -1,4 +1,4 @@
-"""The tuning flow for one problem: candidates -> build -> verify -> measure -> select -> store.
+"""The tuning flow for one problem: candidates -> build -> verify -> measure -> select.
 
 Selection never makes a user slower: cuBLAS stays unless a candidate beats it by more than the
 noise measured in the same rounds (and by at least MIN_GAIN), judged on the time a user's call
@@ -7,20 +7,22 @@ really costs; for kernels of a few microseconds that includes the host's launch 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gemmtune import backends, bench, search, verify
+from gemmtune import backends, search
 from gemmtune.device import Device
 from gemmtune.problem import Problem
-from gemmtune.results import Status, Timing, Trial, TuneResult
+from gemmtune.results import Timing, Trial, TuneResult
+from gemmtune.runner import LocalRunner
 
 log = logging.getLogger("gemmtune.tuner")
 
 MIN_GAIN = 0.02  # a win smaller than this is not worth leaving cuBLAS for
-HOST_BOUND_MS = 0.1  # below this a call's cost is checked with a back-to-back loop too
 MIN_ROUNDS_FINAL = 20
 
 
@@ -40,60 +42,56 @@ class TuneOptions:
                              f"{', '.join(search.STRATEGIES)}")
 
 
-@dataclass
-class _Candidate:
-    backend: str
-    config: dict
-    kernel: Callable
-    rel_err: float
-    screen: Timing | None = None
-
-    @property
-    def label(self) -> str:
-        return Trial(self.backend, self.config, Status.OK).label()
-
-
 def tune_problem(problem: Problem, device: Device, *, options: TuneOptions = TuneOptions(),
-                 on_trial: Callable[[Trial], None] | None = None) -> TuneResult:
-    """Tune one problem on ``device`` and return the choice with every trial behind it."""
+                 on_trial: Callable[[Trial], None] | None = None, runner=None) -> TuneResult:
+    """Tune one problem on ``device`` and return the choice with every trial behind it.
+
+    ``runner`` runs the candidates: in this process by default, or a ``worker.IsolatedRunner``.
+    """
     started = time.perf_counter()
-    inputs = verify.make_inputs(problem, "cpu" if device.interpreter else "cuda", seed=options.seed)
-    failed: list[Trial] = []
-    ready: list[_Candidate] = []
+    runner = runner or LocalRunner(device)
+    seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(4), "little")
+    runner.start(problem, seed)
+    trials: list[Trial] = []
 
     def evaluate(backend_name: str, config) -> float | None:
-        outcome = _build_and_verify(backend_name, config, problem, device, inputs)
-        if isinstance(outcome, Trial):
-            failed.append(outcome)
-            _report(outcome, on_trial)
-            return None
-        timing = bench.measure({outcome.label: _bound(outcome.kernel, inputs)}, device,
-                               budget_ms=options.screen_budget_ms, min_rounds=3)
-        outcome.screen = timing[outcome.label]
-        ready.append(outcome)
-        _report(_ok_trial(outcome, outcome.screen), on_trial)
-        return outcome.screen.median
+        trial = runner.evaluate(backend_name, config.as_dict(), options.screen_budget_ms)
+        trials.append(trial)
+        _report(trial, on_trial)
+        return trial.median_ms if trial.ok else None
 
     for name in options.backends or backends.names():
         _search_backend(name, problem, device, options, evaluate)
-    reference = next((c for c in ready if c.backend == backends.REFERENCE), None)
+    ok = [t for t in trials if t.ok]
+    reference = next((t for t in ok if t.backend == backends.REFERENCE), None)
     if reference is None:
-        raise RuntimeError(f"the reference backend failed on {problem.describe()}: {failed[:1]}")
+        raise RuntimeError(f"the reference backend failed on {problem.describe()}: {trials[:1]}")
 
-    run = {c.label: _bound(c.kernel, inputs) for c in ready}
-    others = sorted((c for c in ready if c is not reference), key=lambda c: c.screen.median)
+    others = sorted((t for t in ok if t is not reference), key=lambda t: t.median_ms)
     finalists = [reference] + others[: options.finalists]
-    final = bench.measure({c.label: run[c.label] for c in finalists}, device,
-                          budget_ms=options.final_budget_ms, min_rounds=MIN_ROUNDS_FINAL)
-    costs = {c.label: _cost(final[c.label], run[c.label], device) for c in finalists}
-    chosen = select(reference, finalists, final, costs)
-    trials = [_ok_trial(c, final.get(c.label) or c.screen) for c in ready] + failed
+    final = runner.final([(t.backend, t.config) for t in finalists], options.final_budget_ms, MIN_ROUNDS_FINAL)
+    timings = {label: timing for label, (timing, _) in final.items()}
+    costs = {label: cost for label, (_, cost) in final.items()}
+    chosen = next(t for t in finalists if t.label() == select(reference.label(), timings, costs))
+    trials = [dataclasses.replace(t, timing=timings.get(t.label(), t.timing)) for t in trials]
     return TuneResult(
         problem_key=problem.key(), device=device.fingerprint(), backend=chosen.backend,
-        config=chosen.config, time_ms=costs[chosen.label], cublas_ms=costs[reference.label],
+        config=chosen.config, time_ms=costs[chosen.label()], cublas_ms=costs[reference.label()],
         tune_s=time.perf_counter() - started, rel_err=chosen.rel_err, trials=tuple(trials),
         gpu_timings=not device.interpreter,
     )
+
+
+def select(reference: str, timings: dict[str, Timing], costs: dict[str, float]) -> str:
+    """The label of the cheapest candidate if it beats the reference beyond the measured noise,
+    else the reference's."""
+    best = min(costs, key=costs.get)
+    if best == reference:
+        return reference
+    noise = timings[reference].spread + timings[best].spread
+    if costs[best] < costs[reference] * (1.0 - max(MIN_GAIN, noise)):
+        return best
+    return reference
 
 
 def _search_backend(name: str, problem: Problem, device: Device, options: TuneOptions, evaluate) -> None:
@@ -113,62 +111,6 @@ def _search_backend(name: str, problem: Problem, device: Device, options: TuneOp
                predict=lambda config: backend.predict_ms(problem, device, config),
                neighbours=search.neighbours_by_fields(configs, lambda config: config.as_dict()),
                seed=options.seed or 0)
-
-
-def select(reference: _Candidate, finalists: list[_Candidate], timings: dict[str, Timing],
-           costs: dict[str, float]) -> _Candidate:
-    """The fastest finalist if it beats the reference beyond the measured noise, else the reference."""
-    best = min(finalists, key=lambda c: costs[c.label])
-    if best is reference:
-        return reference
-    noise = timings[reference.label].spread + timings[best.label].spread
-    if costs[best.label] < costs[reference.label] * (1.0 - max(MIN_GAIN, noise)):
-        return best
-    return reference
-
-
-def _build_and_verify(backend_name: str, config, problem: Problem, device: Device, inputs):
-    config_dict = config.as_dict()
-    try:
-        kernel = backends.get(backend_name).build(problem, config, device)
-        err = verify.check(kernel, problem, inputs)
-    except Exception as exc:  # noqa: BLE001 - every failure becomes a typed Trial, never a crash
-        status, reason = _classify(exc)
-        return Trial(backend_name, config_dict, status, reason=reason)
-    if not err <= verify.tolerance(problem):
-        return Trial(backend_name, config_dict, Status.WRONG_RESULT, rel_err=err,
-                     reason=f"rel_err {err:.3g} > tolerance {verify.tolerance(problem):.3g}")
-    return _Candidate(backend_name, config_dict, kernel, err)
-
-
-def _classify(exc: Exception) -> tuple[Status, str]:
-    reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
-    try:
-        from triton.compiler.errors import CompilationError
-        from triton.runtime.errors import OutOfResources, PTXASError
-    except ImportError:
-        return Status.LAUNCH_ERROR, reason
-    if isinstance(exc, OutOfResources):
-        return Status.OUT_OF_RESOURCES, reason
-    if isinstance(exc, (CompilationError, PTXASError)):
-        return Status.COMPILE_ERROR, reason
-    return Status.LAUNCH_ERROR, reason
-
-
-def _bound(kernel: Callable, inputs: verify.Inputs) -> Callable[[], object]:
-    a, b, bias = inputs.a, inputs.b, inputs.bias
-    return lambda: kernel(a, b, bias)
-
-
-def _cost(timing: Timing, fn: Callable[[], object], device: Device) -> float:
-    """What a call costs: the kernel's median, or the back-to-back wall time if that is larger."""
-    if device.interpreter or timing.median >= HOST_BOUND_MS:
-        return timing.median
-    return max(timing.median, bench.host_loop_ms(fn, device))
-
-
-def _ok_trial(candidate: _Candidate, timing: Timing) -> Trial:
-    return Trial(candidate.backend, candidate.config, Status.OK, timing=timing, rel_err=candidate.rel_err)
 
 
 def _report(trial: Trial, on_trial: Callable[[Trial], None] | None) -> None:

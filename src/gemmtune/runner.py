@@ -1,0 +1,96 @@
+"""Where candidates run: build, verify and time the candidates of one problem in this process.
+
+The tuner talks to a runner only through ``start``, ``evaluate`` and ``final`` with plain data
+(backend names, config dicts, Trials), so the same flow runs here or, through
+``gemmtune.worker``, in a child process that a crashing candidate cannot take down with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from gemmtune import backends, bench, verify
+from gemmtune.device import Device
+from gemmtune.problem import Problem
+from gemmtune.results import Status, Timing, Trial
+
+log = logging.getLogger("gemmtune.runner")
+
+HOST_BOUND_MS = 0.1  # below this a call's cost is checked with a back-to-back loop too
+
+
+class LocalRunner:
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self._problem: Problem | None = None
+        self._inputs: verify.Inputs | None = None
+        self._ready: dict[str, tuple[Callable, float]] = {}  # label -> (kernel, rel_err)
+
+    def start(self, problem: Problem, seed: int) -> None:
+        """Fresh random inputs and their float64 reference for ``problem``."""
+        self._problem = problem
+        self._inputs = verify.make_inputs(problem, "cpu" if self.device.interpreter else "cuda", seed=seed)
+        self._ready = {}
+
+    def evaluate(self, backend_name: str, config: dict, screen_budget_ms: float) -> Trial:
+        """Build, verify and screen one candidate; a failure is a Trial with its typed reason."""
+        trial = self._build_and_verify(backend_name, config)
+        if not trial.ok:
+            return trial
+        label = trial.label()
+        timing = bench.measure({label: self._bound(label)}, self.device, budget_ms=screen_budget_ms, min_rounds=3)
+        return Trial(backend_name, trial.config, Status.OK, timing=timing[label], rel_err=trial.rel_err)
+
+    def final(self, candidates: list[tuple[str, dict]], budget_ms: float, min_rounds: int) -> dict[str, tuple[Timing, float]]:
+        """The finalists timed side by side: label -> (timing, cost of a user's call)."""
+        labels = []
+        for backend_name, config in candidates:
+            label = Trial(backend_name, config, Status.OK).label()
+            if label in self._ready or self._build_and_verify(backend_name, config).ok:
+                labels.append(label)
+        timings = bench.measure({label: self._bound(label) for label in labels}, self.device,
+                                budget_ms=budget_ms, min_rounds=min_rounds)
+        return {label: (timing, self._cost(label, timing)) for label, timing in timings.items()}
+
+    def _build_and_verify(self, backend_name: str, config: dict) -> Trial:
+        problem, inputs = self._problem, self._inputs
+        try:
+            backend = backends.get(backend_name)
+            parsed = backend.parse_config(config)
+            kernel = backend.build(problem, parsed, self.device)
+            err = verify.check(kernel, problem, inputs)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a typed Trial, never a crash
+            status, reason = classify(exc)
+            return Trial(backend_name, config, status, reason=reason)
+        if not err <= verify.tolerance(problem):
+            return Trial(backend_name, config, Status.WRONG_RESULT, rel_err=err,
+                         reason=f"rel_err {err:.3g} > tolerance {verify.tolerance(problem):.3g}")
+        trial = Trial(backend_name, parsed.as_dict(), Status.OK, rel_err=err)
+        self._ready[trial.label()] = (kernel, err)
+        return trial
+
+    def _bound(self, label: str) -> Callable[[], object]:
+        kernel = self._ready[label][0]
+        a, b, bias = self._inputs.a, self._inputs.b, self._inputs.bias
+        return lambda: kernel(a, b, bias)
+
+    def _cost(self, label: str, timing: Timing) -> float:
+        """What a call costs: the kernel's median, or the back-to-back wall time if that is larger."""
+        if self.device.interpreter or timing.median >= HOST_BOUND_MS:
+            return timing.median
+        return max(timing.median, bench.host_loop_ms(self._bound(label), self.device))
+
+
+def classify(exc: Exception) -> tuple[Status, str]:
+    reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
+    try:
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources, PTXASError
+    except ImportError:
+        return Status.LAUNCH_ERROR, reason
+    if isinstance(exc, OutOfResources):
+        return Status.OUT_OF_RESOURCES, reason
+    if isinstance(exc, (CompilationError, PTXASError)):
+        return Status.COMPILE_ERROR, reason
+    return Status.LAUNCH_ERROR, reason

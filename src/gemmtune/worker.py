@@ -1,0 +1,182 @@
+"""Candidates in a child process: a crash (an illegal memory access, a segfault), a hang or an
+out-of-memory in one candidate becomes a failed Trial with its reason, the child is restarted
+and tuning goes on; the user's process never runs a candidate.
+
+Parent and child speak JSON over a pipe (plain data both ways: backend names, config dicts,
+Trials as dicts), one request at a time. A CUDA error poisons a context for good, so after a
+failed launch the child checks its context and, if it is broken, answers and then asks to be
+replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+
+from gemmtune.device import Device
+from gemmtune.problem import Problem
+from gemmtune.results import Status, Timing, Trial
+
+log = logging.getLogger("gemmtune.worker")
+
+BOOT_TIMEOUT_S = 180.0  # a fresh child imports torch and triton and creates a CUDA context
+
+
+class WorkerFailed(Exception):
+    def __init__(self, status: Status, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+class IsolatedRunner:
+    """The runner interface of ``runner.LocalRunner``, served by a child process."""
+
+    def __init__(self, device: Device, *, timeout_s: float = 300.0, device_index: int = 0,
+                 runner_factory=None) -> None:
+        self.device = device
+        self.timeout_s = timeout_s
+        self._index = device_index
+        self._factory = runner_factory  # tests inject faulty runners; None: runner.LocalRunner
+        self._process = None
+        self._conn = None
+        self._session: dict | None = None
+        self.restarts = 0
+
+    def start(self, problem: Problem, seed: int) -> None:
+        self._session = {"op": "start", "problem": problem.key(), "seed": seed}
+        self._call(self._session)
+
+    def evaluate(self, backend_name: str, config: dict, screen_budget_ms: float) -> Trial:
+        request = {"op": "evaluate", "backend": backend_name, "config": config, "screen_budget_ms": screen_budget_ms}
+        try:
+            return Trial.from_dict(self._call(request)["trial"])
+        except WorkerFailed as failure:
+            log.warning("gemmtune: %s %s; restarting the worker", Trial(backend_name, config, failure.status).label(),
+                        failure.reason)
+            self._restart()
+            return Trial(backend_name, config, failure.status, reason=failure.reason)
+
+    def final(self, candidates: list[tuple[str, dict]], budget_ms: float, min_rounds: int) -> dict[str, tuple[Timing, float]]:
+        request = {"op": "final", "candidates": [list(c) for c in candidates], "budget_ms": budget_ms,
+                   "min_rounds": min_rounds}
+        try:
+            reply = self._call(request)
+        except WorkerFailed as failure:  # a finalist that crashes only when re-run: keep the reference
+            log.warning("gemmtune: the final round failed (%s); keeping %s", failure.reason, candidates[0][0])
+            self._restart()
+            reply = self._call({**request, "candidates": [list(candidates[0])]})
+        return {label: (Timing(tuple(samples)), cost) for label, (samples, cost) in reply["final"].items()}
+
+    def close(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            try:
+                self._conn.send_bytes(b'{"op": "exit"}')
+                self._process.join(timeout=10)
+            except OSError:
+                pass
+        self._stop()
+
+    def __enter__(self) -> "IsolatedRunner":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _call(self, request: dict, timeout_s: float | None = None) -> dict:
+        if self._process is None:
+            self._spawn()
+        self._conn.send_bytes(json.dumps(request).encode())
+        if not self._conn.poll(timeout_s or self.timeout_s):
+            self._stop()
+            raise WorkerFailed(Status.TIMEOUT, f"no answer within {timeout_s or self.timeout_s:.0f} s")
+        try:
+            reply = json.loads(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            self._process.join(timeout=10)
+            code = self._process.exitcode
+            self._stop()
+            raise WorkerFailed(Status.LAUNCH_ERROR, f"the worker died (exit code {code})") from None
+        if "error" in reply:
+            raise RuntimeError(f"gemmtune worker: {reply['error']}")
+        if reply.get("broken"):  # answered, but its CUDA context is gone: replace it now
+            self._restart()
+        return reply
+
+    def _spawn(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=serve, args=(child, self._index, self._factory), daemon=True)
+        self._process.start()
+        child.close()
+        self._call({"op": "ping"}, timeout_s=BOOT_TIMEOUT_S)
+
+    def _restart(self) -> None:
+        self._stop()
+        self.restarts += 1
+        if self._session is not None:
+            self._call(self._session)
+
+    def _stop(self) -> None:
+        if self._process is not None:
+            if self._process.is_alive():
+                self._process.kill()
+            self._process.join(timeout=10)
+        if self._conn is not None:
+            self._conn.close()
+        self._process = self._conn = None
+
+
+def serve(conn, device_index: int, runner_factory=None) -> None:
+    """The child's loop: one JSON request in, one JSON reply out, until told to exit."""
+    import torch
+
+    from gemmtune.device import current
+    from gemmtune.runner import LocalRunner
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device_index)
+    device = current(device_index if torch.cuda.is_available() else None)
+    runner = (runner_factory or LocalRunner)(device)
+    while True:
+        request = json.loads(conn.recv_bytes())
+        if request["op"] == "exit":
+            return
+        try:
+            reply = _handle(runner, request)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        conn.send_bytes(json.dumps(reply).encode())
+        if reply.get("broken"):
+            os._exit(3)
+
+
+def _handle(runner, request: dict) -> dict:
+    op = request["op"]
+    if op == "ping":
+        return {}
+    if op == "start":
+        runner.start(Problem.from_key(request["problem"]), request["seed"])
+        return {}
+    if op == "evaluate":
+        trial = runner.evaluate(request["backend"], request["config"], request["screen_budget_ms"])
+        return {"trial": trial.to_dict(), "broken": not trial.ok and not _context_healthy(runner.device)}
+    if op == "final":
+        final = runner.final([tuple(c) for c in request["candidates"]], request["budget_ms"], request["min_rounds"])
+        return {"final": {label: [list(timing.samples), cost] for label, (timing, cost) in final.items()}}
+    raise ValueError(f"unknown request {op!r}")
+
+
+def _context_healthy(device: Device) -> bool:
+    """False once a CUDA error has poisoned this process's context (every later call fails)."""
+    if device.interpreter:
+        return True
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        torch.ones(1, device="cuda").add_(1).item()
+    except Exception:  # noqa: BLE001 - any error here means the context is unusable
+        return False
+    return True

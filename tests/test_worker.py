@@ -1,0 +1,82 @@
+"""Crash isolation: candidates that kill, hang or poison their process become failed Trials;
+the worker is replaced and tuning goes on. The faulty runners below run inside the worker."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from gemmtune.device import current
+from gemmtune.problem import Problem
+from gemmtune.results import Status
+from gemmtune.runner import LocalRunner
+from gemmtune.tuner import TuneOptions, tune_problem
+from gemmtune.worker import IsolatedRunner
+
+PROBLEM = Problem(16, 32, 64, "float32", "nn")
+OPTIONS = TuneOptions(strategy="exhaustive", seed=5, backends=("cublas", "triton_tiled"))
+
+
+class DiesOnSmallTiles(LocalRunner):
+    def evaluate(self, backend_name, config, screen_budget_ms):
+        if backend_name == "triton_tiled" and config["BLOCK_M"] == 16 and config["BLOCK_N"] == 16:
+            os._exit(11)  # what a segfault or an illegal memory access looks like from outside
+        return super().evaluate(backend_name, config, screen_budget_ms)
+
+
+class HangsOnSmallTiles(LocalRunner):
+    def evaluate(self, backend_name, config, screen_budget_ms):
+        if backend_name == "triton_tiled" and config["BLOCK_M"] == 16 and config["BLOCK_N"] == 16:
+            time.sleep(600)
+        return super().evaluate(backend_name, config, screen_budget_ms)
+
+
+def test_isolated_tuning_matches_the_flow_in_process():
+    with IsolatedRunner(current()) as runner:
+        result = tune_problem(PROBLEM, current(), options=OPTIONS, runner=runner)
+    assert result.backend in ("cublas", "triton_tiled") and result.rel_err < 1e-4
+    assert all(t.ok for t in result.trials) and runner.restarts == 0
+
+
+def test_a_crashing_candidate_is_a_failed_trial_and_tuning_goes_on():
+    with IsolatedRunner(current(), runner_factory=DiesOnSmallTiles) as runner:
+        result = tune_problem(PROBLEM, current(), options=OPTIONS, runner=runner)
+    crashed = [t for t in result.trials if not t.ok]
+    assert len(crashed) == 1 and crashed[0].status is Status.LAUNCH_ERROR
+    assert "exit code 11" in crashed[0].reason and runner.restarts == 1
+    assert sum(t.ok for t in result.trials) >= 2  # cuBLAS and the other tiles still measured
+
+
+def test_a_hanging_candidate_times_out():
+    with IsolatedRunner(current(), timeout_s=15, runner_factory=HangsOnSmallTiles) as runner:
+        result = tune_problem(PROBLEM, current(), options=OPTIONS, runner=runner)
+    hung = [t for t in result.trials if not t.ok]
+    assert len(hung) == 1 and hung[0].status is Status.TIMEOUT and runner.restarts == 1
+
+
+@pytest.mark.gpu
+def test_an_illegal_memory_access_is_contained():
+    with IsolatedRunner(current(), runner_factory=FaultsOnSmallTiles) as runner:
+        result = tune_problem(Problem(256, 512, 512), current(), options=TuneOptions(strategy="exhaustive", seed=6),
+                              runner=runner)
+    faulted = [t for t in result.trials if not t.ok]
+    assert faulted and all(t.status is Status.LAUNCH_ERROR for t in faulted)
+    assert runner.restarts >= 1 and sum(t.ok for t in result.trials) > 1
+    torch.ones(1, device="cuda").add_(1).item()  # this process's context is untouched
+
+
+class FaultsOnSmallTiles(LocalRunner):
+    """On the GPU: a kernel that writes far outside any allocation, poisoning the context."""
+
+    def evaluate(self, backend_name, config, screen_budget_ms):
+        if backend_name == "triton_tiled" and config["BLOCK_M"] == 16:
+            import triton
+            import triton.language as tl
+
+            @triton.jit
+            def scribble(ptr):
+                tl.store(ptr + (1 << 40), 1.0)
+
+            scribble[(1,)](torch.empty(1, device="cuda"))
+        return super().evaluate(backend_name, config, screen_budget_ms)
