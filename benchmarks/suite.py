@@ -32,6 +32,10 @@ import gemmtune  # noqa: E402
 from gemmtune import bench, shapes, verify  # noqa: E402
 from gemmtune.device import current  # noqa: E402
 from gemmtune.dispatch import DISPATCHER  # noqa: E402
+from gemmtune.search import STRATEGIES  # noqa: E402
+from gemmtune.store import Store  # noqa: E402
+from gemmtune.tuner import TuneOptions, tune_problem  # noqa: E402
+from gemmtune.worker import IsolatedRunner  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 
@@ -63,12 +67,13 @@ def inductor(fn):
     return compiled, time.perf_counter() - t0
 
 
-def run_shape(named, args) -> dict:
+def run_shape(named, args, runner) -> dict:
     p = named.problem
     t0 = time.perf_counter()
-    result = gemmtune.tune(p, retune=True)[0]
+    result = tune_problem(p, current(), options=args.options, runner=runner)
     tune_wall = time.perf_counter() - t0
-    warm = gemmtune.tune(p, retune=True)[0].tune_s if args.warm else None
+    Store().put(result)  # what gemmtune.linear / matmul below will find
+    warm = tune_problem(p, current(), options=args.options, runner=runner).tune_s if args.warm else None
     DISPATCHER.forget()
     inputs = verify.make_inputs(p, "cuda")
     cublas_fn, gemmtune_fn = operands(named, inputs)
@@ -110,7 +115,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=50, help="minimum interleaved rounds per shape")
     parser.add_argument("--budget-ms", type=float, default=1500.0, help="time budget of the side-by-side rounds")
     parser.add_argument("--deadline-s", type=float, default=1e9, help="stop starting new shapes after this long")
+    parser.add_argument("--strategy", default="topk", choices=STRATEGIES, help="gemmtune's search strategy")
     args = parser.parse_args()
+    args.options = TuneOptions(strategy=args.strategy)
     if not torch.cuda.is_available():
         print("suite.py needs a CUDA GPU; without one run `gemmtune tune` (interpreter pipeline)", file=sys.stderr)
         return 2
@@ -123,19 +130,21 @@ def main() -> int:
         "kind": "suite", "device": device.name, "sm_count": device.sm_count, "torch": torch.__version__,
         "triton": triton.__version__, "gemmtune": gemmtune.__version__, "date": datetime.date.today().isoformat(),
         "shapes_file": str(args.shapes.relative_to(ROOT.parent)) if args.shapes.is_relative_to(ROOT.parent) else str(args.shapes),
-        "copy_tbps": copy_tbps(), "float32_matmul_precision": "high", "rows": [],
+        "copy_tbps": copy_tbps(), "float32_matmul_precision": "high", "strategy": args.strategy, "rows": [],
     }
+    runner = IsolatedRunner(device)  # one worker for the run: a faulty candidate costs a trial, not the suite
     for item in named:
         if time.perf_counter() - started > args.deadline_s:
             print(f"deadline reached; skipping {item.name}", flush=True)
             continue
         with torch.no_grad():  # compile and time under the same grad mode: no recompiles mid-run
-            row = run_shape(item, args)
+            row = run_shape(item, args, runner)
         doc["rows"].append(row)
         args.out.write_text(json.dumps(doc, indent=1))
         ind = f" inductor {row['inductor_ms']:.4f} ms ({row['inductor_tune_s']:.1f} s)" if row["inductor_ms"] else ""
         print(f"{item.name:24s} cublas {row['cublas_ms']:.4f} gemmtune {row['gemmtune_ms']:.4f} "
               f"x{row['speedup']:.3f} tune {row['tune_s']:.1f}s {row['choice']} err {row['rel_err']:.1e}{ind}", flush=True)
+    runner.close()
     return 0
 
 

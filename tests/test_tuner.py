@@ -106,3 +106,16 @@ def test_a_trial_budget_caps_each_modelled_backend():
     modelled = [name for name in per_backend if name.startswith("triton_")]
     assert modelled and all(per_backend[name] == 1 for name in modelled)
     assert per_backend["cublas"] == 1
+
+
+def test_cublas_runs_at_the_problems_float32_precision():
+    import torch
+
+    from gemmtune.runner import matmul_precision
+
+    before = torch.get_float32_matmul_precision()
+    with matmul_precision(Problem(8, 8, 8, "float32", tf32=True)):
+        assert torch.get_float32_matmul_precision() == "high"
+    with matmul_precision(Problem(8, 8, 8, "float32", tf32=False)):
+        assert torch.get_float32_matmul_precision() == "highest"
+    assert torch.get_float32_matmul_precision() == before

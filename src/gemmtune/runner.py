@@ -7,8 +7,9 @@ The tuner talks to a runner only through ``start``, ``evaluate`` and ``final`` w
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from gemmtune import backends, bench, verify
 from gemmtune.device import Device
@@ -18,6 +19,28 @@ from gemmtune.results import Status, Timing, Trial
 log = logging.getLogger("gemmtune.runner")
 
 HOST_BOUND_MS = 0.1  # below this a call's cost is checked with a back-to-back loop too
+
+
+def float32_precision(problem: Problem) -> str:
+    """The torch float32 matmul precision under which cuBLAS computes ``problem`` as keyed."""
+    return "high" if problem.tf32 else "highest"
+
+
+@contextlib.contextmanager
+def matmul_precision(problem: Problem) -> Iterator[None]:
+    """cuBLAS's float32 precision set to the problem's for a while: the reference candidate must
+    run as the problem is keyed (TF32 or not), whatever the caller's global setting."""
+    import torch
+
+    if problem.dtype != "float32":
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(float32_precision(problem))
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 class LocalRunner:

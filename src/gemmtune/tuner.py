@@ -18,7 +18,7 @@ from gemmtune import backends, search
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 from gemmtune.results import Timing, Trial, TuneResult
-from gemmtune.runner import LocalRunner
+from gemmtune.runner import LocalRunner, matmul_precision
 
 log = logging.getLogger("gemmtune.tuner")
 
@@ -48,6 +48,11 @@ def tune_problem(problem: Problem, device: Device, *, options: TuneOptions = Tun
 
     ``runner`` runs the candidates: in this process by default, or a ``worker.IsolatedRunner``.
     """
+    with matmul_precision(problem):
+        return _tune(problem, device, options, on_trial, runner)
+
+
+def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runner) -> TuneResult:
     started = time.perf_counter()
     runner = runner or LocalRunner(device)
     seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(4), "little")

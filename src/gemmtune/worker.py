@@ -157,7 +157,13 @@ def _handle(runner, request: dict) -> dict:
     if op == "ping":
         return {}
     if op == "start":
-        runner.start(Problem.from_key(request["problem"]), request["seed"])
+        import torch
+
+        from gemmtune.runner import float32_precision
+
+        problem = Problem.from_key(request["problem"])
+        torch.set_float32_matmul_precision(float32_precision(problem))  # this process tunes, nothing else
+        runner.start(problem, request["seed"])
         return {}
     if op == "evaluate":
         trial = runner.evaluate(request["backend"], request["config"], request["screen_budget_ms"])
