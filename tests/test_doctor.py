@@ -170,3 +170,14 @@ def test_as_dict_is_json_serialisable(cache_dir):
 def test_check_rejects_unknown_status():
     with pytest.raises(ValueError, match="status"):
         doctor.Check("GPU", "x", "fine")
+
+
+def test_compile_cache_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMTUNE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    check = next(c for c in doctor.collect() if c.name == "compile cache")
+    assert str(tmp_path / "triton") in check.value and "empty" in check.value
+    (tmp_path / "triton" / "abc").mkdir(parents=True)
+    (tmp_path / "triton" / "abc" / "k.cubin").write_bytes(b"x" * 4096)
+    check = next(c for c in doctor.collect() if c.name == "compile cache")
+    assert check.status == "ok" and "4" in check.value

@@ -70,7 +70,8 @@ def collect(store_path: Path | None = None, device: Device | None = None) -> lis
     if device is None:
         device = _guard("GPU", _current_device)
         if isinstance(device, Check):  # torch or CUDA failed before we learned anything
-            return [device, *_software_checks(), _guard("store", lambda: store_check(store_path))]
+            return [device, *_software_checks(), _guard("store", lambda: store_check(store_path)),
+                    _guard("compile cache", compile_cache_check)]
     else:
         live = _is_current(device)
 
@@ -81,6 +82,7 @@ def collect(store_path: Path | None = None, device: Device | None = None) -> lis
     checks += _software_checks()
     checks.append(_guard("inductor max_autotune_gemm gate", lambda: gate_check(device)))
     checks.append(_guard("store", lambda: store_check(store_path)))
+    checks.append(_guard("compile cache", compile_cache_check))
     return checks
 
 
@@ -335,6 +337,15 @@ def store_check(store_path: Path | None = None) -> Check:
     if not path.exists():
         return Check("store", f"{path} (not created yet)", "info")
     return Check("store", f"{path} ({_size(store_size(path))})", "ok")
+
+
+def compile_cache_check() -> Check:
+    """Triton's on-disk kernel cache as gemmtune's workers use it: a warm one makes tuning fast."""
+    path = settings.triton_cache_dir()
+    if not path.exists():
+        return Check("compile cache", f"{path} (empty: the first tuning compiles every candidate)", "info")
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return Check("compile cache", f"{path} ({_size(size)})", "ok")
 
 
 # --- helpers -----------------------------------------------------------------------------------

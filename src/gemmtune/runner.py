@@ -19,6 +19,9 @@ from gemmtune.results import Status, Timing, Trial
 log = logging.getLogger("gemmtune.runner")
 
 HOST_BOUND_MS = 0.1  # below this a call's cost is checked with a back-to-back loop too
+# A candidate whose first few calls are this much slower than the best so far is not screened
+# further: it cannot become a finalist, and full screening would cost most of the time.
+ABORT_FACTOR = 1.5
 
 
 def float32_precision(problem: Problem) -> str:
@@ -49,12 +52,14 @@ class LocalRunner:
         self._problem: Problem | None = None
         self._inputs: verify.Inputs | None = None
         self._ready: dict[str, tuple[Callable, float]] = {}  # label -> (kernel, rel_err)
+        self._best_ms = float("inf")
 
     def start(self, problem: Problem, seed: int) -> None:
         """Fresh random inputs and their float64 reference for ``problem``."""
         self._problem = problem
         self._inputs = verify.make_inputs(problem, "cpu" if self.device.interpreter else "cuda", seed=seed)
         self._ready = {}
+        self._best_ms = float("inf")
 
     def evaluate(self, backend_name: str, config: dict, screen_budget_ms: float) -> Trial:
         """Build, verify and screen one candidate; a failure is a Trial with its typed reason."""
@@ -62,8 +67,12 @@ class LocalRunner:
         if not trial.ok:
             return trial
         label = trial.label()
-        timing = bench.measure({label: self._bound(label)}, self.device, budget_ms=screen_budget_ms, min_rounds=3)
-        return Trial(backend_name, trial.config, Status.OK, timing=timing[label], rel_err=trial.rel_err)
+        fn = {label: self._bound(label)}
+        timing = bench.measure(fn, self.device, budget_ms=screen_budget_ms / 8, min_rounds=2)[label]
+        if timing.median < ABORT_FACTOR * self._best_ms:  # a contender: screen it properly
+            timing = bench.measure(fn, self.device, budget_ms=screen_budget_ms, min_rounds=3)[label]
+        self._best_ms = min(self._best_ms, timing.median)
+        return Trial(backend_name, trial.config, Status.OK, timing=timing, rel_err=trial.rel_err)
 
     def final(self, candidates: list[tuple[str, dict]], budget_ms: float, min_rounds: int) -> dict[str, tuple[Timing, float]]:
         """The finalists timed side by side: label -> (timing, cost of a user's call)."""

@@ -44,6 +44,13 @@ def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("gemmtune", appauthor=False))
 
 
+def triton_cache_dir() -> Path:
+    """Where Triton keeps compiled kernels for gemmtune's workers: TRITON_CACHE_DIR if the user
+    set it, else beside the store, so clearing gemmtune's cache clears both."""
+    explicit = os.environ.get("TRITON_CACHE_DIR")
+    return Path(explicit).expanduser() if explicit else cache_dir() / "triton"
+
+
 def mode() -> str:
     value = MODE.raw().strip().lower()
     if value not in MODES:

@@ -130,6 +130,10 @@ class IsolatedRunner:
 
 def serve(conn, device_index: int, runner_factory=None) -> None:
     """The child's loop: one JSON request in, one JSON reply out, until told to exit."""
+    from gemmtune import settings
+
+    # Before triton is imported: compiled kernels persist where gemmtune (and doctor) say.
+    os.environ["TRITON_CACHE_DIR"] = str(settings.triton_cache_dir())
     import torch
 
     from gemmtune.device import current
