@@ -83,3 +83,13 @@ def test_budget_flag(capsys):
     assert parse_budget("8").trials == 8 and parse_budget("2.5s").seconds == 2.5 and parse_budget(None).trials is None
     code, _, err = run(capsys, "tune", "--shape", "7x8x9", "--budget", "lots")
     assert code == 2 and "--budget 'lots'" in err
+
+
+def test_bucket_validation_report(capsys):
+    code, out, err = run(capsys, "tune", "--shape", "24x40x48", "--dtype", "float32", "--layout", "nn",
+                         "--bucket", "pow2", "--validate", "1", "--in-process", "--json")
+    assert code == 0, err
+    rows = json.loads(out)
+    assert len(rows) == 1 and rows[0]["bucket"].startswith("v2/nn/float32/32x64x64") and rows[0]["loss"] is not None
+    code, _, err = run(capsys, "tune", "--shape", "24x40x48", "--validate", "1")
+    assert code == 2 and "--bucket pow2" in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -12,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from gemmtune import settings
-from gemmtune.problem import ACTIVATIONS
+from gemmtune.problem import ACTIVATIONS, BUCKETS
 from gemmtune.search import STRATEGIES, Budget
 
 # The interpreter runs a 64^3 GEMM in about a second per candidate; far larger is hours.
@@ -70,6 +71,11 @@ def _parser() -> argparse.ArgumentParser:
                            "(default), exhaustive all of them, random a sample, descent walks neighbours")
     tune.add_argument("--budget", default=None, metavar="N|Ts",
                       help="per backend: N candidates, or T seconds with an s suffix (e.g. 8, 2.5s)")
+    tune.add_argument("--bucket", default="exact", choices=BUCKETS,
+                      help="with --validate: the bucket policy to validate (exact, pow2, log2m)")
+    tune.add_argument("--validate", type=int, default=0, metavar="N",
+                      help="tune each shape's bucket, then measure its config on N shapes sampled from the "
+                           "bucket beside their own tuned configs, and report the loss")
     tune.add_argument("--in-process", action="store_true",
                       help="run candidates in this process (default: a worker process, so a crashing or "
                            "hanging candidate becomes a failed trial)")
@@ -142,6 +148,8 @@ def _tune(args, console: Console) -> int:
         if too_big:
             raise ValueError(f"shapes too large for the CPU interpreter (over {INTERPRETER_MAX_MACS} MACs): "
                              f"{', '.join(too_big)}; tune them on a GPU")
+    if args.validate:
+        return _validate_buckets(named, args, console)
     results = _tune_with_progress(api, named, args, console)
     if args.json:
         console.print_json(json.dumps([report.result_dict(r, n.name) for r, n in zip(results, named)]))
@@ -170,6 +178,38 @@ def _tune_with_progress(api, named, args, console: Console):
         return api.tune([n.problem for n in named], store=args.cache, retune=args.retune, options=options,
                         isolate=not args.in_process, on_result=on_result,
                         on_trial=lambda trial: progress.advance(trials_task))
+
+
+def _validate_buckets(named, args, console: Console) -> int:
+    from rich.table import Table
+
+    from gemmtune import buckets
+    from gemmtune.device import current
+    from gemmtune.tuner import TuneOptions
+    from gemmtune.worker import IsolatedRunner
+
+    if args.bucket == "exact":
+        raise ValueError("--validate needs --bucket pow2 or --bucket log2m")
+    options = TuneOptions(strategy=args.strategy, budget=parse_budget(args.budget))
+    rows = []
+    with IsolatedRunner(current()) if not args.in_process else contextlib.nullcontext() as runner:
+        for item in named:
+            for check in buckets.validate(item.problem, args.bucket, args.validate, current(), options=options,
+                                          runner=runner):
+                rows.append({"shape": item.name, "sample": check.sample.key(), "bucket": check.representative.key(),
+                             "bucket_choice": check.bucket_choice, "exact_choice": check.exact_choice,
+                             "loss": check.loss})
+    if args.json:
+        console.print_json(json.dumps(rows))
+        return 0
+    table = Table(title=f"bucket {args.bucket}: the bucket's config on sampled shapes vs each shape's own")
+    for column in ("shape", "sample", "bucket choice", "exact choice", "loss"):
+        table.add_column(column)
+    for row in rows:
+        loss = "cannot run" if row["loss"] is None else f"{row['loss']:+.1%}"
+        table.add_row(row["shape"], row["sample"], row["bucket_choice"], row["exact_choice"], loss)
+    console.print(table)
+    return 0
 
 
 def parse_budget(text: str | None) -> Budget:

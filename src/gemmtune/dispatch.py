@@ -8,7 +8,7 @@ import threading
 
 from gemmtune import backends, settings
 from gemmtune.device import Device, current
-from gemmtune.problem import Problem
+from gemmtune.problem import Problem, bucket
 from gemmtune.store import Store
 from gemmtune.tuner import TuneOptions, tune_problem
 
@@ -42,22 +42,32 @@ class Dispatcher:
             self.kernels.clear()
 
     def _resolve(self, problem: Problem, device: Device):
-        stored = self.store.get(device.fingerprint(), problem.key())
-        if stored is not None:
-            return _build(problem, stored.backend, stored.config, device)
+        target = bucket(problem, settings.bucket_policy())  # the problem whose result serves this one
+        for candidate in dict.fromkeys((problem, target)):  # the exact shape first, then its bucket
+            stored = self.store.get(device.fingerprint(), candidate.key())
+            if stored is not None and _serves(stored.backend, problem, device):
+                return _build(problem, stored.backend, stored.config, device)
         if settings.mode() == "lookup":
             log.info("gemmtune: no tuned kernel for %s on this device; using cuBLAS (GEMMTUNE_MODE=lookup)",
                      problem.describe())
             return _build(problem, backends.REFERENCE, {}, device)
         try:
-            result = tune_problem(problem, device, options=TuneOptions())
+            result = tune_problem(target, device, options=TuneOptions())
         except Exception:  # noqa: BLE001 - a failed tuning must not break the user's program
-            log.warning("gemmtune: tuning %s failed; using cuBLAS", problem.describe(), exc_info=True)
+            log.warning("gemmtune: tuning %s failed; using cuBLAS", target.describe(), exc_info=True)
             return _build(problem, backends.REFERENCE, {}, device)
         self.store.put(result)
-        log.info("gemmtune: tuned %s in %.1f s: %s %.4f ms vs cuBLAS %.4f ms", problem.describe(),
+        log.info("gemmtune: tuned %s in %.1f s: %s %.4f ms vs cuBLAS %.4f ms", target.describe(),
                  result.tune_s, result.label(), result.time_ms, result.cublas_ms or float("nan"))
+        if not _serves(result.backend, problem, device):
+            return _build(problem, backends.REFERENCE, {}, device)
         return _build(problem, result.backend, result.config, device)
+
+
+def _serves(backend_name: str, problem: Problem, device: Device) -> bool:
+    """Whether a result tuned for a shape's bucket can run the shape itself (the TMA kernel,
+    say, cannot run rows that are not 16-byte aligned)."""
+    return bool(backends.get(backend_name).candidates(problem, device))
 
 
 def _build(problem: Problem, backend_name: str, config: dict, device: Device):

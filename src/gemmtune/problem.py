@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 LAYOUTS = ("linear", "nn")
 DTYPES = ("float16", "bfloat16", "float32")
@@ -94,6 +94,26 @@ class Problem:
         extra = ("+bias" if self.bias else "") + ("" if self.activation == "none" else f"+{self.activation}")
         precision = "+tf32" if self.tf32 else ""
         return f"{self.m}x{self.n}x{self.k} {self.dtype}{precision} {self.layout}{extra}"
+
+
+BUCKETS = ("exact", "pow2", "log2m")
+
+
+def bucket(problem: Problem, policy: str) -> Problem:
+    """The problem that stands for ``problem``'s bucket: itself (``exact``), every size rounded
+    up to a power of two (``pow2``: sizes in (2^(i-1), 2^i] share 2^i), or only M rounded up
+    (``log2m``: batch sizes vary, weights do not)."""
+    if policy == "exact":
+        return problem
+    if policy == "pow2":
+        return replace(problem, m=_next_pow2(problem.m), n=_next_pow2(problem.n), k=_next_pow2(problem.k))
+    if policy == "log2m":
+        return replace(problem, m=_next_pow2(problem.m))
+    raise ValueError(f"bucket policy {policy!r} is not known; accepted: {', '.join(BUCKETS)}")
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:

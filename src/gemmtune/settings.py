@@ -27,8 +27,10 @@ class Knob:
 CACHE_DIR = Knob("GEMMTUNE_CACHE_DIR", "", "directory of the tuning store (default: the user's cache dir)")
 MODE = Knob("GEMMTUNE_MODE", "tune", "on a store miss: 'tune' tunes on first sight, 'lookup' falls back to torch")
 LOG_LEVEL = Knob("GEMMTUNE_LOG_LEVEL", "INFO", "level of the 'gemmtune' logger when the CLI configures it")
+BUCKET = Knob("GEMMTUNE_BUCKET", "exact",
+              "on a miss, reuse the result tuned for the shape's bucket: exact (none), pow2 or log2m")
 
-KNOBS = (CACHE_DIR, MODE, LOG_LEVEL)
+KNOBS = (CACHE_DIR, MODE, LOG_LEVEL, BUCKET)
 
 
 def cache_dir() -> Path:
@@ -49,6 +51,15 @@ def triton_cache_dir() -> Path:
     set it, else beside the store, so clearing gemmtune's cache clears both."""
     explicit = os.environ.get("TRITON_CACHE_DIR")
     return Path(explicit).expanduser() if explicit else cache_dir() / "triton"
+
+
+def bucket_policy() -> str:
+    from gemmtune.problem import BUCKETS
+
+    value = BUCKET.raw().strip().lower()
+    if value not in BUCKETS:
+        raise ValueError(f"{BUCKET.env}={value!r} is not a bucket policy; accepted: {', '.join(BUCKETS)}")
+    return value
 
 
 def mode() -> str:

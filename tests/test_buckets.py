@@ -1,0 +1,57 @@
+"""Bucket policies, their use on a store miss, and the validation that measures their cost."""
+
+import pytest
+
+from gemmtune.buckets import samples, validate
+from gemmtune.device import current
+from gemmtune.problem import Problem, bucket
+from gemmtune.tuner import TuneOptions
+
+
+def test_policies():
+    p = Problem(1000, 4097, 33)
+    assert bucket(p, "exact") == p
+    assert bucket(p, "pow2") == Problem(1024, 8192, 64)
+    assert bucket(p, "log2m") == Problem(1024, 4097, 33)
+    assert bucket(Problem(1, 1, 1), "pow2") == Problem(1, 1, 1)
+    with pytest.raises(ValueError, match="accepted: exact, pow2, log2m"):
+        bucket(p, "pow3")
+
+
+@pytest.mark.parametrize("policy", ["pow2", "log2m"])
+def test_samples_stay_in_the_bucket(policy):
+    p = Problem(100, 300, 70)
+    drawn = samples(p, policy, 20, seed=3)
+    assert len(drawn) == 20 and len(set(drawn)) > 1
+    assert all(bucket(s, policy) == bucket(p, policy) for s in drawn)
+    assert samples(p, policy, 5, seed=3) == drawn[:5]
+
+
+def test_validation_measures_the_bucket_config_on_each_sample():
+    options = TuneOptions(strategy="exhaustive", seed=7, backends=("cublas", "triton_tiled"))
+    checks = validate(Problem(24, 40, 48, "float32", "nn"), "pow2", 2, current(), options=options)
+    assert len(checks) == 2
+    for check in checks:
+        assert check.representative == Problem(32, 64, 64, "float32", "nn")
+        assert check.loss is not None and check.loss > -0.5  # a ratio of two measured costs
+        assert check.bucket_choice and check.exact_choice
+
+
+def test_bucket_setting_is_validated(monkeypatch):
+    from gemmtune import settings
+
+    monkeypatch.setenv("GEMMTUNE_BUCKET", "pow2")
+    assert settings.bucket_policy() == "pow2"
+    monkeypatch.setenv("GEMMTUNE_BUCKET", "nearest")
+    with pytest.raises(ValueError, match="GEMMTUNE_BUCKET='nearest'"):
+        settings.bucket_policy()
+
+
+def test_a_bucket_result_serves_only_shapes_its_backend_can_run():
+    from gemmtune.device import Device
+    from gemmtune.dispatch import _serves
+
+    h100 = Device("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, 50 << 20)
+    assert _serves("triton_persistent", Problem(4096, 4096, 4096), h100)
+    assert not _serves("triton_persistent", Problem(4095, 4097, 4095), h100)  # TMA needs aligned rows
+    assert _serves("cublas", Problem(4095, 4097, 4095), h100)
