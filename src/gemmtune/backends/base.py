@@ -4,8 +4,8 @@ that knows which backends exist."""
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -53,3 +53,23 @@ class Backend(Protocol):
 def triton_importable() -> bool:
     """Whether the Triton backends can run at all (checked without importing triton)."""
     return importlib.util.find_spec("triton") is not None
+
+
+C = TypeVar("C")
+
+
+def check_bounds(backend: str, checks: Iterable[tuple]) -> None:
+    """Each ``(name, value, accepted[, where])``: an int (never a bool) among ``accepted``, else a
+    ValueError naming the backend, the field and what is accepted. Configs read from a store are
+    untrusted: this is what keeps them from launching an invalid kernel."""
+    for name, value, accepted, *where in checks:
+        if isinstance(value, bool) or not isinstance(value, int) or value not in accepted:
+            raise ValueError(f"{backend} {name}={value!r} is out of bounds{''.join(where)}; accepted: {accepted}")
+
+
+def config_from_mapping(backend: str, data: Mapping, fields: Mapping[str, str], make: Callable[..., C]) -> C:
+    """A config from untrusted data whose keys must be exactly ``fields`` (persisted name ->
+    constructor argument); the constructor validates the values."""
+    if not isinstance(data, Mapping) or set(data) != set(fields):
+        raise ValueError(f"{backend} config needs exactly the keys {sorted(fields)}, got {data!r}")
+    return make(**{fields[k]: v for k, v in data.items()})

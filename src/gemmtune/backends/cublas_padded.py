@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from gemmtune import activation
-from gemmtune.backends.base import triton_importable
+from gemmtune.backends.base import check_bounds, config_from_mapping, triton_importable
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -28,8 +28,7 @@ class PaddedConfig:
     align: int
 
     def __post_init__(self) -> None:
-        if isinstance(self.align, bool) or self.align not in ALIGNS:
-            raise ValueError(f"cublas_padded align={self.align!r} is out of bounds; accepted: {ALIGNS}")
+        check_bounds("cublas_padded", (("align", self.align, ALIGNS),))
 
     def key(self) -> str:
         return f"align={self.align}"
@@ -95,9 +94,7 @@ class CublasPaddedBackend:
         return None
 
     def parse_config(self, data: Mapping) -> PaddedConfig:
-        if not isinstance(data, Mapping) or set(data) != {"align"}:
-            raise ValueError(f"cublas_padded config needs exactly the key 'align', got {data!r}")
-        return PaddedConfig(data["align"])
+        return config_from_mapping(self.name, data, {"align": "align"}, PaddedConfig)
 
     def build(self, problem: Problem, config: PaddedConfig, device: Device) -> PaddedKernel:
         return PaddedKernel(problem, config)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from gemmtune import costmodel
-from gemmtune.backends.base import triton_importable
+from gemmtune.backends.base import check_bounds, config_from_mapping, triton_importable
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -43,9 +43,7 @@ class PersistentConfig:
         checks = (("BLOCK_M", self.block_m, BLOCK_SIZES), ("BLOCK_N", self.block_n, BLOCK_SIZES),
                   ("BLOCK_K", self.block_k, BLOCK_SIZES), ("GROUP_M", self.group_m, GROUP_SIZES),
                   ("num_warps", self.num_warps, WARPS), ("num_stages", self.num_stages, STAGES))
-        for name, value, accepted in checks:
-            if isinstance(value, bool) or not isinstance(value, int) or value not in accepted:
-                raise ValueError(f"triton_persistent {name}={value!r} is out of bounds; accepted: {accepted}")
+        check_bounds("triton_persistent", checks)
         if not isinstance(self.warp_specialize, bool):
             raise ValueError(f"triton_persistent WARP_SPECIALIZE={self.warp_specialize!r} must be true or false")
 
@@ -147,9 +145,7 @@ class TritonPersistentBackend:
                                       config.num_stages)
 
     def parse_config(self, data: Mapping) -> PersistentConfig:
-        if not isinstance(data, Mapping) or set(data) != set(_FIELDS):
-            raise ValueError(f"triton_persistent config needs exactly the keys {sorted(_FIELDS)}, got {data!r}")
-        return PersistentConfig(**{_FIELDS[k]: v for k, v in data.items()})
+        return config_from_mapping(self.name, data, _FIELDS, PersistentConfig)
 
     def build(self, problem: Problem, config: PersistentConfig, device: Device) -> PersistentKernel:
         return PersistentKernel(problem, config, device)

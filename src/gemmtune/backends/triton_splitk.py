@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from gemmtune import costmodel
-from gemmtune.backends.base import triton_importable
+from gemmtune.backends.base import check_bounds, config_from_mapping, triton_importable
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -60,13 +60,10 @@ class SplitKConfig:
         if not isinstance(self.use_dot, bool):
             raise ValueError(f"triton_splitk USE_DOT={self.use_dot!r} is out of bounds; accepted: (False, True)")
         block_m = DOT_BLOCK_M if self.use_dot else FMA_BLOCK_M
-        checks = (("BLOCK_M", self.block_m, block_m), ("BLOCK_N", self.block_n, BLOCK_N),
-                  ("BLOCK_K", self.block_k, BLOCK_K), ("SPLIT_K", self.split_k, SPLIT_K),
-                  ("num_warps", self.num_warps, WARPS), ("num_stages", self.num_stages, STAGES))
-        for name, value, accepted in checks:
-            if isinstance(value, bool) or not isinstance(value, int) or value not in accepted:
-                form = f" with USE_DOT={self.use_dot}" if name == "BLOCK_M" else ""
-                raise ValueError(f"triton_splitk {name}={value!r} is out of bounds{form}; accepted: {accepted}")
+        check_bounds("triton_splitk", (
+            ("BLOCK_M", self.block_m, block_m, f" with USE_DOT={self.use_dot}"), ("BLOCK_N", self.block_n, BLOCK_N),
+            ("BLOCK_K", self.block_k, BLOCK_K), ("SPLIT_K", self.split_k, SPLIT_K),
+            ("num_warps", self.num_warps, WARPS), ("num_stages", self.num_stages, STAGES)))
 
     def key(self) -> str:
         return ",".join(f"{k}={v}" for k, v in self.as_dict().items())
@@ -231,9 +228,7 @@ class TritonSplitKBackend:
         return costmodel.splitk_ms(problem, device, config.block_m, config.block_n, config.split_k)
 
     def parse_config(self, data: Mapping) -> SplitKConfig:
-        if not isinstance(data, Mapping) or set(data) != set(_FIELDS):
-            raise ValueError(f"triton_splitk config needs exactly the keys {sorted(_FIELDS)}, got {data!r}")
-        return SplitKConfig(**{_FIELDS[k]: v for k, v in data.items()})
+        return config_from_mapping(self.name, data, _FIELDS, SplitKConfig)
 
     def build(self, problem: Problem, config: SplitKConfig, device: Device) -> SplitKKernel:
         return SplitKKernel(problem, config)

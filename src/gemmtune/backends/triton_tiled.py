@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from gemmtune import costmodel
-from gemmtune.backends.base import triton_importable
+from gemmtune.backends.base import check_bounds, config_from_mapping, triton_importable
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -45,9 +45,7 @@ class TiledConfig:
         checks = (("BLOCK_M", self.block_m, BLOCK_SIZES), ("BLOCK_N", self.block_n, BLOCK_SIZES),
                   ("BLOCK_K", self.block_k, BLOCK_SIZES), ("GROUP_M", self.group_m, GROUP_SIZES),
                   ("num_warps", self.num_warps, WARPS), ("num_stages", self.num_stages, STAGES))
-        for name, value, accepted in checks:
-            if isinstance(value, bool) or not isinstance(value, int) or value not in accepted:
-                raise ValueError(f"triton_tiled {name}={value!r} is out of bounds; accepted: {accepted}")
+        check_bounds("triton_tiled", checks)
 
     def key(self) -> str:
         return ",".join(f"{k}={v}" for k, v in self.as_dict().items())
@@ -155,9 +153,7 @@ class TritonTiledBackend:
                                       config.num_stages)
 
     def parse_config(self, data: Mapping) -> TiledConfig:
-        if not isinstance(data, Mapping) or set(data) != set(_FIELDS):
-            raise ValueError(f"triton_tiled config needs exactly the keys {sorted(_FIELDS)}, got {data!r}")
-        return TiledConfig(**{_FIELDS[k]: v for k, v in data.items()})
+        return config_from_mapping(self.name, data, _FIELDS, TiledConfig)
 
     def build(self, problem: Problem, config: TiledConfig, device: Device) -> TiledKernel:
         return TiledKernel(problem, config)
