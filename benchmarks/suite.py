@@ -101,8 +101,23 @@ def run_shape(named, args, runner) -> dict:
         "tflops": p.flops / (timings["gemmtune"].median * 1e-3) / 1e12,
         "tbps": p.min_bytes / (timings["gemmtune"].median * 1e-3) / 1e12,
         "inductor_ms": inductor_ms, "inductor_tune_s": inductor_s, "inductor_cublas_ms": inductor_cublas_ms,
+        "best_by_backend": best_by_backend(result.trials),
     }
     return row
+
+
+def best_by_backend(trials) -> dict:
+    """Each backend's fastest measured trial (what the kernels of a family reach on this shape)
+    and how many of its trials failed, with their first reason."""
+    best = {}
+    for t in trials:
+        entry = best.setdefault(t.backend, {"ms": None, "config": None, "failed": 0, "reason": ""})
+        if not t.ok:
+            entry["failed"] += 1
+            entry["reason"] = entry["reason"] or f"{t.status.value}: {t.reason}"[:200]
+        elif entry["ms"] is None or t.median_ms < entry["ms"]:
+            entry["ms"], entry["config"] = t.median_ms, t.label()
+    return best
 
 
 def main() -> int:

@@ -104,3 +104,18 @@ def test_a_candidate_that_syncs_falls_back_to_plain_timing(caplog):
     timings = bench.measure({"syncs": lambda: (x @ x).sum().item(), "plain": lambda: x @ x}, current(),
                             min_rounds=5)
     assert set(timings) == {"syncs", "plain"} and "cannot be captured" in caplog.text
+    assert torch.randn(4, device="cuda").isfinite().all()  # the random generator is left usable
+
+
+def test_after_a_failed_capture_the_random_generator_still_works():
+    from gemmtune.bench import _reset_rng_capture_state
+
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError):
+        with torch.cuda.graph(graph):
+            torch.randn(8, device="cuda").sum().item()  # a sync invalidates the capture
+    torch.cuda.synchronize()
+    _reset_rng_capture_state()
+    first = torch.randn(1000, device="cuda")
+    assert first.isfinite().all() and not torch.equal(first, torch.randn(1000, device="cuda"))

@@ -18,16 +18,33 @@ PROBLEM = Problem(16, 32, 64, "float32", "nn")
 OPTIONS = TuneOptions(strategy="exhaustive", seed=5, backends=("cublas", "triton_tiled"))
 
 
-class DiesOnSmallTiles(LocalRunner):
+def first_tiled_candidate(backend_name):
+    """True once per test, in whichever worker evaluates the first tiled candidate: the GPU's
+    search space differs from the interpreter's, so no config can be named in advance."""
+    if backend_name != "triton_tiled":
+        return False
+    flag = os.environ["GEMMTUNE_TEST_FAULT_FLAG"]
+    if os.path.exists(flag):
+        return False
+    open(flag, "w").close()
+    return True
+
+
+@pytest.fixture(autouse=True)
+def _fault_flag(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMTUNE_TEST_FAULT_FLAG", str(tmp_path / "faulted"))
+
+
+class DiesOnce(LocalRunner):
     def evaluate(self, backend_name, config, screen_budget_ms):
-        if backend_name == "triton_tiled" and config["BLOCK_M"] == 16 and config["BLOCK_N"] == 16:
+        if first_tiled_candidate(backend_name):
             os._exit(11)  # what a segfault or an illegal memory access looks like from outside
         return super().evaluate(backend_name, config, screen_budget_ms)
 
 
-class HangsOnSmallTiles(LocalRunner):
+class HangsOnce(LocalRunner):
     def evaluate(self, backend_name, config, screen_budget_ms):
-        if backend_name == "triton_tiled" and config["BLOCK_M"] == 16 and config["BLOCK_N"] == 16:
+        if first_tiled_candidate(backend_name):
             time.sleep(600)
         return super().evaluate(backend_name, config, screen_budget_ms)
 
@@ -40,7 +57,7 @@ def test_isolated_tuning_matches_the_flow_in_process():
 
 
 def test_a_crashing_candidate_is_a_failed_trial_and_tuning_goes_on():
-    with IsolatedRunner(current(), runner_factory=DiesOnSmallTiles) as runner:
+    with IsolatedRunner(current(), runner_factory=DiesOnce) as runner:
         result = tune_problem(PROBLEM, current(), options=OPTIONS, runner=runner)
     crashed = [t for t in result.trials if not t.ok]
     assert len(crashed) == 1 and crashed[0].status is Status.LAUNCH_ERROR
@@ -49,7 +66,7 @@ def test_a_crashing_candidate_is_a_failed_trial_and_tuning_goes_on():
 
 
 def test_a_hanging_candidate_times_out():
-    with IsolatedRunner(current(), timeout_s=15, runner_factory=HangsOnSmallTiles) as runner:
+    with IsolatedRunner(current(), timeout_s=15, runner_factory=HangsOnce) as runner:
         result = tune_problem(PROBLEM, current(), options=OPTIONS, runner=runner)
     hung = [t for t in result.trials if not t.ok]
     assert len(hung) == 1 and hung[0].status is Status.TIMEOUT and runner.restarts == 1

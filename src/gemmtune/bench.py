@@ -72,16 +72,21 @@ def _measure_cuda(fns, device, *, budget_ms, min_rounds, seed) -> dict[str, Timi
 
 def _graphed(fns: Mapping[str, Callable[[], object]]) -> dict[str, Callable[[], object]]:
     """Each callable captured into its own CUDA graph (one shared memory pool: only one graph
-    runs at a time and no output is read); the plain callables if any capture fails."""
+    runs at a time and no output is read); the plain callables if any cannot be captured."""
     import torch
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up off the capturing stream, as capture requires
-        for fn in fns.values():
-            fn()
+        syncing = _syncing(fns)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    if syncing:
+        # Probed first: a capture that a host sync invalidates fails inside torch's capture_end
+        # and leaves the CUDA random generator mid-capture, breaking every later torch.randn.
+        log.warning("%s cannot be captured in a CUDA graph (it synchronizes with the host); "
+                    "timing plain calls", syncing)
+        return dict(fns)
     pool = torch.cuda.graph_pool_handle()
     replays = {}
     for name, fn in fns.items():
@@ -92,9 +97,42 @@ def _graphed(fns: Mapping[str, Callable[[], object]]) -> dict[str, Callable[[], 
         except RuntimeError as exc:
             log.warning("%s cannot be captured in a CUDA graph (%s); timing plain calls", name, exc)
             torch.cuda.synchronize()
+            _reset_rng_capture_state()
             return dict(fns)
         replays[name] = graph.replay
     return replays
+
+
+def _syncing(fns: Mapping[str, Callable[[], object]]) -> str | None:
+    """Runs each callable once (its warm-up) with torch's sync debug mode set to error; the name
+    of the first that synchronizes with the host, or None."""
+    import torch
+
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for name, fn in fns.items():
+            try:
+                fn()
+            except RuntimeError as exc:
+                if "synchroniz" not in str(exc):
+                    raise
+                return name
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    return None
+
+
+def _reset_rng_capture_state() -> None:
+    """After a failed capture, gives each CUDA default generator a fresh state with the same seed
+    and offset: the failed capture_end never closed the old state's capture bookkeeping."""
+    import torch
+
+    for generator in torch.cuda.default_generators:
+        fresh = torch.Generator(device=generator.device)
+        fresh.manual_seed(generator.initial_seed())
+        fresh.set_offset(generator.get_offset())
+        generator.graphsafe_set_state(fresh.graphsafe_get_state())
 
 
 def _cuda_round(fns, flush, *, rounds: int, rng: random.Random) -> dict[str, list[float]]:
