@@ -4,9 +4,9 @@
 # over 10, mostly Triton compiles), the dispatch benchmark, then the suite (cold caches).
 # Results land in $OUT (the device tool's folder) or ./gpu-out.
 #
-# A device call is capped at 10 minutes and the suite with --inductor takes about that long, so
+# A device call is capped at 10 minutes and tests + suite take about 15, so
 # start it detached and collect in a second call:
-#   call 1: setsid nohup bash benchmarks/run_on_gpu.sh --inductor > /tmp/gpu.log 2>&1 < /dev/null &
+#   call 1: setsid nohup bash benchmarks/run_on_gpu.sh --inductor --warm --exhaustive > /tmp/gpu.log 2>&1 < /dev/null &
 #           sleep 570; cat /tmp/gpu.log
 #   call 2: while pgrep -f "[r]un_on_gpu" >/dev/null; do sleep 5; done; cp /tmp/gemmtune-gpu/*.* $OUT/
 # (a pattern that cannot match the calling shell's own command line)

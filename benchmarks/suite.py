@@ -10,6 +10,7 @@ GPU only: on a machine without one, use ``gemmtune tune`` (the interpreter pipel
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -29,7 +30,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 import gemmtune  # noqa: E402
-from gemmtune import bench, shapes, verify  # noqa: E402
+from gemmtune import backends, bench, shapes, verify  # noqa: E402
 from gemmtune.device import current  # noqa: E402
 from gemmtune.dispatch import DISPATCHER  # noqa: E402
 from gemmtune.search import STRATEGIES  # noqa: E402
@@ -44,6 +45,10 @@ def copy_tbps() -> float:
     """Device-to-device copy bandwidth, bytes read plus written, median of 20 copies of 1 GiB."""
     src = torch.empty(1 << 28, dtype=torch.float32, device="cuda").normal_()
     dst = torch.empty_like(src)
+    until = time.perf_counter() + 0.5
+    while time.perf_counter() < until:  # out of idle clocks first (a cold card read 35% low)
+        dst.copy_(src)
+        torch.cuda.synchronize()
     timing = bench.measure({"copy": lambda: dst.copy_(src)}, current(), min_rounds=20)["copy"]
     return 2 * src.numel() * 4 / (timing.median * 1e-3) / 1e12
 
@@ -56,6 +61,13 @@ def operands(named, inputs):
     if bias is None:
         return (lambda: torch.mm(a, b)), (lambda: gemmtune.matmul(a, b))
     raise ValueError(f"{named.name}: the suite times bias only for layout linear")
+
+
+def bound(result, problem, inputs):
+    """The kernel a TuneResult chose, built directly, as a zero-argument call on ``inputs``."""
+    backend = backends.get(result.backend)
+    kernel = backend.build(problem, backend.parse_config(result.config), current())
+    return lambda: kernel(inputs.a, inputs.b, inputs.bias)
 
 
 def inductor(fn):
@@ -78,8 +90,13 @@ def run_shape(named, args, runner) -> dict:
     inputs = verify.make_inputs(p, "cuda")
     cublas_fn, gemmtune_fn = operands(named, inputs)
     out = gemmtune_fn()
-    timings = bench.measure({"cublas": cublas_fn, "gemmtune": gemmtune_fn}, current(),
-                            budget_ms=args.budget_ms, min_rounds=args.rounds)
+    fns = {"cublas": cublas_fn, "gemmtune": gemmtune_fn}
+    exhaustive = None
+    if args.exhaustive:  # the best of the whole space, timed in the same rounds as the choice
+        exhaustive = tune_problem(p, current(), options=dataclasses.replace(args.options, strategy="exhaustive"),
+                                  runner=runner)
+        fns["exhaustive"] = bound(exhaustive, p, inputs)
+    timings = bench.measure(fns, current(), budget_ms=args.budget_ms, min_rounds=args.rounds)
     inductor_ms = inductor_s = inductor_cublas_ms = None
     if args.inductor:
         # Its own rounds beside cuBLAS, after gemmtune's: with the compiled wrapper in the same
@@ -96,7 +113,10 @@ def run_shape(named, args, runner) -> dict:
         "speedup": timings["cublas"].median / timings["gemmtune"].median,
         "cublas_spread": timings["cublas"].spread, "gemmtune_spread": timings["gemmtune"].spread,
         "choice": result.label(), "rel_err": rel, "verified": rel <= verify.tolerance(p),
-        "tune_s": result.tune_s, "tune_wall_s": tune_wall, "tune_s_warm": warm, "exhaustive_ms": None,
+        "tune_s": result.tune_s, "tune_wall_s": tune_wall, "tune_s_warm": warm,
+        "exhaustive_ms": timings["exhaustive"].median if exhaustive else None,
+        "exhaustive_choice": exhaustive.label() if exhaustive else None,
+        "exhaustive_tune_s": exhaustive.tune_s if exhaustive else None,
         "candidates": len(result.trials), "failed": sum(not t.ok for t in result.trials),
         "tflops": p.flops / (timings["gemmtune"].median * 1e-3) / 1e12,
         "tbps": p.min_bytes / (timings["gemmtune"].median * 1e-3) / 1e12,
@@ -127,6 +147,8 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=None, help="names of shapes to run")
     parser.add_argument("--inductor", action="store_true", help="also torch.compile(mode='max-autotune-no-cudagraphs')")
     parser.add_argument("--warm", action="store_true", help="tune each shape a second time for tune_s_warm")
+    parser.add_argument("--exhaustive", action="store_true",
+                        help="also tune with strategy exhaustive and time its choice beside gemmtune's (exhaustive_ms)")
     parser.add_argument("--rounds", type=int, default=50, help="minimum interleaved rounds per shape")
     parser.add_argument("--budget-ms", type=float, default=1500.0, help="time budget of the side-by-side rounds")
     parser.add_argument("--deadline-s", type=float, default=1e9, help="stop starting new shapes after this long")
@@ -157,8 +179,11 @@ def main() -> int:
         doc["rows"].append(row)
         args.out.write_text(json.dumps(doc, indent=1))
         ind = f" inductor {row['inductor_ms']:.4f} ms ({row['inductor_tune_s']:.1f} s)" if row["inductor_ms"] else ""
+        warm = f" warm {row['tune_s_warm']:.2f}s" if row["tune_s_warm"] is not None else ""
+        ex = f" exhaustive {row['exhaustive_ms']:.4f} ({row['exhaustive_tune_s']:.1f} s)" if row["exhaustive_ms"] else ""
         print(f"{item.name:24s} cublas {row['cublas_ms']:.4f} gemmtune {row['gemmtune_ms']:.4f} "
-              f"x{row['speedup']:.3f} tune {row['tune_s']:.1f}s {row['choice']} err {row['rel_err']:.1e}{ind}", flush=True)
+              f"x{row['speedup']:.3f} tune {row['tune_s']:.1f}s{warm} {row['choice']} err {row['rel_err']:.1e}"
+              f"{ex}{ind}", flush=True)
     runner.close()
     return 0
 

@@ -179,5 +179,8 @@ def test_compile_cache_is_reported(tmp_path, monkeypatch):
     assert str(tmp_path / "triton") in check.value and "empty" in check.value
     (tmp_path / "triton" / "abc").mkdir(parents=True)
     (tmp_path / "triton" / "abc" / "k.cubin").write_bytes(b"x" * 4096)
+    monkeypatch.setenv("GEMMTUNE_COMPILE_WORKERS", "3")
     check = next(c for c in doctor.collect() if c.name == "compile cache")
-    assert check.status == "ok" and "4" in check.value
+    assert check.status == "ok" and "4" in check.value and "3 processes compile ahead" in check.value
+    monkeypatch.setenv("GEMMTUNE_COMPILE_WORKERS", "0")
+    assert "compiling ahead is off" in next(c for c in doctor.collect() if c.name == "compile cache").value

@@ -341,11 +341,16 @@ def store_check(store_path: Path | None = None) -> Check:
 
 def compile_cache_check() -> Check:
     """Triton's on-disk kernel cache as gemmtune's workers use it: a warm one makes tuning fast."""
+    from gemmtune.compiler import default_workers
+
     path = settings.triton_cache_dir()
+    workers = default_workers()
+    compiling = f"{workers} processes compile ahead" if workers else "compiling ahead is off"
     if not path.exists():
-        return Check("compile cache", f"{path} (empty: the first tuning compiles every candidate)", "info")
+        return Check("compile cache", f"{path} (empty: the first tuning compiles every candidate; "
+                     f"{compiling})", "info")
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    return Check("compile cache", f"{path} ({_size(size)})", "ok")
+    return Check("compile cache", f"{path} ({_size(size)}; {compiling})", "ok")
 
 
 # --- helpers -----------------------------------------------------------------------------------

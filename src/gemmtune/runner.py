@@ -54,6 +54,13 @@ class LocalRunner:
         self._ready: dict[str, tuple[Callable, float]] = {}  # label -> (kernel, rel_err)
         self._best_ms = float("inf")
 
+    @property
+    def triton_cache_dir(self) -> str:
+        """Where this process's Triton keeps compiled kernels (compiling ahead must fill it)."""
+        import triton
+
+        return str(triton.knobs.cache.dir)
+
     def start(self, problem: Problem, seed: int) -> None:
         """Fresh random inputs and their float64 reference for ``problem``."""
         self._problem = problem

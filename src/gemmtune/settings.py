@@ -30,7 +30,11 @@ LOG_LEVEL = Knob("GEMMTUNE_LOG_LEVEL", "INFO", "level of the 'gemmtune' logger w
 BUCKET = Knob("GEMMTUNE_BUCKET", "exact",
               "on a miss, reuse the result tuned for the shape's bucket: exact (none), pow2 or log2m")
 
-KNOBS = (CACHE_DIR, MODE, LOG_LEVEL, BUCKET)
+COMPILE_WORKERS = Knob("GEMMTUNE_COMPILE_WORKERS", "",
+                       "processes compiling candidates ahead of timing: a count, 0 for none "
+                       "(default: one per CPU core but one, at most 8)")
+
+KNOBS = (CACHE_DIR, MODE, LOG_LEVEL, BUCKET, COMPILE_WORKERS)
 
 
 def cache_dir() -> Path:
@@ -67,3 +71,13 @@ def mode() -> str:
     if value not in MODES:
         raise ValueError(f"{MODE.env}={value!r} is not a mode; accepted: {', '.join(MODES)}")
     return value
+
+
+def compile_workers() -> int | None:
+    """The number of compile processes asked for; None when unset (gemmtune picks)."""
+    value = COMPILE_WORKERS.raw().strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{COMPILE_WORKERS.env}={value!r} is not a count; accepted: 0 (none) or a whole number")
+    return int(value)

@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gemmtune import backends, search
+from gemmtune import backends, compiler, search
 from gemmtune.device import Device
 from gemmtune.problem import Problem
-from gemmtune.results import Timing, Trial, TuneResult
+from gemmtune.results import Status, Timing, Trial, TuneResult
 from gemmtune.runner import LocalRunner, matmul_precision
 
 log = logging.getLogger("gemmtune.tuner")
@@ -31,10 +31,11 @@ class TuneOptions:
     strategy: str = "topk"  # how each backend's space is searched (gemmtune.search.STRATEGIES)
     budget: search.Budget = search.Budget()  # per backend whose configs the cost model ranks
     finalists: int = 4  # candidates re-measured beside cuBLAS after screening
-    screen_budget_ms: float = 40.0  # each candidate's own screening measurement
-    final_budget_ms: float = 500.0
+    screen_budget_ms: float = 15.0  # each candidate's own screening measurement
+    final_budget_ms: float = 200.0
     backends: tuple[str, ...] | None = None  # None: every registered backend
     seed: int | None = None  # inputs' seed; None draws fresh random inputs
+    compile_ahead: bool = True  # compile the planned candidates in parallel first (GPU only)
 
     def __post_init__(self) -> None:
         if self.strategy not in search.STRATEGIES:
@@ -57,15 +58,19 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
     runner = runner or LocalRunner(device)
     seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(4), "little")
     runner.start(problem, seed)
+    names = [name for name in options.backends or backends.names() if backends.get(name).is_available(device)]
+    failed_ahead = _compile_ahead(problem, device, options, names, runner)
     trials: list[Trial] = []
 
     def evaluate(backend_name: str, config) -> float | None:
-        trial = runner.evaluate(backend_name, config.as_dict(), options.screen_budget_ms)
+        trial = failed_ahead.get((backend_name, _label(backend_name, config.as_dict())))
+        if trial is None:
+            trial = runner.evaluate(backend_name, config.as_dict(), options.screen_budget_ms)
         trials.append(trial)
         _report(trial, on_trial)
         return trial.median_ms if trial.ok else None
 
-    for name in options.backends or backends.names():
+    for name in names:
         _search_backend(name, problem, device, options, evaluate)
     ok = [t for t in trials if t.ok]
     reference = next((t for t in ok if t.backend == backends.REFERENCE), None)
@@ -99,12 +104,47 @@ def select(reference: str, timings: dict[str, Timing], costs: dict[str, float]) 
     return reference
 
 
+# Failures that come from compiling the candidate, the same wherever it is compiled: the tuner
+# records them from the compile pool's answer. Anything else the runner meets and classifies.
+_COMPILE_FAILURES = (Status.OUT_OF_RESOURCES, Status.COMPILE_ERROR)
+
+
+def _compile_ahead(problem: Problem, device: Device, options: TuneOptions, names: list[str],
+                   runner) -> dict[tuple[str, str], Trial]:
+    """Compile every candidate the strategy plans to measure, in parallel, into the runner's
+    Triton cache; the failed ones as Trials keyed by (backend, label)."""
+    if not options.compile_ahead or device.interpreter:
+        return {}
+    planned = [(name, config.as_dict()) for name in names for config in _planned(name, problem, device, options)]
+    pool = compiler.shared_pool()
+    if pool.workers < 1 or len(planned) < 2:
+        return {}
+    started = time.perf_counter()
+    results = pool.compile(problem, planned, runner.triton_cache_dir)
+    log.debug("compiled %d candidates ahead in %.2f s on %d processes", len(results),
+              time.perf_counter() - started, pool.workers)
+    return {(r.backend, _label(r.backend, r.config)): Trial(r.backend, r.config, r.status, reason=r.reason)
+            for r in results if r.status in _COMPILE_FAILURES}
+
+
+def _planned(name: str, problem: Problem, device: Device, options: TuneOptions) -> list:
+    """The configs of one backend that _search_backend will measure first."""
+    backend = backends.get(name)
+    configs = backend.candidates(problem, device)
+    if not configs or backend.predict_ms(problem, device, configs[0]) is None:
+        return configs
+    return search.plan(options.strategy, configs, options.budget,
+                       predict=lambda config: backend.predict_ms(problem, device, config), seed=options.seed or 0)
+
+
+def _label(backend_name: str, config: dict) -> str:
+    return Trial(backend_name, config, Status.OK).label()
+
+
 def _search_backend(name: str, problem: Problem, device: Device, options: TuneOptions, evaluate) -> None:
     """Measure the configs of one backend that its cost model and the strategy pick. Backends
     without a cost model (cuBLAS, the padded path: a config or two) are measured whole."""
     backend = backends.get(name)
-    if not backend.is_available(device):
-        return
     configs = backend.candidates(problem, device)
     if not configs:
         return

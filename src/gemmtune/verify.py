@@ -35,6 +35,12 @@ def tolerance(problem: Problem) -> float:
 
 def make_inputs(problem: Problem, device: str, *, seed: int | None = None) -> Inputs:
     """Fresh random operands (never zeros) for ``problem`` and their float64 product."""
+    a, b, bias = make_operands(problem, device, seed=seed)
+    return Inputs(a, b, bias, reference(problem, a, b, bias))
+
+
+def make_operands(problem: Problem, device: str, *, seed: int | None = None) -> tuple:
+    """a, b and bias (or None) for ``problem``: random, contiguous, in the problem's dtype."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
     dtype = TORCH_DTYPES[problem.dtype]
@@ -45,7 +51,7 @@ def make_inputs(problem: Problem, device: str, *, seed: int | None = None) -> In
     a = randn(problem.m, problem.k)
     b = randn(problem.n, problem.k) if problem.layout == "linear" else randn(problem.k, problem.n)
     bias = randn(problem.n) if problem.bias else None
-    return Inputs(a, b, bias, reference(problem, a, b, bias))
+    return a, b, bias
 
 
 def reference(problem: Problem, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -17,6 +17,7 @@ import os
 
 from gemmtune.device import Device
 from gemmtune.problem import Problem
+from gemmtune.processes import main_hidden
 from gemmtune.results import Status, Timing, Trial
 
 log = logging.getLogger("gemmtune.worker")
@@ -43,6 +44,13 @@ class IsolatedRunner:
         self._conn = None
         self._session: dict | None = None
         self.restarts = 0
+
+    @property
+    def triton_cache_dir(self) -> str:
+        """The worker's Triton cache (set in ``_serve``): compiling ahead must fill this one."""
+        from gemmtune import settings
+
+        return str(settings.triton_cache_dir())
 
     def start(self, problem: Problem, seed: int) -> None:
         self._session = {"op": "start", "problem": problem.key(), "seed": seed}
@@ -108,7 +116,8 @@ class IsolatedRunner:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._process = context.Process(target=serve, args=(child, self._index, self._factory), daemon=True)
-        self._process.start()
+        with main_hidden():
+            self._process.start()
         child.close()
         self._call({"op": "ping"}, timeout_s=BOOT_TIMEOUT_S)
 

@@ -14,7 +14,7 @@ from gemmtune.search import descent, orders
 from gemmtune.search.budget import Budget, C, Session
 from gemmtune.search.neighbours import neighbours_by_fields
 
-__all__ = ["Budget", "STRATEGIES", "DEFAULT_TOPK", "run", "neighbours_by_fields"]
+__all__ = ["Budget", "STRATEGIES", "DEFAULT_TOPK", "run", "plan", "neighbours_by_fields"]
 
 STRATEGIES = ("exhaustive", "topk", "random", "descent")
 DEFAULT_TOPK = 8
@@ -37,15 +37,37 @@ def run(strategy: str, space: Sequence[C], evaluate: Callable[[C], float | None]
     _check(strategy, predict, neighbours)
     unique = list(dict.fromkeys(space))  # a repeated config would otherwise cost a second trial
     session = Session(evaluate, _trial_cap(strategy, budget, len(unique)), budget.seconds, clock)
-    if strategy == "exhaustive":
-        session.walk(orders.exhaustive(unique))
-    elif strategy == "topk":
-        session.walk(orders.topk(unique, predict, budget.trials or DEFAULT_TOPK))
-    elif strategy == "random":
-        session.walk(orders.random_order(unique, seed))
-    else:
+    order = _fixed_order(strategy, unique, predict, budget, seed)
+    if order is None:
         descent.search(unique, session, neighbours, predict)
+    else:
+        session.walk(order)
     return session.results
+
+
+def plan(strategy: str, space: Sequence[C], budget: Budget = Budget(), *,
+         predict: Callable[[C], float] | None = None, seed: int = 0) -> list[C]:
+    """The configs ``run`` will evaluate if none fails and the seconds last, known before any is
+    measured (so they can be compiled ahead): the strategies with a fixed order, up to the trial
+    cap. Descent's path depends on its measurements: nothing is planned for it."""
+    _check(strategy, predict, neighbours=(lambda config: ()) if strategy == "descent" else None)
+    unique = list(dict.fromkeys(space))
+    order = _fixed_order(strategy, unique, predict, budget, seed)
+    if order is None:
+        return []
+    cap = _trial_cap(strategy, budget, len(unique))
+    return order[:cap] if cap is not None else order
+
+
+def _fixed_order(strategy: str, unique: list[C], predict, budget: Budget, seed: int) -> list[C] | None:
+    """The order a strategy walks, or None for descent, whose path follows its measurements."""
+    if strategy == "exhaustive":
+        return orders.exhaustive(unique)
+    if strategy == "topk":
+        return orders.topk(unique, predict, budget.trials or DEFAULT_TOPK)
+    if strategy == "random":
+        return orders.random_order(unique, seed)
+    return None
 
 
 def _check(strategy: str, predict: object, neighbours: object) -> None:
