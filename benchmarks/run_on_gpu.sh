@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should check and time, in one go, from the working tree:
 # the whole test suite on the GPU (one process per file, about 5 minutes; run serially it takes
-# over 10, mostly Triton compiles), the dispatch benchmark, then the suite (cold caches).
+# over 10, mostly Triton compiles), the dispatch benchmark, the suite (cold caches), then the
+# bucket validation report (pow2, decode and prefill shapes).
 # Results land in $OUT (the device tool's folder) or ./gpu-out.
 #
 # A device call is capped at 10 minutes and tests + suite take about 15, so
@@ -20,4 +21,5 @@ OUT=$out bash benchmarks/gpu_tests.sh 2>&1 | tee "$out/tests.txt"
 python3 benchmarks/dispatch.py --out "$out/dispatch.json" 2>&1 | grep -v "^gemmtune: tuned"
 python3 benchmarks/suite.py "$@" --out "$out/suite.json" 2>&1 \
   | grep -E "^(llama|blog|odd|square|lm_head|skinny|deadline)|Error" | tee "$out/suite.log"
+python3 benchmarks/buckets.py --out "$out/buckets.json" 2>&1 | grep -v "^gemmtune: tuned" | tee "$out/buckets.log"
 if [ -n "${OUT:-}" ]; then cp "$out"/*.* "$OUT"/; fi

@@ -117,6 +117,8 @@ def run_shape(named, args, runner) -> dict:
         "exhaustive_ms": timings["exhaustive"].median if exhaustive else None,
         "exhaustive_choice": exhaustive.label() if exhaustive else None,
         "exhaustive_tune_s": exhaustive.tune_s if exhaustive else None,
+        # did the default strategy measure the exhaustive winner at all (the cost model's recall)?
+        "exhaustive_in_topk": exhaustive.label() in {t.label() for t in result.trials} if exhaustive else None,
         "candidates": len(result.trials), "failed": sum(not t.ok for t in result.trials),
         "tflops": p.flops / (timings["gemmtune"].median * 1e-3) / 1e12,
         "tbps": p.min_bytes / (timings["gemmtune"].median * 1e-3) / 1e12,
