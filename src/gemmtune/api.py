@@ -1,11 +1,11 @@
 """The public functions: ``tune``, ``matmul`` and ``linear``.
 
 What falls back to torch (documented, never a wrong result): tensors not on a CUDA device,
-dtypes other than float16/bfloat16/float32, a zero-size dimension, inputs that need autograd
-(until gemmtune's custom ops carry a backward), a store miss during CUDA-graph capture (no
-tuning while capturing), and for ``matmul`` operands that are not both 2-D (``torch.matmul``'s
-broadcasting rules apply). Everything else that is malformed raises an error naming the
-argument.
+dtypes other than float16/bfloat16/float32, a zero-size dimension, a store miss during
+CUDA-graph capture (no tuning while capturing), and for ``matmul`` operands that are not both
+2-D (``torch.matmul``'s broadcasting rules apply). Everything else that is malformed raises an
+error naming the argument. Inputs that require a gradient go through gemmtune's custom ops
+(``gemmtune.torch_ops``), whose backward GEMMs are gemmtune's too.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def tune(problems: Problem | Iterable[Problem], *, store: Store | str | Path | N
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` for 2-D ``a`` (M, K) and ``b`` (K, N) through the tuned kernel."""
+    """``a @ b`` for 2-D ``a`` (M, K) and ``b`` (K, N) through the tuned kernel; differentiable
+    (through ``torch.ops.gemmtune.mm``) when an operand requires a gradient."""
     _require_tensor("a", a)
     _require_tensor("b", b)
     if a.dim() != 2 or b.dim() != 2:
@@ -73,17 +74,26 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"matmul: a is {tuple(a.shape)} and b is {tuple(b.shape)}; a.shape[1] must equal b.shape[0]")
     _require_same("b", b, a)
+    if _needs_grad(a, b):
+        from gemmtune import torch_ops
+
+        return torch_ops.mm(a, b)
+    return matmul_forward(a, b)
+
+
+def matmul_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``matmul`` on checked 2-D operands, without autograd (the body of the custom op)."""
     if _falls_back(a, b):
-        return torch.matmul(a, b)
+        return torch.mm(a, b)
     m, k = a.shape
-    n = b.shape[1]
-    return _run("nn", a, b, None, m, n, k, "none")
+    return _run("nn", a, b, None, m, b.shape[1], k, "none")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            activation: str | None = None) -> torch.Tensor:
     """``act(F.linear(x, weight, bias))``: x (..., K), weight (N, K), bias (N,) or None;
-    ``activation`` one of relu, gelu, gelu_tanh, silu, fused into the kernel's epilogue."""
+    ``activation`` one of relu, gelu, gelu_tanh, silu, fused into the kernel's epilogue.
+    Differentiable (through ``torch.ops.gemmtune.linear``) when an input requires a gradient."""
     act = "none" if activation is None else activation
     if act not in ACTIVATIONS:
         raise ValueError(f"linear: activation={activation!r} is not supported; accepted: None, "
@@ -101,8 +111,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if bias.shape != (n,):
             raise ValueError(f"linear: bias must have shape ({n},), got {tuple(bias.shape)}")
         _require_same("bias", bias, x)
+    if _needs_grad(x, weight, bias):
+        from gemmtune import torch_ops
+
+        return torch_ops.linear(x, weight, bias, act)
+    return linear_forward(x, weight, bias, act)
+
+
+def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
+    """``linear`` on checked operands, without autograd (the body of the custom op)."""
     if _falls_back(x, weight, bias):
         return activations.apply(F.linear(x, weight, bias), act, inplace=False)
+    n, k = weight.shape
     x2 = x.reshape(-1, k)
     out = _run("linear", x2, weight, bias, x2.shape[0], n, k, act)
     return out.reshape(*x.shape[:-1], n)
@@ -129,8 +149,10 @@ def _falls_back(*tensors) -> bool:
     first = tensors[0]
     if first.device.type != "cuda" or first.dtype not in _DTYPE_NAMES or first.numel() == 0:
         return True
-    if any(t is not None and t.numel() == 0 for t in tensors):
-        return True
+    return any(t is not None and t.numel() == 0 for t in tensors)
+
+
+def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
