@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from gemmtune import activation as activations
+from gemmtune import recording as recorder
 from gemmtune.device import current
 from gemmtune.dispatch import DISPATCHER
 from gemmtune.problem import ACTIVATIONS, Problem
@@ -83,6 +84,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def matmul_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``matmul`` on checked 2-D operands, without autograd (the body of the custom op)."""
+    if recorder.active() is not None:
+        _record("nn", a, None, a.shape[0], b.shape[1], a.shape[1], "none")
     if _falls_back(a, b):
         return torch.mm(a, b)
     m, k = a.shape
@@ -120,6 +123,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
     """``linear`` on checked operands, without autograd (the body of the custom op)."""
+    if recorder.active() is not None:
+        _record("linear", x, bias, x.numel() // weight.shape[1], weight.shape[0], weight.shape[1], act)
     if _falls_back(x, weight, bias):
         return activations.apply(F.linear(x, weight, bias), act, inplace=False)
     n, k = weight.shape
@@ -139,6 +144,13 @@ def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str) -> torch.Ten
         kernel = DISPATCHER.kernel(
             key, lambda: Problem(m, n, k, _DTYPE_NAMES[a.dtype], layout, bias is not None, tf32, act))
     return kernel(a, b, bias)
+
+
+def _record(layout: str, a: torch.Tensor, bias, m: int, n: int, k: int, act: str) -> None:
+    recording = recorder.active()
+    if recording is not None and a.dtype in _DTYPE_NAMES and m * n * k > 0:
+        tf32 = a.dtype is torch.float32 and torch.get_float32_matmul_precision() != "highest"
+        recording.add(m, n, k, _DTYPE_NAMES[a.dtype], layout, bias is not None, tf32, act)
 
 
 def _torch_mm(a, b, bias):

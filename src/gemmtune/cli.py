@@ -57,7 +57,9 @@ def _parser() -> argparse.ArgumentParser:
                                       "cuBLAS stays unless beaten beyond noise. Without a GPU, small shapes run "
                                       "through Triton's interpreter and the timings are not GPU timings.")
     tune.add_argument("--shape", action="append", default=[], metavar="MxNxK", help="a shape to tune (repeatable)")
-    tune.add_argument("--shapes", type=Path, metavar="FILE", help="a shapes file (the format of benchmarks/shapes/public.json)")
+    tune.add_argument("--shapes", "--from", dest="shapes", type=Path, metavar="FILE",
+                      help="a shapes file (the format of benchmarks/shapes/public.json), a file written by "
+                           "gemmtune.record, or the misses GEMMTUNE_MISSES collected (JSON Lines)")
     tune.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="dtype for --shape (default bfloat16)")
     tune.add_argument("--layout", default="linear", choices=("linear", "nn"), help="linear: x @ w.T as nn.Linear; nn: a @ b (default linear)")
     tune.add_argument("--bias", action="store_true", help="add a bias vector (fused where the kernel can)")

@@ -3,6 +3,7 @@ then (in mode ``tune``) to the tuner; the answer is cached here so the next call
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 
@@ -47,9 +48,10 @@ class Dispatcher:
             stored = self.store.get(device.fingerprint(), candidate.key())
             if stored is not None and _serves(stored.backend, problem, device):
                 return _build(problem, stored.backend, stored.config, device)
-        if settings.mode() == "lookup":
+        if settings.mode() == "lookup":  # logged once: the fallback is cached like any kernel
             log.info("gemmtune: no tuned kernel for %s on this device; using cuBLAS (GEMMTUNE_MODE=lookup)",
                      problem.describe())
+            _append_miss(problem)
             return _build(problem, backends.REFERENCE, {}, device)
         try:
             result = tune_problem(target, device, options=TuneOptions())
@@ -62,6 +64,22 @@ class Dispatcher:
         if not _serves(result.backend, problem, device):
             return _build(problem, backends.REFERENCE, {}, device)
         return _build(problem, result.backend, result.config, device)
+
+
+def _append_miss(problem: Problem) -> None:
+    """One JSON line per miss in ``GEMMTUNE_MISSES``: one write in append mode, so processes
+    serving side by side do not interleave their lines."""
+    path = settings.misses_file()
+    if path is None:
+        return
+    entry = {"name": problem.describe(), "m": problem.m, "n": problem.n, "k": problem.k, "dtype": problem.dtype,
+             "layout": problem.layout, "bias": problem.bias, "tf32": problem.tf32, "activation": problem.activation}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(entry) + "\n")
+    except OSError as exc:  # serving goes on; the miss is still in the log line above
+        log.warning("gemmtune: cannot append the miss to %s: %s", path, exc)
 
 
 def _serves(backend_name: str, problem: Problem, device: Device) -> bool:

@@ -34,7 +34,11 @@ COMPILE_WORKERS = Knob("GEMMTUNE_COMPILE_WORKERS", "",
                        "processes compiling candidates ahead of timing: a count, 0 for none "
                        "(default: one per CPU core but one, at most 8)")
 
-KNOBS = (CACHE_DIR, MODE, LOG_LEVEL, BUCKET, COMPILE_WORKERS)
+MISSES = Knob("GEMMTUNE_MISSES", "",
+               "in lookup mode, append each shape missing from the store to this file (JSON Lines), "
+               "for `gemmtune tune --from FILE`")
+
+KNOBS = (CACHE_DIR, MODE, LOG_LEVEL, BUCKET, COMPILE_WORKERS, MISSES)
 
 
 def cache_dir() -> Path:
@@ -81,3 +85,8 @@ def compile_workers() -> int | None:
     if not value.isdigit():
         raise ValueError(f"{COMPILE_WORKERS.env}={value!r} is not a count; accepted: 0 (none) or a whole number")
     return int(value)
+
+
+def misses_file() -> Path | None:
+    value = MISSES.raw().strip()
+    return Path(value).expanduser() if value else None

@@ -1,6 +1,7 @@
 """Shape sets: the public benchmark shapes shipped with the package, and the loader for files
 of the same format (``{"shapes": [{"name", "m", "n", "k", "dtype", "layout", "group"}]}``, with optional
-``bias`` and ``activation``)."""
+``bias``, ``activation``, ``tf32`` and ``count``), or JSON Lines of such entries (the misses that
+``GEMMTUNE_MISSES`` collects in lookup mode)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ class NamedProblem:
 
 
 def load(path: str | Path | None = None, *, tf32: bool = True) -> list[NamedProblem]:
-    """Read a shapes file; ``None`` reads the public shapes. fp32 entries use TF32 if ``tf32``."""
+    """Read a shapes file; ``None`` reads the public shapes. fp32 entries use TF32 if ``tf32``,
+    unless the entry says itself (recorded files do)."""
     if path is None:
         text = resources.files(__package__).joinpath("public.json").read_text()
         source = "public.json"
@@ -28,19 +30,30 @@ def load(path: str | Path | None = None, *, tf32: bool = True) -> list[NamedProb
         text = Path(path).read_text()
         source = str(path)
     try:
-        entries = json.loads(text)["shapes"]
+        entries = _entries(text)
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ValueError(f"{source}: not a shapes file (expected {{\"shapes\": [...]}}): {exc}") from None
+        raise ValueError(f"{source}: not a shapes file (expected {{\"shapes\": [...]}} or one JSON "
+                         f"object per line): {exc}") from None
     out = []
     for i, entry in enumerate(entries):
         try:
             problem = Problem(entry["m"], entry["n"], entry["k"], entry.get("dtype", "bfloat16"),
-                              entry.get("layout", "linear"), bool(entry.get("bias", False)), tf32,
-                              entry.get("activation", "none"))
+                              entry.get("layout", "linear"), bool(entry.get("bias", False)),
+                              bool(entry.get("tf32", tf32)), entry.get("activation", "none"))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source}: shape #{i} ({entry!r}) is invalid: {exc}") from None
         out.append(NamedProblem(entry.get("name", problem.describe()), entry.get("group", ""), problem))
     return out
+
+
+def _entries(text: str) -> list:
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:  # JSON Lines: one entry per line
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    if isinstance(doc, dict) and "shapes" not in doc and "m" in doc:
+        return [doc]  # JSON Lines holding a single entry
+    return doc["shapes"]
 
 
 # Small shapes for a machine without a GPU: Triton's interpreter runs them in seconds, at the
