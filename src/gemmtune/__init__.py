@@ -8,11 +8,12 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["Problem", "TuneResult", "tune", "matmul", "linear", "record", "__version__"]
+__all__ = ["Problem", "TuneResult", "tune", "matmul", "linear", "record", "optimize", "__version__"]
 
 
 _LAZY = {"Problem": "gemmtune.problem", "TuneResult": "gemmtune.results",
-         "tune": "gemmtune.api", "matmul": "gemmtune.api", "linear": "gemmtune.api", "record": "gemmtune.recording"}
+         "tune": "gemmtune.api", "matmul": "gemmtune.api", "linear": "gemmtune.api", "record": "gemmtune.recording",
+         "optimize": "gemmtune.nn"}
 
 
 def __getattr__(name: str):

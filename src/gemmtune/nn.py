@@ -1,0 +1,105 @@
+"""Models: ``gemmtune.optimize(model)`` makes a model's ``nn.Linear`` layers run gemmtune's
+kernels, fuses the activation that follows a layer where the model's structure says so, and with
+example inputs tunes every GEMM the model performs before it returns.
+
+A replaced layer keeps its identity: the module object, its parameters, hooks and state_dict keys
+stay; only its class becomes ``gemmtune.nn.Linear`` (an ``nn.Linear`` whose forward calls
+``gemmtune.linear``). A fused activation module is replaced by ``nn.Identity``.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gemmtune import api, recording
+from gemmtune.device import current
+from gemmtune.dispatch import DISPATCHER
+from gemmtune.shapes import load
+from gemmtune.tuner import TuneOptions
+
+log = logging.getLogger("gemmtune")
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` through gemmtune, with an optional fused activation."""
+
+    activation: str = "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return api.linear(x, self.weight, self.bias, None if self.activation == "none" else self.activation)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.activation == "none" else f", activation={self.activation}")
+
+
+def _fusable(module: nn.Module) -> str | None:
+    """The epilogue name of an activation module gemmtune can fuse, or None."""
+    if type(module) is nn.ReLU:
+        return "relu"
+    if type(module) is nn.SiLU:
+        return "silu"
+    if type(module) is nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(module.approximate)
+    return None
+
+
+def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
+             filter: Callable[[str, nn.Linear], bool] | None = None, fuse: bool = True,
+             options: TuneOptions | None = None) -> nn.Module:
+    """Run ``model``'s ``nn.Linear`` layers (those ``filter(name, layer)`` accepts; all by
+    default) through gemmtune, in place, and return the model.
+
+    ``fuse`` folds an activation (ReLU, GELU exact or tanh, SiLU) into the layer before it where
+    both sit next to each other in an ``nn.Sequential``. With ``example_inputs`` the model runs
+    once on them (without gradients) and every GEMM it performed is tuned and stored, so the
+    next calls find their kernels; without them, each GEMM is tuned when first seen (or served
+    by cuBLAS in ``GEMMTUNE_MODE=lookup``).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"optimize(model=...): expected a torch.nn.Module, got {type(model).__name__}")
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and (filter is None or filter(name, module)):
+            module.__class__ = Linear
+    if fuse:
+        _fuse_activations(model)
+    if example_inputs is not None:
+        tune_model(model, example_inputs, options=options)
+    return model
+
+
+def _fuse_activations(model: nn.Module) -> None:
+    for module in model.modules():
+        if not isinstance(module, nn.Sequential):
+            continue
+        names = list(module._modules)
+        for first, second in zip(names, names[1:]):
+            layer, act = module._modules[first], module._modules[second]
+            epilogue = _fusable(act)
+            if type(layer) is Linear and layer.activation == "none" and epilogue is not None:
+                layer.activation = epilogue
+                module._modules[second] = nn.Identity()
+
+
+def tune_model(model: nn.Module, example_inputs: Sequence, *, options: TuneOptions | None = None) -> list:
+    """Run ``model(*example_inputs)`` once without gradients, recording its GEMMs, then tune
+    and store each; the TuneResults."""
+    if not isinstance(example_inputs, (tuple, list)):
+        raise TypeError("optimize(example_inputs=...): expected a tuple or list of the model's positional inputs, "
+                        f"got {type(example_inputs).__name__}")
+    with tempfile.TemporaryDirectory(prefix="gemmtune-record-") as tmp:
+        path = Path(tmp) / "gemms.json"
+        with recording.record(path), torch.no_grad():
+            model(*example_inputs)
+        problems = [named.problem for named in load(path)]
+    if current().interpreter:  # CPU layers fall back to torch: nothing to gain from tuning them
+        log.warning("gemmtune.optimize: no CUDA GPU, so the %d GEMMs seen are not tuned", len(problems))
+        return []
+    results = api.tune(problems, options=options)
+    DISPATCHER.forget()
+    return results
