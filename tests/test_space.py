@@ -84,3 +84,64 @@ def test_cublas_takes_no_config():
 def test_unknown_backend():
     with pytest.raises(ValueError, match="known: cublas, cublas_padded, triton_persistent, triton_splitk, triton_tiled"):
         get("cutlass")
+
+
+# --- an H100 as an MPS share of it shows itself (issue: GPUs under inductor's 68-SM gate) ---------
+
+def h100_with(sms: int) -> Device:
+    return Device(f"NVIDIA H100 80GB HBM3 ({sms} SMs)", (9, 0), sms, 232448, 50 << 20)
+
+
+SHARES = [16, 38, 66, 132]
+PUBLIC = [Problem(1, 6144, 4096), Problem(16, 28672, 4096), Problem(2048, 4096, 14336), Problem(8192, 8192, 8192),
+          Problem(4095, 4097, 4095, "bfloat16", "nn")]
+
+
+@pytest.mark.parametrize("sms", SHARES)
+@pytest.mark.parametrize("problem", PUBLIC, ids=lambda p: p.describe())
+def test_every_backend_keeps_a_space_under_the_gate(sms, problem):
+    """Inductor drops every Triton GEMM below 68 SMs; gemmtune's spaces only change size."""
+    device = h100_with(sms)
+    tiled = get("triton_tiled").candidates(problem, device)
+    assert tiled and len(tiled) <= get("triton_tiled").space_size
+    if problem.m <= 64:
+        assert get("triton_splitk").candidates(problem, device)
+    elif problem.rows_aligned:
+        assert get("triton_persistent").candidates(problem, device)
+
+
+@pytest.mark.parametrize("problem", PUBLIC[:2], ids=lambda p: p.describe())
+def test_split_k_follows_the_sm_count(problem):
+    """Fewer SMs fill with fewer programs: the largest split kept never grows as SMs shrink,
+    and every split kept still fits in two waves' worth of programs."""
+    largest = []
+    for sms in SHARES:
+        configs = get("triton_splitk").candidates(problem, h100_with(sms))
+        assert all(c.split_k == 1 or c.programs(problem) // 2 < 2 * sms for c in configs)
+        largest.append(max(c.split_k for c in configs))
+    assert largest == sorted(largest)
+    assert largest[0] < largest[-1]
+
+
+def test_tiles_follow_the_sm_count():
+    """A 512x1024 output is 8 tiles of 128x256 (or 2048 of 16x16): with 16 or 38 SMs such large
+    tiles still fill the GPU, with 132 they would leave most SMs idle and are dropped."""
+    problem = Problem(512, 1024, 1024)
+    shapes = {sms: {(c.block_m, c.block_n) for c in get("triton_tiled").candidates(problem, h100_with(sms))}
+              for sms in SHARES}
+    assert shapes[132] < shapes[66] <= shapes[38] <= shapes[16]
+    assert (128, 256) in shapes[38] and (128, 256) not in shapes[132]
+
+
+def test_the_cost_model_and_the_persistent_grid_see_the_share():
+    from gemmtune import costmodel
+    from gemmtune.backends.triton_persistent import PersistentConfig, PersistentKernel
+
+    square = Problem(8192, 8192, 8192)
+    t38, t132 = (costmodel.tile_gemm_ms(square, h100_with(s), 128, 256, 64, 3) for s in (38, 132))
+    assert t38 / t132 > 2.0  # 3.5x fewer SMs; the model has the 132-SM case partly memory-bound
+    try:
+        kernel = PersistentKernel(square, PersistentConfig(128, 256, 64, 8, 8, 3), h100_with(38))
+    except ImportError:
+        pytest.skip("triton's tensor descriptors are not importable here")
+    assert kernel._sm_count == 38  # one program per SM the process sees

@@ -146,6 +146,8 @@ def _search_backend(name: str, problem: Problem, device: Device, options: TuneOp
     without a cost model (cuBLAS, the padded path: a config or two) are measured whole."""
     backend = backends.get(name)
     configs = backend.candidates(problem, device)
+    log.debug("%s: %d of its %d configs survive pruning for %s at %d SMs", name, len(configs),
+              backend.space_size, problem.describe(), device.sm_count)
     if not configs:
         return
     if backend.predict_ms(problem, device, configs[0]) is None:

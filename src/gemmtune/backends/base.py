@@ -31,6 +31,7 @@ class Kernel(Protocol):
 
 class Backend(Protocol):
     name: str
+    space_size: int  # configs in the backend's full table, before a device and problem prune it
 
     def is_available(self, device: "Device") -> bool: ...
 

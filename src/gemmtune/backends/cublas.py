@@ -36,6 +36,7 @@ def _mm(a, b, bias, out=None):
 
 class CublasBackend:
     name = "cublas"
+    space_size = 1
 
     def is_available(self, device: Device) -> bool:
         return True

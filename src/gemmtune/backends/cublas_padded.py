@@ -83,6 +83,7 @@ class PaddedKernel:
 
 class CublasPaddedBackend:
     name = "cublas_padded"
+    space_size = len(ALIGNS)
 
     def is_available(self, device: Device) -> bool:
         return triton_importable()  # the copies are a Triton kernel

@@ -133,6 +133,7 @@ class PersistentKernel:
 
 class TritonPersistentBackend:
     name = "triton_persistent"
+    space_size = len(TILES) * len(STAGE_CHOICES) * 2  # x warp specialization off/on
 
     def is_available(self, device: Device) -> bool:
         return triton_importable() and (device.interpreter or device.is_hopper)

@@ -214,6 +214,7 @@ class SplitKKernel:
 
 class TritonSplitKBackend:
     name = "triton_splitk"
+    space_size = (len(FMA_TILES) + len(DOT_TILES)) * len(SPLIT_K)
 
     def is_available(self, device: Device) -> bool:
         return triton_importable() and (device.interpreter or device.capability >= (7, 0))

@@ -138,6 +138,7 @@ class TiledKernel:
 
 class TritonTiledBackend:
     name = "triton_tiled"
+    space_size = len(TILES) * len(STAGE_CHOICES)
 
     def is_available(self, device: Device) -> bool:
         return triton_importable() and (device.interpreter or device.capability >= (7, 0))
