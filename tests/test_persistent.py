@@ -63,3 +63,23 @@ def test_untrusted_configs_are_rejected(data):
 def test_config_round_trips():
     config = PersistentConfig(128, 256, 64, 8, 8, 4, True)
     assert BACKEND.parse_config(config.as_dict()) == config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warp_specialize", [False, True])
+def test_on_hopper_the_matrix_instructions_are_hgmma(warp_specialize):
+    """The persistent kernel must use Hopper's warpgroup MMA (HGMMA in SASS), not the older
+    HMMA path that Ampere-style code compiles to."""
+    device = current()
+    if not device.is_hopper:
+        pytest.skip("a Hopper GPU is needed")
+    from triton.tools.disasm import get_sass
+
+    problem = Problem(256, 512, 512)
+    kernel = BACKEND.build(problem, PersistentConfig(128, 128, 64, 8, 4, 3, warp_specialize), device)
+    inputs = verify.make_inputs(problem, "cuda", seed=0)
+    assert verify.rel_err(kernel(inputs.a, inputs.b, None), inputs.reference) < verify.tolerance(problem)
+    assert "wgmma.mma_async" in kernel.compiled.asm["ptx"]
+    sass = get_sass(kernel.compiled.asm["cubin"])
+    assert "HGMMA" in sass and "HMMA" not in sass.replace("HGMMA", "")
+    assert kernel.compiled.n_spills == 0

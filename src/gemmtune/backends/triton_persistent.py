@@ -123,8 +123,9 @@ class PersistentKernel:
         c_desc = self._descriptor(result, [m, n], [result.stride(0), 1], [c.block_m, c.block_n])
         tiles = -(-m // c.block_m) * -(-n // c.block_n)
         programs = min(self._sm_count, tiles)
-        self._kernel[(programs,)](a_desc, b_desc, c_desc, result if bias is None else bias, m, n, k, programs,
-                                  HAS_BIAS=bias is not None, **self._constexprs)
+        # The compiled kernel is kept for inspection: its SASS, registers and spills.
+        self.compiled = self._kernel[(programs,)](a_desc, b_desc, c_desc, result if bias is None else bias,
+                                                  m, n, k, programs, HAS_BIAS=bias is not None, **self._constexprs)
         if out is not None and result is not out:
             out.copy_(result)
             return out
