@@ -101,6 +101,15 @@ def _parser() -> argparse.ArgumentParser:
     clear = cache_sub.add_parser("clear", help="delete stored choices and their trials")
     clear.add_argument("--device", help="only this device fingerprint")
     cache.set_defaults(run=_cache)
+
+    rep = sub.add_parser("report", help="a suite file as a Markdown table and a PNG (speedups, roofline)",
+                         description="Render a suite results file (benchmarks/results/suite-*.json): a Markdown "
+                                     "table with per-group geometric means, and a PNG with the speedup per shape "
+                                     "and a roofline. Written beside the file unless --out says where.")
+    rep.add_argument("results", type=Path, help="a suite JSON file")
+    rep.add_argument("--out", type=Path, help="directory for the .md and .png (default: beside RESULTS)")
+    rep.add_argument("--no-png", action="store_true", help="only the Markdown table (no matplotlib needed)")
+    rep.set_defaults(run=_report)
     return parser
 
 
@@ -224,6 +233,23 @@ def parse_budget(text: str | None) -> Budget:
         return Budget(trials=int(text))
     except ValueError as exc:
         raise ValueError(f"--budget {text!r}: expected a count (8) or seconds (2.5s); {exc}") from None
+
+
+def _report(args, console: Console) -> int:
+    from gemmtune import report
+
+    doc = report.read_suite(args.results)
+    out = args.out or args.results.parent
+    out.mkdir(parents=True, exist_ok=True)
+    markdown = out / (args.results.stem + ".md")
+    markdown.write_text(report.suite_markdown(doc))
+    written = [markdown]
+    if not args.no_png:
+        png = out / (args.results.stem + ".png")
+        report.suite_png(doc, png)
+        written.append(png)
+    console.print("\n".join(f"wrote {path}" for path in written))
+    return 0
 
 
 def _cache(args, console: Console) -> int:

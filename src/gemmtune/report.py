@@ -52,3 +52,110 @@ def trials_table(trials: Sequence[Trial]) -> Table:
                       f"{t.timing.spread:.1%}" if t.timing else "-",
                       f"{t.rel_err:.2e}" if t.rel_err is not None else "-", t.reason)
     return table
+
+
+# --- suite files (benchmarks/results/suite-*.json) ---------------------------------------------
+
+# Dense 16-bit tensor-core peaks (TFLOP/s) for the roofline's compute roof, by a name fragment of
+# the device; float32 with TF32 runs at half, IEEE float32 far lower (not drawn).
+PEAK_TFLOPS_16BIT = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "RTX 4090": 165.0}
+
+
+def read_suite(path) -> dict:
+    """A suite file, checked enough that a wrong file fails here with its name, not in a plot."""
+    import json
+    from pathlib import Path
+
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"report: cannot read {path}: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("kind") != "suite" or not isinstance(doc.get("rows"), list):
+        raise ValueError(f"report: {path} is not a suite file (expected kind 'suite' and a list of rows)")
+    return doc
+
+
+def suite_markdown(doc: dict) -> str:
+    """The suite as a Markdown table, one row per shape, with its geometric means by group."""
+    lines = [f"gemmtune suite on {doc.get('device', '?')} ({doc.get('sm_count', '?')} SMs), "
+             f"torch {doc.get('torch', '?')}, triton {doc.get('triton', '?')}, {doc.get('date', '?')}", "",
+             "| shape | group | M x N x K | dtype | cuBLAS ms | gemmtune ms | speedup | inductor ms | choice | tune s |",
+             "|---|---|---|---|---:|---:|---:|---:|---|---:|"]
+    for r in doc["rows"]:
+        lines.append(f"| {r['name']} | {r.get('group', '')} | {r['m']}x{r['n']}x{r['k']} | {r['dtype']} | "
+                     f"{_num(r.get('cublas_ms'))} | {_num(r.get('gemmtune_ms'))} | {_num(r.get('speedup'), 2)}x | "
+                     f"{_num(r.get('inductor_ms'))} | `{r.get('choice', '')}` | {_num(r.get('tune_s'), 1)} |")
+    lines += ["", "| group | shapes | geomean speedup | min speedup |", "|---|---:|---:|---:|"]
+    for group, speedups in _by_group(doc["rows"]).items():
+        lines.append(f"| {group} | {len(speedups)} | {_geomean(speedups):.3f}x | {min(speedups):.3f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def suite_png(doc: dict, path) -> None:
+    """Two panels: speedup over cuBLAS per shape (gemmtune and inductor), and a roofline of the
+    achieved TFLOP/s against arithmetic intensity under the device's copy bandwidth."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("report: the PNG needs matplotlib (pip install matplotlib); "
+                           "the Markdown table does not") from None
+    rows = doc["rows"]
+    fig, (bars, roof) = plt.subplots(1, 2, figsize=(16, 6), gridspec_kw={"width_ratios": [3, 2]})
+    x = range(len(rows))
+    bars.bar(x, [r["speedup"] for r in rows], color="tab:blue", label="gemmtune")
+    inductor = [(i, r["cublas_ms"] / r["inductor_ms"]) for i, r in enumerate(rows) if r.get("inductor_ms")]
+    if inductor:
+        bars.scatter(*zip(*inductor), color="tab:orange", marker="D", zorder=3, label="inductor max-autotune")
+    bars.axhline(1.0, color="black", linewidth=0.8)
+    bars.set_xticks(list(x), [r["name"] for r in rows], rotation=75, fontsize=7)
+    bars.set_ylabel("speedup over cuBLAS (1 = cuBLAS)")
+    bars.legend()
+    bars.set_title(f"{doc.get('device', '')}: gemmtune vs cuBLAS, same process")
+    _roofline(roof, doc)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _roofline(ax, doc: dict) -> None:
+    intensity, tflops = [], []
+    for r in doc["rows"]:
+        bytes_moved = (r["m"] * r["k"] + r["n"] * r["k"] + r["m"] * r["n"]) * (4 if r["dtype"] == "float32" else 2)
+        flops = 2.0 * r["m"] * r["n"] * r["k"]
+        intensity.append(flops / bytes_moved)
+        tflops.append(flops / (r["gemmtune_ms"] * 1e-3) / 1e12)
+    ax.scatter(intensity, tflops, color="tab:blue", zorder=3)
+    lo, hi = min(intensity) / 2, max(intensity) * 2
+    if doc.get("copy_tbps"):
+        ax.plot([lo, hi], [lo * doc["copy_tbps"], hi * doc["copy_tbps"]], "k--", linewidth=0.8,
+                label=f"copy bandwidth {doc['copy_tbps']:.2f} TB/s")
+    peak = next((v for name, v in PEAK_TFLOPS_16BIT.items() if name in doc.get("device", "")), None)
+    if peak:
+        ax.axhline(peak, color="gray", linewidth=0.8, label=f"16-bit dense peak {peak:.0f} TFLOP/s")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP per byte, each operand read once)")
+    ax.set_ylabel("achieved TFLOP/s (gemmtune)")
+    ax.set_title("roofline")
+    ax.legend(fontsize=8)
+
+
+def _by_group(rows) -> dict[str, list[float]]:
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        if r.get("speedup"):
+            groups.setdefault(r.get("group") or "-", []).append(r["speedup"])
+    return groups
+
+
+def _geomean(values) -> float:
+    import math
+
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def _num(value, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"

@@ -1,0 +1,52 @@
+"""`gemmtune report`: a suite file as a Markdown table and a PNG."""
+
+import json
+
+import pytest
+
+from gemmtune import report
+from gemmtune.cli import main
+
+SUITE = {
+    "kind": "suite", "device": "NVIDIA H200", "sm_count": 132, "torch": "2.11", "triton": "3.6.0",
+    "date": "2026-11-22", "copy_tbps": 4.2,
+    "rows": [
+        {"name": "qkv.m1", "group": "decode", "m": 1, "n": 6144, "k": 4096, "dtype": "bfloat16",
+         "cublas_ms": 0.023, "gemmtune_ms": 0.015, "speedup": 0.023 / 0.015, "inductor_ms": 0.019,
+         "choice": "triton_splitk(SPLIT_K=4)", "tune_s": 1.2},
+        {"name": "odd-4k", "group": "misaligned", "m": 4095, "n": 4097, "k": 4095, "dtype": "bfloat16",
+         "cublas_ms": 0.9, "gemmtune_ms": 0.2, "speedup": 4.5, "inductor_ms": None, "choice": "cublas_padded",
+         "tune_s": 3.0},
+        {"name": "qkv.m16", "group": "decode", "m": 16, "n": 6144, "k": 4096, "dtype": "float32",
+         "cublas_ms": 0.03, "gemmtune_ms": 0.03, "speedup": 1.0, "choice": "cublas", "tune_s": None},
+    ],
+}
+
+
+def test_markdown_has_every_row_and_group_geomeans():
+    text = report.suite_markdown(SUITE)
+    assert "NVIDIA H200 (132 SMs)" in text and "| odd-4k | misaligned | 4095x4097x4095 |" in text
+    assert "| 4.50x |" in text and "`triton_splitk(SPLIT_K=4)`" in text
+    decode = (0.023 / 0.015 * 1.0) ** 0.5
+    assert f"| decode | 2 | {decode:.3f}x | 1.000x |" in text
+    assert "| 0.0190 |" in text and "| - |" in text  # a missing inductor time or tune time reads '-'
+
+
+def test_the_cli_writes_both_files_beside_the_results(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "suite-h200-20261122.json"
+    path.write_text(json.dumps(SUITE))
+    assert main(["report", str(path)]) == 0
+    png = (tmp_path / "suite-h200-20261122.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert (tmp_path / "suite-h200-20261122.md").read_text() == report.suite_markdown(SUITE)
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_a_file_that_is_not_a_suite_is_refused(tmp_path):
+    path = tmp_path / "dispatch.json"
+    path.write_text(json.dumps({"kind": "dispatch", "rows": []}))
+    with pytest.raises(ValueError, match="not a suite file"):
+        report.read_suite(path)
+    with pytest.raises(ValueError, match="cannot read"):
+        report.read_suite(tmp_path / "missing.json")
