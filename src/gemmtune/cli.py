@@ -102,6 +102,24 @@ def _parser() -> argparse.ArgumentParser:
     clear.add_argument("--device", help="only this device fingerprint")
     cache.set_defaults(run=_cache)
 
+    cmp = sub.add_parser("compare", help="a model in eager, each torch.compile mode and gemmtune, side by side",
+                         description="Run one model in eager mode, under each torch.compile mode and through "
+                                     "gemmtune (with and without a CUDA graph) in one process: setup time from cold, "
+                                     "GPU time, host time per call and the error against float64. Writes the "
+                                     "'compare' results file and a PNG chart. Without a GPU only eager and gemmtune "
+                                     "run, and their timings are CPU timings.")
+    cmp.add_argument("--model", default="seed-mlp",
+                     help="seed-mlp (Linear 1024->1024, ReLU, Linear; default) or package.module:factory")
+    cmp.add_argument("--input-shape", default="256,1024", metavar="B,F",
+                     help="the input's shape, comma-separated (default 256,1024)")
+    cmp.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    cmp.add_argument("--modes", nargs="+", default=None, metavar="MODE",
+                     help="modes to run (default all): eager, default, reduce-overhead, max-autotune, "
+                          "max-autotune-no-cudagraphs, gemmtune, gemmtune+cudagraph")
+    cmp.add_argument("--out", type=Path, default=Path("compare.json"), help="results file (default compare.json)")
+    cmp.add_argument("--no-png", action="store_true", help="skip the chart (written beside --out otherwise)")
+    cmp.set_defaults(run=_compare)
+
     rep = sub.add_parser("report", help="a suite file as a Markdown table and a PNG (speedups, roofline)",
                          description="Render a suite results file (benchmarks/results/suite-*.json): a Markdown "
                                      "table with per-group geometric means, and a PNG with the speedup per shape "
@@ -233,6 +251,44 @@ def parse_budget(text: str | None) -> Budget:
         return Budget(trials=int(text))
     except ValueError as exc:
         raise ValueError(f"--budget {text!r}: expected a count (8) or seconds (2.5s); {exc}") from None
+
+
+def _compare(args, console: Console) -> int:
+    import torch
+    from rich.table import Table
+
+    from gemmtune import compare
+
+    try:
+        shape = tuple(int(v) for v in args.input_shape.split(","))
+    except ValueError:
+        raise ValueError(f"--input-shape {args.input_shape!r}: expected sizes separated by commas, e.g. 256,1024") from None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        console.print("[yellow]No CUDA GPU: only eager and gemmtune run, and their timings are CPU timings, "
+                      "NOT GPU timings.[/yellow]")
+    if args.dtype == "float32":
+        torch.set_float32_matmul_precision("high")  # the seeds' advice, for every mode alike
+    model = compare.load_model(args.model, features=shape[-1])
+    x = torch.randn(shape, device=device, dtype=compare.DTYPES[args.dtype])
+    table = Table(title=f"gemmtune compare: {args.model}, {args.dtype}, input {list(shape)}")
+    for column in ("mode", "setup s", "GPU ms", "host µs/call", "rel err"):
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    rows = compare.run(model, x, tuple(args.modes or compare.MODES),
+                       on_row=lambda r: console.print(f"{r.mode}: {r.host_us_per_call:.1f} µs/call", style="dim"))
+    for r in rows:
+        table.add_row(r.mode, f"{r.setup_s:.2f}", "-" if r.gpu_ms is None else f"{r.gpu_ms:.4f}",
+                      f"{r.host_us_per_call:.1f}", f"{r.max_rel_err:.1e}")
+    console.print(table)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    doc = compare.document(rows, model=args.model, dtype=args.dtype, input_shape=shape, device=name)
+    args.out.write_text(json.dumps(doc, indent=1))
+    console.print(f"wrote {args.out}")
+    if not args.no_png:
+        png = args.out.with_suffix(".png")
+        compare.chart(doc, png)
+        console.print(f"wrote {png}")
+    return 0
 
 
 def _report(args, console: Console) -> int:

@@ -1,0 +1,38 @@
+"""`gemmtune compare` on the CPU: eager and gemmtune only, the compare file and its chart."""
+
+import json
+
+import pytest
+import torch
+
+from gemmtune import compare
+from gemmtune.cli import main
+
+
+def test_cpu_runs_eager_and_gemmtune_only():
+    torch.manual_seed(0)
+    rows = compare.run(compare.seed_mlp(32), torch.randn(4, 32), calls=5)
+    assert [r.mode for r in rows] == ["eager", "gemmtune"]
+    assert all(r.gpu_ms is None and r.host_us_per_call > 0 and r.max_rel_err < 1e-5 for r in rows)
+
+
+def test_the_cli_writes_the_compare_file(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "compare-cpu.json"
+    assert main(["compare", "--input-shape", "8,64", "--dtype", "float32", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "compare" and doc["model"] == "seed-mlp" and doc["input_shape"] == [8, 64]
+    assert doc["gpu_timings"] is False and [r["mode"] for r in doc["rows"]] == ["eager", "gemmtune"]
+    assert set(doc["rows"][0]) == {"mode", "setup_s", "gpu_ms", "host_us_per_call", "max_rel_err"}
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert "NOT GPU timings" in capsys.readouterr().out
+
+
+def test_models_are_named_clearly():
+    assert isinstance(compare.load_model("torch.nn:Identity"), torch.nn.Identity)
+    with pytest.raises(ValueError, match="package.module:factory"):
+        compare.load_model("resnet")
+    with pytest.raises(TypeError, match="not a torch.nn.Module"):
+        compare.load_model("builtins:dict")
+    with pytest.raises(ValueError, match="mode 'turbo' is unknown"):
+        compare.run(compare.seed_mlp(8), torch.randn(2, 8), ("turbo",))
