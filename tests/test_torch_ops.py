@@ -95,3 +95,26 @@ def test_on_the_gpu_tuned_forward_and_backward_match_float64(act):
     assert verify.rel_err(out.detach(), ref.detach()) < 1e-2
     for mine, theirs in ((x.grad, x64.grad), (w.grad, w64.grad), (b.grad, b64.grad)):
         assert verify.rel_err(mine, theirs) < 2e-2
+
+
+def test_compiling_the_public_functions_keeps_the_ops_whole():
+    """torch.compile must not trace into the dispatcher (its dict, its launchers): under
+    compilation gemmtune.linear and gemmtune.matmul emit the custom ops."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    w, w2 = torch.randn(4, 16), torch.randn(4, 3)
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def model(x):
+        return gemmtune.matmul(gemmtune.linear(x, w, activation="silu"), w2)
+
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        out = model(x)
+    assert torch.allclose(out, F.silu(F.linear(x, w)) @ w2, rtol=1e-5, atol=1e-6)
+    (graph,) = graphs
+    assert "gemmtune.linear" in graph and "gemmtune.mm" in graph

@@ -4,8 +4,10 @@ What falls back to torch (documented, never a wrong result): tensors not on a CU
 dtypes other than float16/bfloat16/float32, a zero-size dimension, a store miss during
 CUDA-graph capture (no tuning while capturing), and for ``matmul`` operands that are not both
 2-D (``torch.matmul``'s broadcasting rules apply). Everything else that is malformed raises an
-error naming the argument. Inputs that require a gradient go through gemmtune's custom ops
-(``gemmtune.torch_ops``), whose backward GEMMs are gemmtune's too.
+error naming the argument. Inputs that require a gradient, and calls that torch.compile traces,
+go through gemmtune's custom ops (``gemmtune.torch_ops``): autograd differentiates them (their
+backward GEMMs are gemmtune's too) and the compiler keeps them whole instead of tracing into
+the dispatcher.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"matmul: a is {tuple(a.shape)} and b is {tuple(b.shape)}; a.shape[1] must equal b.shape[0]")
     _require_same("b", b, a)
-    if _needs_grad(a, b):
+    if _needs_grad(a, b) or torch.compiler.is_compiling():
         from gemmtune import torch_ops
 
         return torch_ops.mm(a, b)
@@ -114,7 +116,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if bias.shape != (n,):
             raise ValueError(f"linear: bias must have shape ({n},), got {tuple(bias.shape)}")
         _require_same("bias", bias, x)
-    if _needs_grad(x, weight, bias):
+    if _needs_grad(x, weight, bias) or torch.compiler.is_compiling():
         from gemmtune import torch_ops
 
         return torch_ops.linear(x, weight, bias, act)
