@@ -1,0 +1,192 @@
+"""A real model end to end: a transformers Llama built from a config with random weights (nothing
+downloaded), run in eager mode, through gemmtune, with the decode step as a CUDA graph
+(static KV cache + torch.compile "reduce-overhead") with and without gemmtune, and under
+max-autotune. Prefill latency (1 x prompt tokens) and decode tokens/s (batch 1 and 16), each
+mode's 32 teacher-forced decode logits checked against eager's. Writes the ``model`` file of
+RESULTS.md.
+
+    PYTHONPATH=src python3 benchmarks/model.py --out model.json [--layers 8] [--modes ...]
+    PYTHONPATH=src python3 benchmarks/model.py --tiny --out /tmp/m.json   # a 2-layer smoke run, CPU too
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MODES = ("eager", "reduce-overhead", "max-autotune", "gemmtune", "gemmtune+reduce-overhead")
+COMPILED = {"reduce-overhead": "reduce-overhead", "max-autotune": "max-autotune",
+            "gemmtune+reduce-overhead": "reduce-overhead"}
+
+
+def build(layers: int, tiny: bool, device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if tiny:
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
+    else:  # Llama-3-8B's width, fewer layers
+        config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                             num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                             max_position_embeddings=8192, rope_theta=500000.0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return model.to(dtype).eval(), config
+
+
+class Runner:
+    """One mode's prefill and decode calls on one model."""
+
+    def __init__(self, model, config, mode: str, max_len: int) -> None:
+        self.model, self.config, self.mode, self.max_len = model, config, mode, max_len
+        forward = model.forward
+        if mode in COMPILED:
+            torch._dynamo.reset()
+            forward = torch.compile(model.forward, mode=COMPILED[mode], fullgraph=mode != "max-autotune")
+        self.forward = forward
+
+    def prefill(self, ids):
+        return self.forward(input_ids=ids, use_cache=False).logits
+
+    def decode(self, prompt, steps):
+        """Teacher-forced decode: the prompt into a static cache, then ``steps`` given tokens one
+        at a time; the logits of each step (B, steps, vocab) and the seconds the steps took."""
+        from transformers import StaticCache
+
+        batch, length = prompt.shape
+        cache = StaticCache(config=self.config, max_cache_len=self.max_len)
+        positions = torch.arange(length, device=prompt.device)
+        self.model(input_ids=prompt, past_key_values=cache, cache_position=positions, use_cache=True)
+        forced = torch.randint(0, self.config.vocab_size, (batch, steps), device=prompt.device,
+                               generator=torch.Generator(prompt.device).manual_seed(1))
+        logits = []
+        _sync(prompt)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            position = torch.tensor([length + i], device=prompt.device)
+            out = self.forward(input_ids=forced[:, i:i + 1], past_key_values=cache, cache_position=position,
+                               use_cache=True).logits
+            logits.append(out[:, -1].float().clone())
+        _sync(prompt)
+        return torch.stack(logits, 1), time.perf_counter() - t0
+
+
+def _sync(t):
+    if t.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def tune_with_gemmtune(model, runner_inputs, runner) -> float:
+    """gemmtune.optimize, then record one prefill and a few decode steps per batch and tune every
+    GEMM seen; the seconds it took."""
+    import gemmtune
+
+    t0 = time.perf_counter()
+    gemmtune.optimize(model)
+    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
+        path = Path(tmp) / "gemms.json"
+        with gemmtune.record(path):
+            runner.prefill(runner_inputs["prefill"])
+            for prompt in runner_inputs["decode"]:
+                runner.decode(prompt, 2)
+        from gemmtune import shapes
+
+        problems = [named.problem for named in shapes.load(path)]
+        if torch.cuda.is_available():
+            gemmtune.tune(problems)
+    return time.perf_counter() - t0
+
+
+def measure(runner, inputs, steps: int, reference: dict | None, setup_s: float) -> list[dict]:
+    rows = []
+    with torch.no_grad():
+        ids = inputs["prefill"]
+        for _ in range(2):
+            runner.prefill(ids)  # compiles (under torch.compile) and warms up
+        times = []
+        for _ in range(5):
+            _sync(ids)
+            t0 = time.perf_counter()
+            runner.prefill(ids)
+            _sync(ids)
+            times.append((time.perf_counter() - t0) * 1e3)
+        rows.append({"phase": "prefill", "batch": ids.shape[0], "tokens": ids.shape[1], "mode": runner.mode,
+                     "latency_ms": statistics.median(times), "setup_s": setup_s})
+        for prompt in inputs["decode"]:
+            runner.decode(prompt, 3)  # compiles and captures the step's graph
+            logits, seconds = runner.decode(prompt, steps)
+            batch = prompt.shape[0]
+            err = None
+            if reference is not None:
+                ref = reference[batch]
+                err = float((logits - ref).norm() / ref.norm())
+            else:
+                reference_store = inputs.setdefault("reference", {})
+                reference_store[batch] = logits
+                err = 0.0
+            rows.append({"phase": "decode", "batch": batch, "mode": runner.mode,
+                         "tokens_per_s": batch * steps / seconds, "max_rel_err": err, "setup_s": setup_s})
+            print(f"{runner.mode:26s} decode b={batch:3d}: {batch * steps / seconds:9.1f} tokens/s  "
+                  f"rel err {err:.2e}", flush=True)
+    print(f"{runner.mode:26s} prefill: {rows[0]['latency_ms']:.2f} ms", flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=2048, help="prefill tokens (batch 1)")
+    parser.add_argument("--decode-prompt", type=int, default=128, help="prompt length before decoding")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--steps", type=int, default=32, help="teacher-forced decode steps timed and checked")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model: a smoke run")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        print("no CUDA GPU: eager and gemmtune only, CPU timings (NOT GPU timings)", file=sys.stderr)
+        args.modes = [m for m in args.modes if m in ("eager", "gemmtune")]
+    os.environ.setdefault("GEMMTUNE_CACHE_DIR", tempfile.mkdtemp(prefix="gemmtune-model-"))
+    model, config = build(args.layers, args.tiny, device)
+    gen = torch.Generator(device).manual_seed(0)
+    inputs = {"prefill": torch.randint(0, config.vocab_size, (1, args.prompt), device=device, generator=gen),
+              "decode": [torch.randint(0, config.vocab_size, (b, args.decode_prompt), device=device, generator=gen)
+                         for b in args.batches]}
+    max_len = args.decode_prompt + args.steps + 8
+    doc = {"kind": "model", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+           "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+           "model": f"llama (random weights, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+                    f"intermediate {config.intermediate_size}, vocab {config.vocab_size})",
+           "gpu_timings": device == "cuda", "rows": []}
+    order = ["eager"] + [m for m in args.modes if m != "eager"]  # eager first: the reference logits
+    for mode in order:
+        runner = Runner(model, config, mode, max_len)
+        setup_s = 0.0
+        if mode.startswith("gemmtune") and not getattr(model, "_gemmtune_tuned", False):
+            setup_s = tune_with_gemmtune(model, inputs, Runner(model, config, "eager", max_len))
+            model._gemmtune_tuned = True
+            runner = Runner(model, config, mode, max_len)
+        t0 = time.perf_counter()
+        rows = measure(runner, inputs, args.steps, inputs.get("reference"), setup_s)
+        if mode in COMPILED:
+            for row in rows:  # the compile happened inside the first calls
+                row["setup_s"] = setup_s + time.perf_counter() - t0
+        doc["rows"] += rows
+        args.out.write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
