@@ -30,6 +30,16 @@ def test_markdown_has_every_row_and_group_geomeans():
     decode = (0.023 / 0.015 * 1.0) ** 0.5
     assert f"| decode | 2 | {decode:.3f}x | 1.000x |" in text
     assert "| 0.0190 |" in text and "| - |" in text  # a missing inductor time or tune time reads '-'
+    assert "- tuning from cold: median 2.10 s, max 3.0 s per shape" in text
+
+
+def test_the_summary_reads_exhaustive_search_and_warm_tuning():
+    rows = [dict(r, tune_s_warm=0.2, exhaustive_ms=r["gemmtune_ms"] * f, exhaustive_in_topk=f == 1.0)
+            for r, f in zip(SUITE["rows"], (1.0, 0.9, 1.0))]
+    lines = report.tuning_summary(rows)
+    assert "warm: median 0.20 s" in lines[0]
+    assert lines[-1] == ("- the choice within 2% of exhaustive search on 2 of 3 shapes; "
+                         "the default strategy measured the exhaustive winner on 2 of 3")
 
 
 def test_the_cli_writes_both_files_beside_the_results(tmp_path, capsys):
