@@ -21,3 +21,12 @@ def pytest_collection_modifyitems(config, items):
 def _isolated_store(tmp_path, monkeypatch):
     """No test writes to the user's real cache directory."""
     monkeypatch.setenv("GEMMTUNE_CACHE_DIR", str(tmp_path / "gemmtune-cache"))
+
+
+@pytest.fixture(autouse=True)
+def _float32_precision():
+    """No test leaks torch's global float32 matmul precision into the next (float32 problems are
+    keyed by it)."""
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)

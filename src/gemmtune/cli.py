@@ -267,15 +267,19 @@ def _compare(args, console: Console) -> int:
     if device == "cpu":
         console.print("[yellow]No CUDA GPU: only eager and gemmtune run, and their timings are CPU timings, "
                       "NOT GPU timings.[/yellow]")
-    if args.dtype == "float32":
-        torch.set_float32_matmul_precision("high")  # the seeds' advice, for every mode alike
     model = compare.load_model(args.model, features=shape[-1])
     x = torch.randn(shape, device=device, dtype=compare.DTYPES[args.dtype])
     table = Table(title=f"gemmtune compare: {args.model}, {args.dtype}, input {list(shape)}")
     for column in ("mode", "setup s", "GPU ms", "host µs/call", "rel err"):
         table.add_column(column, justify="left" if column == "mode" else "right")
-    rows = compare.run(model, x, tuple(args.modes or compare.MODES),
-                       on_row=lambda r: console.print(f"{r.mode}: {r.host_us_per_call:.1f} µs/call", style="dim"))
+    before = torch.get_float32_matmul_precision()
+    if args.dtype == "float32":
+        torch.set_float32_matmul_precision("high")  # the seeds' advice, for every mode alike
+    try:
+        rows = compare.run(model, x, tuple(args.modes or compare.MODES),
+                           on_row=lambda r: console.print(f"{r.mode}: {r.host_us_per_call:.1f} µs/call", style="dim"))
+    finally:
+        torch.set_float32_matmul_precision(before)
     for r in rows:
         table.add_row(r.mode, f"{r.setup_s:.2f}", "-" if r.gpu_ms is None else f"{r.gpu_ms:.4f}",
                       f"{r.host_us_per_call:.1f}", f"{r.max_rel_err:.1e}")
