@@ -168,8 +168,10 @@ def _falls_back(*tensors) -> bool:
     return any(t is not None and t.numel() == 0 for t in tensors)
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def _needs_grad(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    if not torch.is_grad_enabled():  # inference under no_grad: one call, no attribute reads
+        return False
+    return a.requires_grad or b.requires_grad or (bias is not None and bias.requires_grad)
 
 
 def _require_tensor(name: str, value) -> None:
