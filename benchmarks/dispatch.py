@@ -2,6 +2,12 @@
 one synchronous loop each, same process: the ``dispatch`` file of RESULTS.md.
 
     PYTHONPATH=src python3 benchmarks/dispatch.py --out dispatch.json
+
+The file's ``launch`` rows time the ways a compiled Triton kernel can be launched, on 16x16x16
+(the measurement behind the lean hot path's design): the tiled kernel's wrapper (argument setup,
+then Triton's JIT launch), the JIT launch with arguments prepared once (binder, cache key,
+launch), the saved CompiledKernel's runner (no binder, no cache lookup), and its raw launcher
+with every argument prepared once. Each is checked against F.linear before it is timed.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ import torch.nn.functional as F
 import triton
 
 import gemmtune
+from gemmtune.backends.triton_tiled import BACKEND, TiledConfig
 from gemmtune.device import current
+from gemmtune.kernels.tiled import tiled_matmul
+from gemmtune.problem import Problem
 
 SHAPES = ((16, 16, 16), (1, 256, 256), (256, 1024, 1024))
 
@@ -59,9 +68,46 @@ def main() -> int:
             print(f"{m}x{n}x{k}: F.linear {torch_us:.2f} us, gemmtune.linear {ours_us:.2f} us "
                   f"(x{ours_us / torch_us:.2f}) [{choice}]", flush=True)
     doc = {"kind": "dispatch", "device": current().name, "torch": torch.__version__, "triton": triton.__version__,
-           "gemmtune": gemmtune.__version__, "date": datetime.date.today().isoformat(), "rows": rows}
+           "gemmtune": gemmtune.__version__, "date": datetime.date.today().isoformat(), "rows": rows,
+           "launch": launch_rows(args.calls)}
     args.out.write_text(json.dumps(doc, indent=1))
     return 0
+
+
+def launch_rows(calls: int) -> list[dict]:
+    m = n = k = 16
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    wrapper = BACKEND.build(Problem(m, n, k), TiledConfig(16, 16, 16, 8, 1, 1), current())
+    consts = dict(wrapper._constexprs, HAS_BIAS=False)
+    params = (x, w, out, out, m, n, k, x.stride(0), x.stride(1), w.stride(1), w.stride(0), out.stride(0), out.stride(1))
+    compiled = tiled_matmul[(1,)](*params, **consts)
+    runner = compiled[(1,)]
+    values = dict(zip(tiled_matmul.arg_names, params)) | consts  # the raw launcher: every parameter, in order
+    ordered = [values[name] for name in tiled_matmul.arg_names]
+    stream = torch.cuda.current_stream().cuda_stream
+    compiled._init_handles()
+    raw = compiled.run
+    ways = {
+        "F.linear": lambda: F.linear(x, w),
+        "TiledKernel": lambda: wrapper(x, w, None, out=out),
+        "jit[grid]": lambda: tiled_matmul[(1,)](*params, **consts),
+        "compiled[grid]": lambda: runner(*ordered),
+        "compiled.run": lambda: raw(1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                                    *ordered),
+    }
+    expected = F.linear(x, w).float()
+    rows = []
+    for name, fn in ways.items():
+        out.fill_(float("nan"))
+        result = fn()
+        torch.cuda.synchronize()
+        ok = torch.allclose((result if name == "F.linear" else out).float(), expected, rtol=2e-2, atol=2e-2)
+        us = min(loop_us(fn, calls) for _ in range(3))
+        rows.append({"way": name, "host_us_per_call": us, "correct": bool(ok)})
+        print(f"launch {name:16s} {us:7.2f} us/call{'' if ok else '  WRONG RESULT'}", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

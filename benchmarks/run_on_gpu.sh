@@ -19,7 +19,6 @@ rm -rf "$out" && mkdir -p "$out"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee "$out/gpu.txt"
 OUT=$out bash benchmarks/gpu_tests.sh 2>&1 | tee "$out/tests.txt"
 python3 benchmarks/dispatch.py --out "$out/dispatch.json" 2>&1 | grep -v "^gemmtune: tuned"
-python3 benchmarks/launch.py --out "$out/launch.json" 2>&1 | tee "$out/launch.log"
 python3 benchmarks/suite.py "$@" --out "$out/suite.json" 2>&1 \
   | grep -E "^(llama|blog|odd|square|lm_head|skinny|deadline)|Error" | tee "$out/suite.log"
 python3 benchmarks/buckets.py --out "$out/buckets.json" 2>&1 | grep -v "^gemmtune: tuned" | tee "$out/buckets.log"
