@@ -160,3 +160,15 @@ def test_the_runner_loads_what_the_pool_compiled(tmp_path):
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["pool"] == ["ok", "ok"] and report["runner"] == ["ok", "ok"]
     assert len(report["before"]) >= 2 and report["after"] == report["before"]
+
+
+def test_processes_started_in_the_background_serve_the_next_compile(tmp_path):
+    pool = compiler.CompilePool(workers=2)
+    try:
+        pool.start_in_background()
+        done = pool.compile(PROBLEM, [("triton_tiled", TILED[0])], str(tmp_path), interpreter=True)
+        assert [d.status for d in done] == [Status.OK] and pool._executor is not None
+        pool.start_in_background()  # already running: nothing happens
+    finally:
+        pool.close()
+    assert pool._executor is None

@@ -69,11 +69,34 @@ class CompilePool:
             if self._idle is not None:
                 self._idle.cancel()
             done = self._run(problem, fresh, triton_cache_dir, interpreter)
-            self._idle = threading.Timer(IDLE_CLOSE_S, self.close)
-            self._idle.daemon = True
-            self._idle.start()
+            self._arm_idle_timer()
         self._compiled.update(self._key(problem, d.backend, d.config) for d in done if d.status is Status.OK)
         return done
+
+    def start_in_background(self) -> None:
+        """Start the processes now, on a thread, so that their start (importing torch in the
+        fork server, a CUDA context each) overlaps other work; ``compile`` waits for it."""
+        if self.workers >= 1 and self._executor is None:
+            threading.Thread(target=self._warm, name="gemmtune-compile-pool", daemon=True).start()
+
+    def _warm(self) -> None:
+        with self._lock:
+            if self._idle is not None:
+                self._idle.cancel()
+            executor = self._start()
+            with main_hidden():
+                futures = [executor.submit(os.getpid) for _ in range(self.workers)]
+            try:
+                for future in futures:
+                    future.result()
+            except BrokenProcessPool:
+                self._shutdown()
+            self._arm_idle_timer()
+
+    def _arm_idle_timer(self) -> None:
+        self._idle = threading.Timer(IDLE_CLOSE_S, self.close)
+        self._idle.daemon = True
+        self._idle.start()
 
     def _run(self, problem, candidates, triton_cache_dir, interpreter) -> list[Compiled]:
         executor = self._start()

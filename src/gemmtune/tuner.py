@@ -57,6 +57,8 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
     started = time.perf_counter()
     runner = runner or LocalRunner(device)
     seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(4), "little")
+    if options.compile_ahead and not device.interpreter:
+        compiler.shared_pool().start_in_background()  # overlaps the runner's start
     runner.start(problem, seed)
     names = [name for name in options.backends or backends.names() if backends.get(name).is_available(device)]
     failed_ahead = _compile_ahead(problem, device, options, names, runner)
