@@ -25,6 +25,10 @@ L2_OVER_DRAM = 2.5
 LAUNCH_MS = 0.003
 REFERENCE_INTENSITY = 128 * 256 / (128 + 256)  # a 128x256 tile's flops per byte loaded, relative
 MISALIGNED_PENALTY = 2.0  # measured: tiled on 4095x4097x4095 ran 2.1x below cuBLAS (NOTES step 1)
+# A grid streams no faster than the bytes its pipelines keep in flight over the memory latency:
+# fitted to the tiled trials of qkv decode on the H200, where 4.7 and 6.3 MB in flight read the
+# weights at 1.6 and 1.9 TB/s (NOTES step 10). Large grids keep far more in flight than needed.
+LATENCY_S = 3.3e-6
 
 
 def matrix_flops(problem: Problem, device: Device) -> float:
@@ -54,7 +58,9 @@ def tile_gemm_ms(problem: Problem, device: Device, block_m: int, block_n: int, b
     compute_s = waves * 2 * block_m * block_n * k_padded / (per_sm_flops * efficiency)
     es = problem.element_size
     reread = (problem.m * problem.k * tiles_n + problem.n * problem.k * tiles_m) * es
-    memory_s = reread / (dram_bytes_per_s(device) * L2_OVER_DRAM) + problem.min_bytes / dram_bytes_per_s(device)
+    in_flight = min(tiles_m * tiles_n, device.sm_count) * num_stages * (block_m + block_n) * block_k * es
+    streaming = min(dram_bytes_per_s(device), in_flight / LATENCY_S)
+    memory_s = reread / (dram_bytes_per_s(device) * L2_OVER_DRAM) + problem.min_bytes / streaming
     total = max(compute_s, memory_s) * 1e3
     if not problem.rows_aligned:
         total *= MISALIGNED_PENALTY
