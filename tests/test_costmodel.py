@@ -41,9 +41,15 @@ def test_wave_quantization_and_tile_intensity_order_configs():
 
 def test_splitk_fills_the_gpu_before_it_splits_more():
     problem = Problem(1, 6144, 4096)
-    unsplit = costmodel.splitk_ms(problem, H200, 1, 64, 1)  # 96 programs on 132 SMs
-    split = costmodel.splitk_ms(problem, H200, 1, 64, 4)
+    unsplit = costmodel.splitk_ms(problem, H200, 1, 64, 1, 256, 3)  # 96 programs on 132 SMs
+    split = costmodel.splitk_ms(problem, H200, 1, 64, 4, 256, 3)
     assert split < unsplit
+
+
+def test_a_shallow_pipeline_streams_slower():
+    problem = Problem(1, 6144, 4096)
+    assert costmodel.splitk_ms(problem, H200, 1, 64, 4, 256, 1) > costmodel.splitk_ms(problem, H200, 1, 64, 4, 256, 3)
+    assert costmodel.tile_gemm_ms(problem, H200, 16, 64, 128, 3) > costmodel.tile_gemm_ms(problem, H200, 16, 64, 256, 4)
 
 
 def test_backends_without_a_model_say_so():

@@ -67,14 +67,17 @@ def tile_gemm_ms(problem: Problem, device: Device, block_m: int, block_n: int, b
     return total + LAUNCH_MS
 
 
-def splitk_ms(problem: Problem, device: Device, block_m: int, block_n: int, split_k: int) -> float:
-    """A split-K decode GEMM: the weights streamed once, at a rate set by how many SMs load."""
+def splitk_ms(problem: Problem, device: Device, block_m: int, block_n: int, split_k: int, block_k: int,
+              num_stages: int) -> float:
+    """A split-K decode GEMM: the weights streamed once, at a rate set by how many SMs load and
+    by the bytes their pipelines keep in flight (two resident programs per SM at most)."""
     es = problem.element_size
     programs = -(-problem.n // block_n) * split_k * -(-problem.m // block_m)
     fill = min(1.0, programs / (2 * device.sm_count))  # two programs per SM keep loads in flight
+    in_flight = min(programs, 2 * device.sm_count) * num_stages * (block_m + block_n) * block_k * es
+    streaming = min(dram_bytes_per_s(device) * fill, in_flight / LATENCY_S)
     weights = problem.n * problem.k * es
     workspace = 8 * split_k * problem.m * problem.n if split_k > 1 else 0
     activations = problem.m * problem.k * es * -(-problem.n // block_n)
-    memory_s = (weights + workspace) / (dram_bytes_per_s(device) * fill) + activations / (
-        dram_bytes_per_s(device) * L2_OVER_DRAM)
+    memory_s = (weights + workspace) / streaming + activations / (dram_bytes_per_s(device) * L2_OVER_DRAM)
     return memory_s * 1e3 + LAUNCH_MS

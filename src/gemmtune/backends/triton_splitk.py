@@ -226,7 +226,8 @@ class TritonSplitKBackend:
         return space(problem, device) if self.supports(problem) else []
 
     def predict_ms(self, problem: Problem, device: Device, config) -> float | None:
-        return costmodel.splitk_ms(problem, device, config.block_m, config.block_n, config.split_k)
+        return costmodel.splitk_ms(problem, device, config.block_m, config.block_n, config.split_k, config.block_k,
+                                   config.num_stages)
 
     def parse_config(self, data: Mapping) -> SplitKConfig:
         return config_from_mapping(self.name, data, _FIELDS, SplitKConfig)
