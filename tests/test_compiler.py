@@ -172,3 +172,14 @@ def test_processes_started_in_the_background_serve_the_next_compile(tmp_path):
     finally:
         pool.close()
     assert pool._executor is None
+
+
+def test_a_compile_past_the_time_limit_is_left_to_the_runner(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(compiler, "COMPILE_TIMEOUT_S", 0.01)
+    pool = compiler.CompilePool(workers=1)
+    try:
+        done = pool.compile(PROBLEM, [("triton_tiled", TILED[0]), ("triton_tiled", TILED[1])], str(tmp_path),
+                            interpreter=True)  # the pool's start alone takes longer than the limit
+        assert len(done) < 2 and pool._executor is None and "the runner will build" in caplog.text
+    finally:
+        pool.close()

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import TimeoutError as FuturesTimeout  # not the builtin one before Python 3.11
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ log = logging.getLogger("gemmtune.compiler")
 
 MAX_WORKERS = 8  # each holds a CUDA context (~0.5 GB of GPU memory) and one problem's operands
 IDLE_CLOSE_S = 30.0
+COMPILE_TIMEOUT_S = 120.0  # for one problem's candidates; what is not compiled by then the runner builds
 _PRELOAD = ["torch", "triton", "gemmtune.backends", "gemmtune.verify"]
 
 
@@ -105,11 +107,15 @@ class CompilePool:
                        for name, config in candidates]
         done = []
         try:
-            for future in as_completed(futures):
+            for future in as_completed(futures, timeout=COMPILE_TIMEOUT_S):
                 done.append(future.result())
         except BrokenProcessPool as exc:
             log.warning("a compile worker died (%s); the runner will build what it had not", exc)
             self._shutdown()
+        except FuturesTimeout:
+            log.warning("compiling ahead took over %.0f s; the runner will build the %d candidates left",
+                        COMPILE_TIMEOUT_S, len(futures) - len(done))
+            self._shutdown()  # its processes finish their current compile, then exit
         return done
 
     @staticmethod
