@@ -116,6 +116,8 @@ class CompilePool:
             log.warning("compiling ahead took over %.0f s; the runner will build the %d candidates left",
                         COMPILE_TIMEOUT_S, len(futures) - len(done))
             self._shutdown()  # its processes finish their current compile, then exit
+        if any(d.status is Status.LAUNCH_ERROR and "CUDA" in d.reason for d in done):
+            self._shutdown()  # a faulting kernel can leave its process's CUDA context unusable
         return done
 
     @staticmethod
