@@ -5,6 +5,7 @@ plans what to compile and records compile failures without building those candid
 import time
 
 import pytest
+import torch
 
 from gemmtune import compiler, search, tuner
 from gemmtune.backends import get
@@ -181,5 +182,16 @@ def test_a_compile_past_the_time_limit_is_left_to_the_runner(tmp_path, monkeypat
         done = pool.compile(PROBLEM, [("triton_tiled", TILED[0]), ("triton_tiled", TILED[1])], str(tmp_path),
                             interpreter=True)  # the pool's start alone takes longer than the limit
         assert len(done) < 2 and pool._executor is None and "the runner will build" in caplog.text
+    finally:
+        pool.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a CUDA failure: asks for CUDA on a CPU-only build")
+def test_processes_that_met_a_cuda_error_are_replaced(tmp_path):
+    pool = compiler.CompilePool(workers=1)
+    try:
+        (done,) = pool.compile(PROBLEM, [("cublas", {})], str(tmp_path), interpreter=False)
+        assert done.status is Status.LAUNCH_ERROR and "CUDA" in done.reason
+        assert pool._executor is None  # the next compile starts fresh processes
     finally:
         pool.close()
