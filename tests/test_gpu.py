@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import gemmtune
 from gemmtune import verify
@@ -78,6 +79,20 @@ def test_a_stored_kernel_runs_inside_cuda_graph_capture(fresh_dispatch):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, expected)
+
+
+def test_a_shape_first_seen_inside_capture_runs_cublas_and_is_said(fresh_dispatch, caplog):
+    x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(768, 512, device="cuda", dtype=torch.bfloat16)
+    F.linear(x, w)  # cuBLAS warmed up outside the capture, as CUDA graphs require
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemmtune.linear(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert verify.rel_err(out, x.double() @ w.double().t()) < 1e-2
+    assert "inside CUDA graph capture" in caplog.text and DISPATCHER.kernels == {}
 
 
 def test_graph_timing_keeps_host_stalls_out_of_gpu_time():

@@ -77,3 +77,16 @@ def test_tune_from_a_recording(capsys, tmp_path):
     (result,) = json.loads(out)
     assert (result["m"], result["n"], result["k"], result["dtype"], result["layout"], result["bias"],
             result["tf32"]) == (7, 40, 33, "float32", "linear", True, False)
+
+
+def test_a_miss_inside_graph_capture_is_said_once_and_appended(tmp_path, monkeypatch, caplog):
+    misses = tmp_path / "misses.jsonl"
+    monkeypatch.setenv("GEMMTUNE_MISSES", str(misses))
+    dispatcher = Dispatcher(Store(tmp_path / "store"))
+    problem = Problem(16, 4096, 4096, "bfloat16", "linear")
+    with caplog.at_level(logging.WARNING, logger="gemmtune"):
+        for _ in range(3):
+            dispatcher.capture_miss(("key",), lambda: problem)
+    assert caplog.text.count("inside CUDA graph capture") == 1
+    assert [named.problem for named in shapes.load(misses)] == [problem]
+    assert dispatcher.kernels == {}  # nothing was built for it

@@ -142,11 +142,12 @@ def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str) -> torch.Ten
     key = (layout, m, n, k, a.dtype, bias is not None, tf32, act, a.get_device())
     kernel = DISPATCHER.kernels.get(key)
     if kernel is None:  # the slow path: store, then tuning; never while a CUDA graph is captured
+        problem_of_key = lambda: Problem(m, n, k, _DTYPE_NAMES[a.dtype], layout, bias is not None, tf32, act)  # noqa: E731
         if torch.cuda.is_current_stream_capturing():
+            DISPATCHER.capture_miss(key, problem_of_key)
             out = F.linear(a, b, bias) if layout == "linear" else _torch_mm(a, b, bias)
             return activations.apply(out, act)
-        kernel = DISPATCHER.kernel(
-            key, lambda: Problem(m, n, k, _DTYPE_NAMES[a.dtype], layout, bias is not None, tf32, act))
+        kernel = DISPATCHER.kernel(key, problem_of_key)
     return kernel(a, b, bias)
 
 

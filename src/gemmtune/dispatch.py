@@ -21,6 +21,7 @@ class Dispatcher:
         self.kernels: dict[tuple, object] = {}  # read directly by the hot path
         self._store = store
         self._lock = threading.Lock()
+        self._capture_misses: set[tuple] = set()
 
     @property
     def store(self) -> Store:
@@ -36,6 +37,19 @@ class Dispatcher:
                 kernel = self.kernels.get(key) or self._resolve(problem_of_key(), current(key[-1]))
                 self.kernels[key] = kernel
         return kernel
+
+    def capture_miss(self, key: tuple, problem_of_key) -> None:
+        """A shape first seen while a CUDA graph is being captured: nothing can be tuned or built
+        inside a capture, so torch runs it there. Said once per shape, and appended to
+        ``GEMMTUNE_MISSES`` for the next offline tune."""
+        with self._lock:
+            if key in self._capture_misses:
+                return
+            self._capture_misses.add(key)
+        problem = problem_of_key()
+        log.warning("gemmtune: %s was first seen inside CUDA graph capture, so the graph runs cuBLAS for it; "
+                    "call the model once before capturing to capture the tuned kernel", problem.describe())
+        _append_miss(problem)
 
     def forget(self) -> None:
         """Drop built kernels (after the store changed, or in tests)."""
