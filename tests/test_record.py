@@ -90,3 +90,11 @@ def test_a_miss_inside_graph_capture_is_said_once_and_appended(tmp_path, monkeyp
     assert caplog.text.count("inside CUDA graph capture") == 1
     assert [named.problem for named in shapes.load(misses)] == [problem]
     assert dispatcher.kernels == {}  # nothing was built for it
+
+
+def test_empty_products_are_not_recorded(tmp_path):
+    path = tmp_path / "gemms.json"
+    with gemmtune.record(path):
+        assert gemmtune.linear(torch.randn(3, 0), torch.randn(4, 0)).shape == (3, 4)
+        assert gemmtune.matmul(torch.randn(0, 5), torch.randn(5, 2)).shape == (0, 2)
+    assert json.loads(path.read_text())["shapes"] == []

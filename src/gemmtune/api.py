@@ -86,12 +86,13 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def matmul_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``matmul`` on checked 2-D operands, without autograd (the body of the custom op)."""
-    if recorder.active() is not None:
-        _record("nn", a, None, a.shape[0], b.shape[1], a.shape[1], "none")
-    if _falls_back(a, b):
-        return torch.mm(a, b)
     m, k = a.shape
-    return _run("nn", a, b, None, m, b.shape[1], k, "none")
+    n = b.shape[1]
+    if recorder.active() is not None:
+        _record("nn", a, None, m, n, k, "none")
+    if _falls_back(a, n):
+        return torch.mm(a, b)
+    return _run("nn", a, b, None, m, n, k, "none")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -125,11 +126,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
     """``linear`` on checked operands, without autograd (the body of the custom op)."""
-    if recorder.active() is not None:
-        _record("linear", x, bias, x.numel() // weight.shape[1], weight.shape[0], weight.shape[1], act)
-    if _falls_back(x, weight, bias):
-        return activations.apply(F.linear(x, weight, bias), act, inplace=False)
     n, k = weight.shape
+    if recorder.active() is not None:
+        _record("linear", x, bias, x.numel() // k if k else 0, n, k, act)
+    if _falls_back(x, n):
+        return activations.apply(F.linear(x, weight, bias), act, inplace=False)
     if x.dim() == 2:  # the common case: no views made (each costs about a microsecond)
         return _run("linear", x, weight, bias, x.shape[0], n, k, act)
     x2 = x.reshape(-1, k)
@@ -162,11 +163,11 @@ def _torch_mm(a, b, bias):
     return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
 
 
-def _falls_back(*tensors) -> bool:
-    first = tensors[0]
-    if not first.is_cuda or first.dtype not in _DTYPE_NAMES or first.numel() == 0:
-        return True
-    return any(t is not None and t.numel() == 0 for t in tensors)
+def _falls_back(first: torch.Tensor, n: int) -> bool:
+    """Whether torch computes this call: ``first`` (a or x; the other operands match its device
+    and dtype) off the GPU, in a dtype gemmtune does not serve, or an empty product (M or K of
+    ``first`` zero, or N zero)."""
+    return not first.is_cuda or first.dtype not in _DTYPE_NAMES or first.numel() == 0 or n == 0
 
 
 def _needs_grad(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
