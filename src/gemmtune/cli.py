@@ -221,13 +221,20 @@ def _validate_buckets(named, args, console: Console) -> int:
         raise ValueError("--validate needs --bucket pow2 or --bucket log2m")
     options = TuneOptions(strategy=args.strategy, budget=parse_budget(args.budget))
     rows = []
-    with IsolatedRunner(current()) if not args.in_process else contextlib.nullcontext() as runner:
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TimeRemainingColumn())
+    with IsolatedRunner(current()) if not args.in_process else contextlib.nullcontext() as runner, \
+            Progress(*columns, console=_console(stderr=True), transient=True) as progress:
+        task = progress.add_task("validating buckets", total=len(named))
         for item in named:
+            progress.update(task, description=f"validating {item.name}'s {args.bucket} bucket "
+                                              f"({args.validate} samples)")
             for check in buckets.validate(item.problem, args.bucket, args.validate, current(), options=options,
                                           runner=runner):
                 rows.append({"shape": item.name, "sample": check.sample.key(), "bucket": check.representative.key(),
                              "bucket_choice": check.bucket_choice, "exact_choice": check.exact_choice,
                              "loss": check.loss})
+            progress.advance(task)
     if args.json:
         console.print_json(json.dumps(rows))
         return 0
