@@ -4,8 +4,8 @@ that knows which backends exist."""
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -68,9 +68,23 @@ def check_bounds(backend: str, checks: Iterable[tuple]) -> None:
             raise ValueError(f"{backend} {name}={value!r} is out of bounds{''.join(where)}; accepted: {accepted}")
 
 
-def config_from_mapping(backend: str, data: Mapping, fields: Mapping[str, str], make: Callable[..., C]) -> C:
-    """A config from untrusted data whose keys must be exactly ``fields`` (persisted name ->
-    constructor argument); the constructor validates the values."""
+class FieldConfig:
+    """``as_dict``, ``key`` and parsing for a frozen config dataclass, all from ``FIELDS``: its
+    persisted names -> attribute names, in the order they are written."""
+
+    FIELDS: ClassVar[Mapping[str, str]]
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, attr) for name, attr in self.FIELDS.items()}
+
+    def key(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.as_dict().items())
+
+
+def config_from_mapping(backend: str, data: Mapping, make: type[C]) -> C:
+    """A ``FieldConfig`` from untrusted data whose keys must be exactly ``make.FIELDS``; the
+    constructor validates the values."""
+    fields = make.FIELDS
     if not isinstance(data, Mapping) or set(data) != set(fields):
         raise ValueError(f"{backend} config needs exactly the keys {sorted(fields)}, got {data!r}")
     return make(**{fields[k]: v for k, v in data.items()})

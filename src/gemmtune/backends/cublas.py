@@ -11,17 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from gemmtune import activation
+from gemmtune.backends.base import FieldConfig
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
 
 @dataclass(frozen=True)
-class CublasConfig:
-    def key(self) -> str:
-        return ""
-
-    def as_dict(self) -> dict:
-        return {}
+class CublasConfig(FieldConfig):
+    FIELDS = {}  # no parameters: cuBLAS picks its own kernel
 
 
 def _linear(a, b, bias, out=None):

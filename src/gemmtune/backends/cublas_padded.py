@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from gemmtune import activation
-from gemmtune.backends.base import check_bounds, config_from_mapping, triton_importable
+from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_importable
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -24,17 +24,15 @@ ALIGNS = (8, 64)  # elements a padded size is rounded up to
 
 
 @dataclass(frozen=True)
-class PaddedConfig:
+class PaddedConfig(FieldConfig):
+    FIELDS = {"align": "align"}  # persisted name -> attribute
+
     align: int
 
     def __post_init__(self) -> None:
         check_bounds("cublas_padded", (("align", self.align, ALIGNS),))
 
-    def key(self) -> str:
-        return f"align={self.align}"
 
-    def as_dict(self) -> dict:
-        return {"align": self.align}
 
 
 def padded_size(size: int, step: int, align: int) -> int:
@@ -95,7 +93,7 @@ class CublasPaddedBackend:
         return None
 
     def parse_config(self, data: Mapping) -> PaddedConfig:
-        return config_from_mapping(self.name, data, {"align": "align"}, PaddedConfig)
+        return config_from_mapping(self.name, data, PaddedConfig)
 
     def build(self, problem: Problem, config: PaddedConfig, device: Device) -> PaddedKernel:
         return PaddedKernel(problem, config)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from gemmtune import costmodel
-from gemmtune.backends.base import check_bounds, config_from_mapping, triton_importable
+from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_importable
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -30,7 +30,10 @@ INTERPRETER_TILES = ((16, 16, 16, 1), (32, 16, 32, 1))
 
 
 @dataclass(frozen=True)
-class PersistentConfig:
+class PersistentConfig(FieldConfig):
+    FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "BLOCK_K": "block_k", "GROUP_M": "group_m",
+              "num_warps": "num_warps", "num_stages": "num_stages", "WARP_SPECIALIZE": "warp_specialize"}  # persisted name -> attribute
+
     block_m: int
     block_n: int
     block_k: int
@@ -47,22 +50,12 @@ class PersistentConfig:
         if not isinstance(self.warp_specialize, bool):
             raise ValueError(f"triton_persistent WARP_SPECIALIZE={self.warp_specialize!r} must be true or false")
 
-    def key(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in self.as_dict().items())
-
-    def as_dict(self) -> dict:
-        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k,
-                "GROUP_M": self.group_m, "num_warps": self.num_warps, "num_stages": self.num_stages,
-                "WARP_SPECIALIZE": self.warp_specialize}
-
     def smem_bytes(self, element_size: int) -> int:
         """The operand pipeline plus the output tile staged for the TMA store."""
         pipeline = self.num_stages * (self.block_m + self.block_n) * self.block_k
         return (pipeline + self.block_m * self.block_n) * element_size
 
 
-_FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "BLOCK_K": "block_k", "GROUP_M": "group_m",
-           "num_warps": "num_warps", "num_stages": "num_stages", "WARP_SPECIALIZE": "warp_specialize"}
 
 
 def space(problem: Problem, device: Device) -> list[PersistentConfig]:
@@ -147,7 +140,7 @@ class TritonPersistentBackend:
                                       config.num_stages)
 
     def parse_config(self, data: Mapping) -> PersistentConfig:
-        return config_from_mapping(self.name, data, _FIELDS, PersistentConfig)
+        return config_from_mapping(self.name, data, PersistentConfig)
 
     def build(self, problem: Problem, config: PersistentConfig, device: Device) -> PersistentKernel:
         return PersistentKernel(problem, config, device)

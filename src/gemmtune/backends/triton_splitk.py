@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from gemmtune import costmodel
-from gemmtune.backends.base import check_bounds, config_from_mapping, triton_importable
+from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_importable
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -47,7 +47,10 @@ INTERPRETER_TILES = ((False, 16, 32, 1), (False, 32, 64, 2), (True, 16, 32, 2), 
 
 
 @dataclass(frozen=True)
-class SplitKConfig:
+class SplitKConfig(FieldConfig):
+    FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "BLOCK_K": "block_k", "SPLIT_K": "split_k",
+              "USE_DOT": "use_dot", "num_warps": "num_warps", "num_stages": "num_stages"}  # persisted name -> attribute
+
     block_m: int
     block_n: int
     block_k: int
@@ -65,14 +68,6 @@ class SplitKConfig:
             ("BLOCK_K", self.block_k, BLOCK_K), ("SPLIT_K", self.split_k, SPLIT_K),
             ("num_warps", self.num_warps, WARPS), ("num_stages", self.num_stages, STAGES)))
 
-    def key(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in self.as_dict().items())
-
-    def as_dict(self) -> dict:
-        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k,
-                "SPLIT_K": self.split_k, "USE_DOT": self.use_dot, "num_warps": self.num_warps,
-                "num_stages": self.num_stages}
-
     def smem_bytes(self, element_size: int) -> int:
         """Shared memory the software pipeline holds: one A and one B tile per stage."""
         return self.num_stages * (self.block_m + self.block_n) * self.block_k * element_size
@@ -85,8 +80,6 @@ class SplitKConfig:
         return -(-problem.n // self.block_n) * self.split_k * -(-problem.m // self.block_m)
 
 
-_FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "BLOCK_K": "block_k", "SPLIT_K": "split_k",
-           "USE_DOT": "use_dot", "num_warps": "num_warps", "num_stages": "num_stages"}
 
 
 def _next_pow2(x: int) -> int:
@@ -230,7 +223,7 @@ class TritonSplitKBackend:
                                    config.num_stages)
 
     def parse_config(self, data: Mapping) -> SplitKConfig:
-        return config_from_mapping(self.name, data, _FIELDS, SplitKConfig)
+        return config_from_mapping(self.name, data, SplitKConfig)
 
     def build(self, problem: Problem, config: SplitKConfig, device: Device) -> SplitKKernel:
         return SplitKKernel(problem, config)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from gemmtune import costmodel
-from gemmtune.backends.base import check_bounds, config_from_mapping, triton_importable
+from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_importable
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -36,7 +36,10 @@ INTERPRETER_TILES = ((16, 16, 16, 1), (32, 32, 32, 1), (16, 32, 64, 1))
 
 
 @dataclass(frozen=True)
-class TiledConfig:
+class TiledConfig(FieldConfig):
+    FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "BLOCK_K": "block_k", "GROUP_M": "group_m",
+              "num_warps": "num_warps", "num_stages": "num_stages"}  # persisted name -> attribute
+
     block_m: int
     block_n: int
     block_k: int
@@ -50,13 +53,6 @@ class TiledConfig:
                   ("num_warps", self.num_warps, WARPS), ("num_stages", self.num_stages, STAGES))
         check_bounds("triton_tiled", checks)
 
-    def key(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in self.as_dict().items())
-
-    def as_dict(self) -> dict:
-        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k,
-                "GROUP_M": self.group_m, "num_warps": self.num_warps, "num_stages": self.num_stages}
-
     def smem_bytes(self, element_size: int) -> int:
         """Shared memory the software pipeline holds: one A and one B tile per stage."""
         return self.num_stages * (self.block_m + self.block_n) * self.block_k * element_size
@@ -65,8 +61,6 @@ class TiledConfig:
         return self.block_m * self.block_n // (32 * self.num_warps)
 
 
-_FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "BLOCK_K": "block_k", "GROUP_M": "group_m",
-           "num_warps": "num_warps", "num_stages": "num_stages"}
 
 
 def _next_pow2(x: int) -> int:
@@ -157,7 +151,7 @@ class TritonTiledBackend:
                                       config.num_stages)
 
     def parse_config(self, data: Mapping) -> TiledConfig:
-        return config_from_mapping(self.name, data, _FIELDS, TiledConfig)
+        return config_from_mapping(self.name, data, TiledConfig)
 
     def build(self, problem: Problem, config: TiledConfig, device: Device) -> TiledKernel:
         return TiledKernel(problem, config)
