@@ -71,7 +71,7 @@ def run(model: nn.Module, x: torch.Tensor, modes=MODES, *, calls: int = 200,
             fn, setup_s = prepare(mode, copy.deepcopy(model), x)
             out = fn()
             err = float((out.double() - reference).norm() / reference.norm())
-            row = Row(mode, setup_s, _gpu_ms(fn, x) if on_gpu else None, _host_us(fn, x, calls), err)
+            row = Row(mode, setup_s, _gpu_ms(fn) if on_gpu else None, _host_us(fn, calls), err)
             rows.append(row)
             if on_row is not None:
                 on_row(row)
@@ -118,25 +118,18 @@ def _graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     return replay
 
 
-def _gpu_ms(fn, x) -> float:
+def _gpu_ms(fn) -> float:
     from gemmtune import bench
     from gemmtune.device import current
 
     return bench.measure({"model": fn}, current(), graphs=False)["model"].median
 
 
-def _host_us(fn, x, calls: int) -> float:
-    for _ in range(10):
-        fn()
-    _sync(x)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        _sync(x)
-        best = min(best, (time.perf_counter() - t0) * 1e6 / calls)
-    return best
+def _host_us(fn, calls: int) -> float:
+    from gemmtune import bench
+    from gemmtune.device import current
+
+    return bench.host_loop_ms(fn, current(), calls=calls) * 1e3
 
 
 def _sync(x: torch.Tensor) -> None:
