@@ -65,8 +65,7 @@ def operands(named, inputs):
 
 def bound(result, problem, inputs):
     """The kernel a TuneResult chose, built directly, as a zero-argument call on ``inputs``."""
-    backend = backends.get(result.backend)
-    kernel = backend.build(problem, backend.parse_config(result.config), current())
+    kernel = backends.build(problem, result.backend, result.config, current())
     return lambda: kernel(inputs.a, inputs.b, inputs.bias)
 
 

@@ -167,8 +167,7 @@ def compile_one(problem: Problem, backend_name: str, config: dict, triton_cache_
     started = time.perf_counter()
     try:
         with matmul_precision(problem):
-            backend = backends.get(backend_name)
-            kernel = backend.build(problem, backend.parse_config(config), current())
+            kernel = backends.build(problem, backend_name, config, current())
             operands = verify.make_operands(problem, "cpu" if interpreter else "cuda", seed=0)
             kernel(*operands)
             if not interpreter:

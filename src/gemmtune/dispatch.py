@@ -61,23 +61,23 @@ class Dispatcher:
         for candidate in dict.fromkeys((problem, target)):  # the exact shape first, then its bucket
             stored = self.store.get(device.fingerprint(), candidate.key())
             if stored is not None and _serves(stored.backend, problem, device):
-                return _build(problem, stored.backend, stored.config, device)
+                return backends.build(problem, stored.backend, stored.config, device)
         if settings.mode() == "lookup":  # logged once: the fallback is cached like any kernel
             log.info("gemmtune: no tuned kernel for %s on this device; using cuBLAS (GEMMTUNE_MODE=lookup)",
                      problem.describe())
             _append_miss(problem)
-            return _build(problem, backends.REFERENCE, {}, device)
+            return backends.build(problem, backends.REFERENCE, {}, device)
         try:
             result = tune_problem(target, device, options=TuneOptions())
         except Exception:  # noqa: BLE001 - a failed tuning must not break the user's program
             log.warning("gemmtune: tuning %s failed; using cuBLAS", target.describe(), exc_info=True)
-            return _build(problem, backends.REFERENCE, {}, device)
+            return backends.build(problem, backends.REFERENCE, {}, device)
         self.store.put(result)
         log.info("gemmtune: tuned %s in %.1f s: %s %.4f ms vs cuBLAS %.4f ms", target.describe(),
                  result.tune_s, result.label(), result.time_ms, result.cublas_ms or float("nan"))
         if not _serves(result.backend, problem, device):
-            return _build(problem, backends.REFERENCE, {}, device)
-        return _build(problem, result.backend, result.config, device)
+            return backends.build(problem, backends.REFERENCE, {}, device)
+        return backends.build(problem, result.backend, result.config, device)
 
 
 def _append_miss(problem: Problem) -> None:
@@ -100,11 +100,6 @@ def _serves(backend_name: str, problem: Problem, device: Device) -> bool:
     """Whether a result tuned for a shape's bucket can run the shape itself (the TMA kernel,
     say, cannot run rows that are not 16-byte aligned)."""
     return bool(backends.get(backend_name).candidates(problem, device))
-
-
-def _build(problem: Problem, backend_name: str, config: dict, device: Device):
-    backend = backends.get(backend_name)
-    return backend.build(problem, backend.parse_config(config), device)
 
 
 DISPATCHER = Dispatcher()

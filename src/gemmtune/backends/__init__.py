@@ -24,3 +24,10 @@ def get(name: str) -> Backend:
     if name not in _MODULES:
         raise ValueError(f"unknown backend {name!r}; known: {', '.join(_MODULES)}")
     return importlib.import_module(_MODULES[name]).BACKEND
+
+
+def build(problem, name: str, config: dict, device):
+    """The kernel of backend ``name`` with ``config`` (untrusted: parsed and checked first) for
+    ``problem`` on ``device``."""
+    backend = get(name)
+    return backend.build(problem, backend.parse_config(config), device)
