@@ -88,7 +88,8 @@ def test_the_tuner_plans_every_backend_and_keeps_only_compile_failures(monkeypat
     monkeypatch.setattr(compiler, "shared_pool", lambda: pool)
     problem = Problem(64, 4096, 4096, "bfloat16")
     names = ["cublas", "triton_tiled", "triton_splitk"]
-    failed = tuner._compile_ahead(problem, H100, tuner.TuneOptions(), names, FakeRunner())
+    spaces = {name: get(name).candidates(problem, H100) for name in names}
+    failed = tuner._compile_ahead(problem, H100, tuner.TuneOptions(), spaces, FakeRunner())
     per_backend = {name: sum(n == name for n, _ in pool.asked) for name in names}
     assert per_backend["cublas"] == 1 and 1 <= per_backend["triton_tiled"] <= search.DEFAULT_TOPK
     assert 1 <= per_backend["triton_splitk"] <= search.DEFAULT_TOPK
@@ -101,7 +102,8 @@ def test_the_tuner_plans_every_backend_and_keeps_only_compile_failures(monkeypat
 def test_nothing_is_compiled_ahead_when_turned_off(monkeypatch):
     monkeypatch.setattr(compiler, "shared_pool", lambda: pytest.fail("the pool was started"))
     options = tuner.TuneOptions(compile_ahead=False)
-    assert tuner._compile_ahead(Problem(64, 4096, 4096), H100, options, ["triton_tiled"], FakeRunner()) == {}
+    spaces = {"triton_tiled": get("triton_tiled").candidates(Problem(64, 4096, 4096), H100)}
+    assert tuner._compile_ahead(Problem(64, 4096, 4096), H100, options, spaces, FakeRunner()) == {}
 
 
 def test_idle_processes_are_shut_down(tmp_path, monkeypatch):

@@ -60,8 +60,8 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
     if options.compile_ahead and not device.interpreter:
         compiler.shared_pool().start_in_background()  # overlaps the runner's start
     runner.start(problem, seed)
-    names = [name for name in options.backends or backends.names() if backends.get(name).is_available(device)]
-    failed_ahead = _compile_ahead(problem, device, options, names, runner)
+    spaces = _spaces(problem, device, options)
+    failed_ahead = _compile_ahead(problem, device, options, spaces, runner)
     trials: list[Trial] = []
 
     def evaluate(backend_name: str, config) -> float | None:
@@ -72,8 +72,8 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
         _report(trial, on_trial)
         return trial.median_ms if trial.ok else None
 
-    for name in names:
-        _search_backend(name, problem, device, options, evaluate)
+    for name, configs in spaces.items():
+        _search_backend(name, configs, problem, device, options, evaluate)
     ok = [t for t in trials if t.ok]
     reference = next((t for t in ok if t.backend == backends.REFERENCE), None)
     if reference is None:
@@ -111,13 +111,26 @@ def select(reference: str, timings: dict[str, Timing], costs: dict[str, float]) 
 _COMPILE_FAILURES = (Status.OUT_OF_RESOURCES, Status.COMPILE_ERROR)
 
 
-def _compile_ahead(problem: Problem, device: Device, options: TuneOptions, names: list[str],
+def _spaces(problem: Problem, device: Device, options: TuneOptions) -> dict[str, list]:
+    """Each available backend's pruned configs for ``problem``, computed once per tuning."""
+    spaces = {}
+    for name in options.backends or backends.names():
+        backend = backends.get(name)
+        if backend.is_available(device):
+            spaces[name] = backend.candidates(problem, device)
+            log.debug("%s: %d of its %d configs survive pruning for %s at %d SMs", name, len(spaces[name]),
+                      backend.space_size, problem.describe(), device.sm_count)
+    return spaces
+
+
+def _compile_ahead(problem: Problem, device: Device, options: TuneOptions, spaces: dict[str, list],
                    runner) -> dict[tuple[str, str], Trial]:
     """Compile every candidate the strategy plans to measure, in parallel, into the runner's
     Triton cache; the failed ones as Trials keyed by (backend, label)."""
     if not options.compile_ahead or device.interpreter:
         return {}
-    planned = [(name, config.as_dict()) for name in names for config in _planned(name, problem, device, options)]
+    planned = [(name, config.as_dict()) for name, configs in spaces.items()
+               for config in _planned(name, configs, problem, device, options)]
     pool = compiler.shared_pool()
     if pool.workers < 1 or len(planned) < 2:
         return {}
@@ -129,10 +142,9 @@ def _compile_ahead(problem: Problem, device: Device, options: TuneOptions, names
             for r in results if r.status in _COMPILE_FAILURES}
 
 
-def _planned(name: str, problem: Problem, device: Device, options: TuneOptions) -> list:
+def _planned(name: str, configs: list, problem: Problem, device: Device, options: TuneOptions) -> list:
     """The configs of one backend that _search_backend will measure first."""
     backend = backends.get(name)
-    configs = backend.candidates(problem, device)
     if not configs or backend.predict_ms(problem, device, configs[0]) is None:
         return configs
     return search.plan(options.strategy, configs, options.budget,
@@ -143,13 +155,11 @@ def _label(backend_name: str, config: dict) -> str:
     return Trial(backend_name, config, Status.OK).label()
 
 
-def _search_backend(name: str, problem: Problem, device: Device, options: TuneOptions, evaluate) -> None:
+def _search_backend(name: str, configs: list, problem: Problem, device: Device, options: TuneOptions,
+                    evaluate) -> None:
     """Measure the configs of one backend that its cost model and the strategy pick. Backends
     without a cost model (cuBLAS, the padded path: a config or two) are measured whole."""
     backend = backends.get(name)
-    configs = backend.candidates(problem, device)
-    log.debug("%s: %d of its %d configs survive pruning for %s at %d SMs", name, len(configs),
-              backend.space_size, problem.describe(), device.sm_count)
     if not configs:
         return
     if backend.predict_ms(problem, device, configs[0]) is None:
