@@ -139,7 +139,7 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str) -> torch.Tensor:
-    tf32 = a.dtype is torch.float32 and torch.get_float32_matmul_precision() != "highest"
+    tf32 = _uses_tf32(a)
     key = (layout, m, n, k, a.dtype, bias is not None, tf32, act, a.get_device())
     kernel = DISPATCHER.kernels.get(key)
     if kernel is None:  # the slow path: store, then tuning; never while a CUDA graph is captured
@@ -155,8 +155,12 @@ def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str) -> torch.Ten
 def _record(layout: str, a: torch.Tensor, bias, m: int, n: int, k: int, act: str) -> None:
     recording = recorder.active()
     if recording is not None and a.dtype in _DTYPE_NAMES and m * n * k > 0:
-        tf32 = a.dtype is torch.float32 and torch.get_float32_matmul_precision() != "highest"
-        recording.add(m, n, k, _DTYPE_NAMES[a.dtype], layout, bias is not None, tf32, act)
+        recording.add(m, n, k, _DTYPE_NAMES[a.dtype], layout, bias is not None, _uses_tf32(a), act)
+
+
+def _uses_tf32(a: torch.Tensor) -> bool:
+    """Whether cuBLAS may run this float32 product in TF32 now: part of what the call is keyed by."""
+    return a.dtype is torch.float32 and torch.get_float32_matmul_precision() != "highest"
 
 
 def _torch_mm(a, b, bias):
