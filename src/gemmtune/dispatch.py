@@ -10,6 +10,7 @@ import threading
 from gemmtune import backends, settings
 from gemmtune.device import Device, current
 from gemmtune.problem import Problem, bucket
+from gemmtune.shapes import entry
 from gemmtune.store import Store
 from gemmtune.tuner import TuneOptions, tune_problem
 
@@ -86,12 +87,10 @@ def _append_miss(problem: Problem) -> None:
     path = settings.misses_file()
     if path is None:
         return
-    entry = {"name": problem.describe(), "m": problem.m, "n": problem.n, "k": problem.k, "dtype": problem.dtype,
-             "layout": problem.layout, "bias": problem.bias, "tf32": problem.tf32, "activation": problem.activation}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(entry) + "\n")
+            f.write(json.dumps(entry(problem)) + "\n")
     except OSError as exc:  # serving goes on; the miss is still in the log line above
         log.warning("gemmtune: cannot append the miss to %s: %s", path, exc)
 

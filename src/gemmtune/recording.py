@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gemmtune.problem import Problem
+from gemmtune.shapes import entry
 
 _ACTIVE: Recording | None = None
 _LOCK = threading.Lock()
@@ -38,10 +39,7 @@ class Recording:
                 for (m, n, k, dtype, layout, bias, tf32, act), count in self.counts.most_common()]
 
     def save(self) -> None:
-        shapes = [{"name": problem.describe(), "m": problem.m, "n": problem.n, "k": problem.k,
-                   "dtype": problem.dtype, "layout": problem.layout, "bias": problem.bias,
-                   "tf32": problem.tf32, "activation": problem.activation, "count": count}
-                  for problem, count in self.problems()]
+        shapes = [entry(problem) | {"count": count} for problem, count in self.problems()]
         doc = {"about": "GEMMs recorded by gemmtune.record; tune them with `gemmtune tune --from FILE`",
                "shapes": shapes}
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,12 @@ def load(path: str | Path | None = None, *, tf32: bool = True) -> list[NamedProb
     return out
 
 
+def entry(problem: Problem) -> dict:
+    """``problem`` as one entry of a shapes file: what ``load`` reads back as the same Problem."""
+    return {"name": problem.describe(), "m": problem.m, "n": problem.n, "k": problem.k, "dtype": problem.dtype,
+            "layout": problem.layout, "bias": problem.bias, "tf32": problem.tf32, "activation": problem.activation}
+
+
 def _entries(text: str) -> list:
     try:
         doc = json.loads(text)
