@@ -94,17 +94,12 @@ def tune_with_gemmtune(model, runner_inputs, runner) -> float:
 
     t0 = time.perf_counter()
     gemmtune.optimize(model)
-    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
-        path = Path(tmp) / "gemms.json"
-        with gemmtune.record(path):
-            runner.prefill(runner_inputs["prefill"])
-            for prompt in runner_inputs["decode"]:
-                runner.decode(prompt, 2)
-        from gemmtune import shapes
-
-        problems = [named.problem for named in shapes.load(path)]
-        if torch.cuda.is_available():
-            gemmtune.tune(problems)
+    with gemmtune.record() as seen, torch.no_grad():
+        runner.prefill(runner_inputs["prefill"])
+        for prompt in runner_inputs["decode"]:
+            runner.decode(prompt, 2)
+    if torch.cuda.is_available():
+        gemmtune.tune([problem for problem, _ in seen.problems()])
     return time.perf_counter() - t0
 
 

@@ -98,3 +98,11 @@ def test_empty_products_are_not_recorded(tmp_path):
         assert gemmtune.linear(torch.randn(3, 0), torch.randn(4, 0)).shape == (3, 4)
         assert gemmtune.matmul(torch.randn(0, 5), torch.randn(5, 2)).shape == (0, 2)
     assert json.loads(path.read_text())["shapes"] == []
+
+
+def test_a_recording_without_a_path_is_kept_in_memory_only(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with gemmtune.record() as seen:
+        gemmtune.matmul(torch.randn(4, 6), torch.randn(6, 2))
+    assert seen.problems() == [(Problem(4, 2, 6, "float32", "nn", tf32=False), 1)]
+    assert list(tmp_path.iterdir()) == []

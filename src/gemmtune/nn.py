@@ -10,9 +10,7 @@ stay; only its class becomes ``gemmtune.nn.Linear`` (an ``nn.Linear`` whose forw
 from __future__ import annotations
 
 import logging
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -20,7 +18,6 @@ from torch import nn
 from gemmtune import api, recording
 from gemmtune.device import current
 from gemmtune.dispatch import DISPATCHER
-from gemmtune.shapes import load
 from gemmtune.tuner import TuneOptions
 
 log = logging.getLogger("gemmtune")
@@ -92,11 +89,9 @@ def tune_model(model: nn.Module, example_inputs: Sequence, *, options: TuneOptio
     if not isinstance(example_inputs, (tuple, list)):
         raise TypeError("optimize(example_inputs=...): expected a tuple or list of the model's positional inputs, "
                         f"got {type(example_inputs).__name__}")
-    with tempfile.TemporaryDirectory(prefix="gemmtune-record-") as tmp:
-        path = Path(tmp) / "gemms.json"
-        with recording.record(path), torch.no_grad():
-            model(*example_inputs)
-        problems = [named.problem for named in load(path)]
+    with recording.record() as seen, torch.no_grad():
+        model(*example_inputs)
+    problems = [problem for problem, _ in seen.problems()]
     if current().interpreter:  # CPU layers fall back to torch: nothing to gain from tuning them
         log.warning("gemmtune.optimize: no CUDA GPU, so the %d GEMMs seen are not tuned", len(problems))
         return []

@@ -26,7 +26,7 @@ _LOCK = threading.Lock()
 
 
 class Recording:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path | None) -> None:
         self.path = path
         self.counts: Counter[tuple] = Counter()  # (m, n, k, dtype, layout, bias, tf32, activation)
 
@@ -47,14 +47,15 @@ class Recording:
 
 
 @contextlib.contextmanager
-def record(path: str | Path) -> Iterator[Recording]:
+def record(path: str | Path | None = None) -> Iterator[Recording]:
     """Count every GEMM that goes through gemmtune while the block runs (forward and backward,
-    served or falling back), and write them to ``path`` when it ends, even on an exception."""
+    served or falling back), and write them to ``path`` when it ends, even on an exception.
+    Without a path they are only kept in the Recording the block receives."""
     global _ACTIVE
-    recording = Recording(Path(path))
+    recording = Recording(None if path is None else Path(path))
     with _LOCK:
         if _ACTIVE is not None:
-            raise RuntimeError(f"gemmtune.record({str(path)!r}): already recording to {_ACTIVE.path}; "
+            raise RuntimeError(f"gemmtune.record({str(path)!r}): already recording (to {_ACTIVE.path}); "
                                "recordings do not nest")
         _ACTIVE = recording
     try:
@@ -62,7 +63,8 @@ def record(path: str | Path) -> Iterator[Recording]:
     finally:
         with _LOCK:
             _ACTIVE = None
-        recording.save()
+        if recording.path is not None:
+            recording.save()
 
 
 def active() -> Recording | None:
