@@ -134,3 +134,12 @@ def test_after_a_failed_capture_the_random_generator_still_works():
     _reset_rng_capture_state()
     first = torch.randn(1000, device="cuda")
     assert first.isfinite().all() and not torch.equal(first, torch.randn(1000, device="cuda"))
+
+
+def test_a_graphed_call_returns_its_output_for_the_current_inputs():
+    from gemmtune import bench
+
+    x = torch.randn(64, 64, device="cuda")
+    replay = bench.graphed({"square": lambda: x @ x})["square"]
+    x.copy_(torch.randn(64, 64, device="cuda"))  # the graph reads x's memory at replay
+    torch.testing.assert_close(replay(), x @ x)

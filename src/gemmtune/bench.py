@@ -51,7 +51,7 @@ def measure(fns: Mapping[str, Callable[[], object]], device: Device, *, budget_m
     try:
         if device.interpreter:
             return _measure_cpu(fns, rounds=max(3, min_rounds // 3), seed=seed)
-        runners = _graphed(fns) if graphs else dict(fns)
+        runners = graphed(fns) if graphs else dict(fns)
         return _measure_cuda(runners, device, budget_ms=budget_ms, min_rounds=min_rounds, seed=seed)
     finally:
         if was_enabled:
@@ -71,9 +71,10 @@ def _measure_cuda(fns, device, *, budget_ms, min_rounds, seed) -> dict[str, Timi
     return {name: Timing(tuple(s)) for name, s in samples.items()}
 
 
-def _graphed(fns: Mapping[str, Callable[[], object]]) -> dict[str, Callable[[], object]]:
-    """Each callable captured into its own CUDA graph (one shared memory pool: only one graph
-    runs at a time and no output is read); the plain callables if any cannot be captured."""
+def graphed(fns: Mapping[str, Callable[[], object]]) -> dict[str, Callable[[], object]]:
+    """Each callable captured into its own CUDA graph; calling one replays it and returns what
+    the captured call returned. The graphs share one memory pool, so an output stays valid only
+    until another of them replays. The plain callables if any cannot be captured."""
     import torch
 
     side = torch.cuda.Stream()
@@ -94,14 +95,22 @@ def _graphed(fns: Mapping[str, Callable[[], object]]) -> dict[str, Callable[[], 
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=pool):
-                fn()
+                out = fn()
         except RuntimeError as exc:
             log.warning("%s cannot be captured in a CUDA graph (%s); timing plain calls", name, exc)
             torch.cuda.synchronize()
             _reset_rng_capture_state()
             return dict(fns)
-        replays[name] = graph.replay
+        replays[name] = _replayer(graph, out)
     return replays
+
+
+def _replayer(graph, out) -> Callable[[], object]:
+    def replay() -> object:
+        graph.replay()
+        return out
+
+    return replay
 
 
 def _syncing(fns: Mapping[str, Callable[[], object]]) -> str | None:

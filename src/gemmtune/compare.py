@@ -101,20 +101,11 @@ def prepare(mode: str, model: nn.Module, x: torch.Tensor) -> tuple[Callable[[], 
 
 
 def _graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    from gemmtune import bench
 
-    def replay() -> torch.Tensor:
-        graph.replay()
-        return out
-
+    replay = bench.graphed({"model": fn})["model"]
+    if replay is fn:
+        raise RuntimeError("compare: the gemmtune model cannot be captured in a CUDA graph (see the log)")
     return replay
 
 
