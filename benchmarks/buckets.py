@@ -60,9 +60,7 @@ def main() -> int:
             t0 = time.perf_counter()
             for check in buckets.validate(item.problem, args.policy, args.samples, device, options=TuneOptions(),
                                           runner=runner):
-                doc["rows"].append({"shape": item.name, "sample": check.sample.key(),
-                                    "bucket": check.representative.key(), "bucket_choice": check.bucket_choice,
-                                    "exact_choice": check.exact_choice, "loss": check.loss})
+                doc["rows"].append(check.as_dict(item.name))
                 loss = "cannot run" if check.loss is None else f"{check.loss:+.1%}"
                 print(f"{item.name:24s} {check.sample.describe():28s} loss {loss}", flush=True)
             print(f"{item.name:24s} done in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -22,6 +22,11 @@ class BucketCheck:
     exact_choice: str
     loss: float | None  # cost of the bucket's config / cost of the exact config - 1; None: cannot run
 
+    def as_dict(self, shape: str) -> dict:
+        """A report row for the shape named ``shape`` that this sample was drawn for."""
+        return {"shape": shape, "sample": self.sample.key(), "bucket": self.representative.key(),
+                "bucket_choice": self.bucket_choice, "exact_choice": self.exact_choice, "loss": self.loss}
+
 
 BUCKETED_DIMS = {"exact": (False, False, False), "pow2": (True, True, True), "log2m": (True, False, False)}
 

@@ -231,9 +231,7 @@ def _validate_buckets(named, args, console: Console) -> int:
                                               f"({args.validate} samples)")
             for check in buckets.validate(item.problem, args.bucket, args.validate, current(), options=options,
                                           runner=runner):
-                rows.append({"shape": item.name, "sample": check.sample.key(), "bucket": check.representative.key(),
-                             "bucket_choice": check.bucket_choice, "exact_choice": check.exact_choice,
-                             "loss": check.loss})
+                rows.append(check.as_dict(item.name))
             progress.advance(task)
     if args.json:
         console.print_json(json.dumps(rows))
