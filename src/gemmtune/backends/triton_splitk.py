@@ -22,8 +22,8 @@ from gemmtune.problem import Problem
 MAX_M = 64  # larger M is compute-bound enough for triton_tiled and cuBLAS
 FMA_BLOCK_M = (1, 2, 4, 8, 16)
 DOT_BLOCK_M = (16, 32, 64)
-BLOCK_N = (16, 32, 64, 128, 256)
-BLOCK_K = (32, 64, 128, 256, 512)
+BLOCK_N = (4, 8, 16, 32, 64, 128, 256)
+BLOCK_K = (32, 64, 128, 256, 512, 1024, 2048)
 SPLIT_K = (1, 2, 4, 8, 16, 32)
 WARPS = (1, 2, 4, 8)
 STAGES = (1, 2, 3, 4, 5, 6)
@@ -37,9 +37,12 @@ MAX_WORKSPACE_TRAFFIC = 0.25
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) per inner-product form. FMA tiles are wide along K
 # (the weights' contiguous dimension) for 16-byte loads; the 16-wide ones serve M up to 16.
 # Stage 1 FMA tiles load straight into registers, as hand-written GEMVs do; the others go
-# through the software pipeline's shared memory.
+# through the software pipeline's shared memory. The narrowest (4 or 8 weight rows, K in 1024
+# or 2048 steps) are GEMV shapes: thousands of programs, many resident per SM, each keeping
+# 8-16 KB of weights in flight without a pipeline.
 FMA_TILES = ((16, 512, 4, 1), (32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 1), (64, 256, 4, 3),
-             (128, 128, 8, 3), (16, 128, 4, 3), (16, 64, 2, 4))
+             (128, 128, 8, 3), (16, 128, 4, 3), (16, 64, 2, 4),
+             (4, 1024, 4, 1), (8, 1024, 4, 1), (4, 2048, 8, 1), (8, 2048, 8, 1), (16, 1024, 8, 1))
 DOT_TILES = ((32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (128, 64, 4, 4),
              (256, 64, 8, 3))
 # Under the interpreter: (USE_DOT, BLOCK_N, BLOCK_K, SPLIT_K), one warp, no pipeline.

@@ -56,27 +56,33 @@ def splitk_matmul(
     else:  # B as (BLOCK_N, BLOCK_K): each weight row is read along K, its contiguous dimension
         b_ptrs = b_ptr + rn_safe[:, None] * stride_bn + (k_start + rk)[None, :] * stride_bk
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        # Tiny M: tensor cores would waste most of each 16-row instruction; multiply-add in fp32
+        # on the CUDA cores, each product into its own lane of a 3-D accumulator, and reduce
+        # over K once after the loop (a reduction per K step costs a round of warp shuffles).
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, k_per_split, BLOCK_K, num_stages=STAGES):
+        # The weights are read once: first out of L2, which keeps A and the partials instead.
         if EVEN_K:
             a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+            b = tl.load(b_ptrs, eviction_policy="evict_first")
         else:
             k_left = K - k_start - k0  # <= 0 in a slice past K: everything masked
             a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
             if USE_DOT:
-                b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
+                b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0, eviction_policy="evict_first")
             else:
-                b = tl.load(b_ptrs, mask=rk[None, :] < k_left, other=0.0)
+                b = tl.load(b_ptrs, mask=rk[None, :] < k_left, other=0.0, eviction_policy="evict_first")
         if USE_DOT:
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         else:
-            # Tiny M: tensor cores would waste most of each 16-row instruction; multiply-add in
-            # fp32 on the CUDA cores and reduce over K instead.
-            prod = a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :]
-            acc += tl.sum(prod, axis=2)
+            acc += a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :]
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if not USE_DOT:
+        acc = tl.sum(acc, axis=2)
 
     if SPLIT_K == 1:
         _store_output(acc, rm, rn, c_ptr, bias_ptr, M, N, stride_cm, stride_cn, HAS_BIAS, ACTIVATION)
