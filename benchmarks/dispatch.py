@@ -1,5 +1,7 @@
 """Host time per call of ``F.linear`` and of a cache-hit ``gemmtune.linear`` on tiny GEMMs,
-one synchronous loop each, same process: the ``dispatch`` file of RESULTS.md.
+one synchronous loop each, same process: the ``dispatch`` file of RESULTS.md. Each shape is
+timed twice through gemmtune: served by its tuned choice, then by a tiled Triton kernel pinned in
+the hot-path dict (the lean path's direct launch).
 
     PYTHONPATH=src python3 benchmarks/dispatch.py --out dispatch.json
 
@@ -30,6 +32,7 @@ import triton
 import gemmtune
 from gemmtune.backends.triton_tiled import BACKEND, TiledConfig
 from gemmtune.device import current
+from gemmtune.dispatch import DISPATCHER
 from gemmtune.kernels.tiled import tiled_matmul
 from gemmtune.problem import Problem
 
@@ -69,6 +72,17 @@ def main() -> int:
                          "gemmtune_us": ours_us, "ratio": ours_us / torch_us})
             print(f"{m}x{n}x{k}: F.linear {torch_us:.2f} us, gemmtune.linear {ours_us:.2f} us "
                   f"(x{ours_us / torch_us:.2f}) [{choice}]", flush=True)
+            # The same hit served by a Triton kernel: the hot-path dict pinned to a tiled config
+            key = ("linear", m, n, k, x.dtype, False, False, "none", x.get_device())
+            DISPATCHER.kernels[key] = BACKEND.build(Problem(m, n, k), TiledConfig(16, 64, 64, 8, 4, 3), current())
+            expected = F.linear(x, w).float()
+            ok = torch.allclose(gemmtune.linear(x, w).float(), expected, rtol=2e-2, atol=2e-2)
+            triton_us = min(loop_us(lambda: gemmtune.linear(x, w), args.calls) for _ in range(3))
+            rows.append({"shape": f"{m}x{n}x{k}", "dtype": "bfloat16", "choice": "triton_tiled (pinned)",
+                         "torch_us": torch_us, "gemmtune_us": triton_us, "ratio": triton_us / torch_us,
+                         "correct": bool(ok)})
+            print(f"{m}x{n}x{k}: F.linear {torch_us:.2f} us, gemmtune.linear {triton_us:.2f} us "
+                  f"(x{triton_us / torch_us:.2f}) [triton_tiled pinned]{'' if ok else ' WRONG RESULT'}", flush=True)
     doc = {"kind": "dispatch", "device": current().name, "torch": torch.__version__, "triton": triton.__version__,
            "gemmtune": gemmtune.__version__, "date": datetime.date.today().isoformat(), "rows": rows,
            "launch": launch_rows(args.calls)}
@@ -82,7 +96,7 @@ def launch_rows(calls: int) -> list[dict]:
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     wrapper = BACKEND.build(Problem(m, n, k), TiledConfig(16, 16, 16, 8, 1, 1), current())
-    consts = dict(wrapper._constexprs, HAS_BIAS=False)
+    consts = wrapper._constexprs[False]
     params = (x, w, out, out, m, n, k, x.stride(0), x.stride(1), w.stride(1), w.stride(0), out.stride(0), out.stride(1))
     compiled = tiled_matmul[(1,)](*params, **consts)
     runner = compiled[(1, 1, 1)]

@@ -61,7 +61,7 @@ def test_strided_and_transposed_views():
 def test_tf32_precision_is_requested_only_when_allowed():
     ieee = BACKEND.build(Problem(8, 8, 8, "float32", tf32=False), CONFIGS[0], current())
     tf32 = BACKEND.build(Problem(8, 8, 8, "float32", tf32=True), CONFIGS[0], current())
-    assert ieee._constexprs["PRECISION"] == "ieee" and tf32._constexprs["PRECISION"] == "tf32"
+    assert ieee._constexprs[False]["PRECISION"] == "ieee" and tf32._constexprs[True]["PRECISION"] == "tf32"
 
 
 def test_a_broken_kernel_fails_verification():

@@ -99,7 +99,7 @@ def test_strided_and_transposed_views():
 def test_tf32_precision_is_requested_only_when_allowed():
     ieee = BACKEND.build(Problem(8, 8, 8, "float32", tf32=False), dot(8, 1), current())
     tf32 = BACKEND.build(Problem(8, 8, 8, "float32", tf32=True), dot(8, 1), current())
-    assert ieee._constexprs["PRECISION"] == "ieee" and tf32._constexprs["PRECISION"] == "tf32"
+    assert ieee._constexprs[False, True]["PRECISION"] == "ieee" and tf32._constexprs[False, True]["PRECISION"] == "tf32"
 
 
 # --- config -------------------------------------------------------------------------------

@@ -106,11 +106,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                          + ", ".join(ACTIVATIONS[1:]))
     _require_tensor("x", x)
     _require_tensor("weight", weight)
-    if weight.dim() != 2:
-        raise ValueError(f"linear: weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
-    n, k = weight.shape
-    if x.dim() < 1 or x.shape[-1] != k:
-        raise ValueError(f"linear: x has shape {tuple(x.shape)}; its last dimension must be weight's K={k}")
+    shape = weight.shape
+    if len(shape) != 2:
+        raise ValueError(f"linear: weight must be 2-D (N, K), got shape {tuple(shape)}")
+    n, k = shape
+    x_shape = x.shape
+    if not x_shape or x_shape[-1] != k:
+        raise ValueError(f"linear: x has shape {tuple(x_shape)}; its last dimension must be weight's K={k}")
     _require_same("weight", weight, x)
     if bias is not None:
         _require_tensor("bias", bias)
@@ -121,21 +123,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from gemmtune import torch_ops
 
         return torch_ops.linear(x, weight, bias, act)
-    return linear_forward(x, weight, bias, act)
+    return _linear(x, weight, bias, act, x_shape, n, k)
 
 
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
     """``linear`` on checked operands, without autograd (the body of the custom op)."""
     n, k = weight.shape
+    return _linear(x, weight, bias, act, x.shape, n, k)
+
+
+def _linear(x, weight, bias, act: str, x_shape, n: int, k: int) -> torch.Tensor:
     if recorder.active() is not None:
         _record("linear", x, bias, x.numel() // k if k else 0, n, k, act)
     if _falls_back(x, n):
         return activations.apply(F.linear(x, weight, bias), act, inplace=False)
-    if x.dim() == 2:  # the common case: no views made (each costs about a microsecond)
-        return _run("linear", x, weight, bias, x.shape[0], n, k, act)
+    if len(x_shape) == 2:  # the common case: no views made (each costs about a microsecond)
+        return _run("linear", x, weight, bias, x_shape[0], n, k, act)
     x2 = x.reshape(-1, k)
     out = _run("linear", x2, weight, bias, x2.shape[0], n, k, act)
-    return out.reshape(*x.shape[:-1], n)
+    return out.reshape(*x_shape[:-1], n)
 
 
 def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str) -> torch.Tensor:
@@ -186,8 +192,10 @@ def _require_tensor(name: str, value) -> None:
 
 
 def _require_same(name: str, tensor: torch.Tensor, like: torch.Tensor) -> None:
-    """Same device and dtype as the first operand; a clear error where torch's would be vague."""
-    if tensor.device != like.device:
+    """Same device and dtype as the first operand; a clear error where torch's would be vague.
+    (Device indices are compared first: building two torch.device objects costs more than the
+    rest of a cache-hit call's checks.)"""
+    if tensor.get_device() != like.get_device() or tensor.is_cuda != like.is_cuda:
         raise ValueError(f"{name} is on {tensor.device} but the first operand is on {like.device}; move both to one device")
     if tensor.dtype != like.dtype:
         raise TypeError(f"{name} has dtype {tensor.dtype} but the first operand has {like.dtype}; gemmtune does not mix dtypes")

@@ -29,6 +29,11 @@ MISALIGNED_PENALTY = 2.0  # measured: tiled on 4095x4097x4095 ran 2.1x below cuB
 # fitted to the tiled trials of qkv decode on the H200, where 4.7 and 6.3 MB in flight read the
 # weights at 1.6 and 1.9 TB/s (NOTES step 10). Large grids keep far more in flight than needed.
 LATENCY_S = 3.3e-6
+# The last program of a split-K tile sums every split's partial after the weights are read: a
+# dependent tail per split (fitted with LATENCY_S on the H200's decode trials, NOTES step 11).
+SPLIT_TAIL_S = 2e-6
+MAX_WARPS_PER_SM = 64  # sm_70 to sm_90
+REGISTERS_PER_SM = 65536
 
 
 def matrix_flops(problem: Problem, device: Device) -> float:
@@ -68,16 +73,30 @@ def tile_gemm_ms(problem: Problem, device: Device, block_m: int, block_n: int, b
 
 
 def splitk_ms(problem: Problem, device: Device, block_m: int, block_n: int, split_k: int, block_k: int,
-              num_stages: int) -> float:
+              num_stages: int, *, use_dot: bool = True, num_warps: int = 4) -> float:
     """A split-K decode GEMM: the weights streamed once, at a rate set by how many SMs load and
-    by the bytes their pipelines keep in flight (two resident programs per SM at most)."""
+    by the bytes kept in flight, plus the serial reduction tail of each extra split.
+
+    In flight per SM: a pipelined or tensor-core program keeps (stages - 1) tiles in flight and
+    one is resident (fitted on the H200's decode trials, NOTES step 11); a register-direct FMA
+    program (stage 1) keeps its whole tile in flight, and as many of them are resident as the
+    SM's warps and registers allow, which is how the GEMV tiles stream fastest.
+    """
     es = problem.element_size
     programs = -(-problem.n // block_n) * split_k * -(-problem.m // block_m)
-    fill = min(1.0, programs / (2 * device.sm_count))  # two programs per SM keep loads in flight
-    in_flight = min(programs, 2 * device.sm_count) * num_stages * (block_m + block_n) * block_k * es
+    threads = 32 * num_warps
+    if use_dot or num_stages > 1:
+        resident, tile = 1, max(1, num_stages - 1) * (block_m + block_n) * block_k * es
+    else:
+        regs = block_m * block_n * block_k // threads + es * block_n * block_k // (4 * threads) + 32
+        resident = max(1, min(MAX_WARPS_PER_SM // num_warps, REGISTERS_PER_SM // (threads * regs)))
+        tile = (block_m + block_n) * block_k * es
+    fill = min(1.0, programs / device.sm_count)
+    in_flight = min(programs, resident * device.sm_count) * tile
     streaming = min(dram_bytes_per_s(device) * fill, in_flight / LATENCY_S)
     weights = problem.n * problem.k * es
     workspace = 8 * split_k * problem.m * problem.n if split_k > 1 else 0
     activations = problem.m * problem.k * es * -(-problem.n // block_n)
     memory_s = (weights + workspace) / streaming + activations / (dram_bytes_per_s(device) * L2_OVER_DRAM)
-    return memory_s * 1e3 + LAUNCH_MS
+    tail_s = SPLIT_TAIL_S * split_k if split_k > 1 else 0.0
+    return (memory_s + tail_s) * 1e3 + LAUNCH_MS

@@ -31,8 +31,8 @@ class TuneOptions:
     strategy: str = "topk"  # how each backend's space is searched (gemmtune.search.STRATEGIES)
     budget: search.Budget = search.Budget()  # per backend whose configs the cost model ranks
     finalists: int = 4  # candidates re-measured beside cuBLAS after screening
-    screen_budget_ms: float = 15.0  # each candidate's own screening measurement
-    final_budget_ms: float = 200.0
+    screen_budget_ms: float = 10.0  # each candidate's own screening measurement
+    final_budget_ms: float = 100.0  # the finalists side by side, at least MIN_ROUNDS_FINAL rounds
     backends: tuple[str, ...] | None = None  # None: every registered backend
     seed: int | None = None  # inputs' seed; None draws fresh random inputs
     compile_ahead: bool = True  # compile the planned candidates in parallel first (GPU only)

@@ -166,17 +166,21 @@ class SplitKKernel:
 
     def __init__(self, problem: Problem, config: SplitKConfig) -> None:
         from gemmtune.kernels.splitk import splitk_matmul  # imports triton: only once a kernel is built
+        from gemmtune.launch import Launcher
 
-        self._kernel = splitk_matmul
+        self._launch = Launcher(splitk_matmul)
         self._linear = problem.layout == "linear"
         self._config = config
         self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._constexprs = dict(
+        base = dict(
             ACTIVATION=problem.activation, PRECISION="tf32" if problem.tf32 else "ieee",
             USE_DOT=config.use_dot, SPLIT_K=config.split_k, STAGES=config.num_stages,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
+        # (HAS_BIAS, EVEN_K) -> every constexpr of a launch
+        self._constexprs = {(bias, even): dict(base, HAS_BIAS=bias, EVEN_K=even)
+                            for bias in (False, True) for even in (False, True)}
 
     def _workspace(self, device: torch.device, m: int, n: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
         key = (device, m, n)
@@ -191,20 +195,29 @@ class SplitKKernel:
         cfg = self._config
         m, k = a.shape
         n = b.shape[0] if self._linear else b.shape[1]
-        stride_bk, stride_bn = (b.stride(1), b.stride(0)) if self._linear else b.stride()
+        sa, sb = a.stride(), b.stride()
+        stride_bk, stride_bn = (sb[1], sb[0]) if self._linear else sb
+        # an output allocated here is contiguous, aligned and of a's dtype: a guard needs to
+        # describe only one the caller passed
+        given = None if out is None else (out.dtype, out.stride(), out.data_ptr() & 15)
         if out is None:
             out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+        so = out.stride()
         grid_n, grid_m = -(-n // cfg.block_n), -(-m // cfg.block_m)
         k_per_split = -(-k // (cfg.block_k * cfg.split_k)) * cfg.block_k
         if cfg.split_k > 1:
             workspace, counters = self._workspace(a.device, m, n, grid_n * grid_m)
         else:
             workspace, counters = out, out  # never touched: the SPLIT_K == 1 path is compiled out
-        self._kernel[(grid_n, cfg.split_k, grid_m)](
-            a, b, out, out if bias is None else bias, workspace, counters, m, n, k, k_per_split,
-            a.stride(0), a.stride(1), stride_bk, stride_bn, out.stride(0), out.stride(1),
-            HAS_BIAS=bias is not None, EVEN_K=k % (cfg.block_k * cfg.split_k) == 0, **self._constexprs,
-        )
+        has_bias = bias is not None
+        device = a.get_device()
+        # the workspace and counters are the kernel's own, allocated aligned: not in the guard
+        guard = (device, a.dtype, b.dtype, m, n, k, sa, sb, a.data_ptr() & 15, b.data_ptr() & 15, given,
+                 (bias.dtype, bias.data_ptr() & 15, bias.stride()) if has_bias else None)
+        self._launch((grid_n, cfg.split_k, grid_m), device, guard,
+                     (a, b, out, bias if has_bias else out, workspace, counters, m, n, k, k_per_split,
+                      sa[0], sa[1], stride_bk, stride_bn, so[0], so[1]),
+                     self._constexprs[has_bias, k % (cfg.block_k * cfg.split_k) == 0])
         return out
 
 
@@ -223,7 +236,7 @@ class TritonSplitKBackend:
 
     def predict_ms(self, problem: Problem, device: Device, config) -> float | None:
         return costmodel.splitk_ms(problem, device, config.block_m, config.block_n, config.split_k, config.block_k,
-                                   config.num_stages)
+                                   config.num_stages, use_dot=config.use_dot, num_warps=config.num_warps)
 
     def parse_config(self, data: Mapping) -> SplitKConfig:
         return config_from_mapping(self.name, data, SplitKConfig)

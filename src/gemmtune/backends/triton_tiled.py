@@ -103,33 +103,43 @@ def space(problem: Problem, device: Device) -> list[TiledConfig]:
 
 
 class TiledKernel:
-    """A compiled-on-first-call launcher for one (problem, config)."""
+    """A compiled-on-first-call launcher for one (problem, config); later calls with operands
+    of the same dtypes, strides and alignment launch the binary directly (gemmtune.launch)."""
 
     def __init__(self, problem: Problem, config: TiledConfig) -> None:
         from gemmtune.kernels.tiled import tiled_matmul  # imports triton: only once a kernel is built
+        from gemmtune.launch import Launcher
 
-        self._kernel = tiled_matmul
+        self._launch = Launcher(tiled_matmul)
         self._linear = problem.layout == "linear"
         self._config = config
-        self._constexprs = dict(
+        base = dict(
             ACTIVATION=problem.activation, EVEN_K=problem.k % config.block_k == 0,
             PRECISION="tf32" if problem.tf32 else "ieee",
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
         )
+        self._constexprs = {False: dict(base, HAS_BIAS=False), True: dict(base, HAS_BIAS=True)}
 
     def __call__(self, a, b, bias, out=None):
         m, k = a.shape
         n = b.shape[0] if self._linear else b.shape[1]
-        stride_bk, stride_bn = (b.stride(1), b.stride(0)) if self._linear else b.stride()
+        sa, sb = a.stride(), b.stride()
+        stride_bk, stride_bn = (sb[1], sb[0]) if self._linear else sb
+        # an output allocated here is contiguous, aligned and of a's dtype: a guard needs to
+        # describe only one the caller passed
+        given = None if out is None else (out.dtype, out.stride(), out.data_ptr() & 15)
         if out is None:
             out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-        grid = (-(-m // self._config.block_m) * -(-n // self._config.block_n),)
-        self._kernel[grid](
-            a, b, out, out if bias is None else bias, m, n, k,
-            a.stride(0), a.stride(1), stride_bk, stride_bn, out.stride(0), out.stride(1),
-            HAS_BIAS=bias is not None, **self._constexprs,
-        )
+        so = out.stride()
+        grid = (-(-m // self._config.block_m) * -(-n // self._config.block_n), 1, 1)
+        has_bias = bias is not None
+        device = a.get_device()
+        guard = (device, a.dtype, b.dtype, m, n, k, sa, sb, a.data_ptr() & 15, b.data_ptr() & 15, given,
+                 (bias.dtype, bias.data_ptr() & 15, bias.stride()) if has_bias else None)
+        self._launch(grid, device, guard,
+                     (a, b, out, bias if has_bias else out, m, n, k, sa[0], sa[1], stride_bk, stride_bn, so[0], so[1]),
+                     self._constexprs[has_bias])
         return out
 
 

@@ -1,0 +1,89 @@
+"""Direct launches: the first call per guard goes through Triton's JIT, later ones through the
+binary's launcher; every variation of the operands that the JIT specializes on gets its own
+binary, and results stay right."""
+
+import pytest
+import torch
+
+from gemmtune import verify
+from gemmtune.backends import get
+from gemmtune.device import current
+from gemmtune.problem import Problem
+
+TILED = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 1, "num_stages": 1}
+FMA = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2, "USE_DOT": False, "num_warps": 1, "num_stages": 1}
+
+
+def build(problem, name, config):
+    backend = get(name)
+    return backend.build(problem, backend.parse_config(config), current())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's path")
+def test_the_interpreter_keeps_no_binary():
+    problem = Problem(7, 33, 65, "float32", "linear", bias=True)
+    kernel = build(problem, "triton_tiled", TILED)
+    a, b, bias = verify.make_operands(problem, "cpu", seed=1)
+    for _ in range(2):
+        assert verify.rel_err(kernel(a, b, bias), verify.reference(problem, a, b, bias)) < 1e-5
+    assert kernel._launch.binaries() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, config", [("triton_tiled", TILED), ("triton_splitk", FMA)])
+def test_repeated_calls_launch_the_binary_and_stay_right(name, config):
+    problem = Problem(7, 33, 65, "bfloat16", "linear", bias=True, activation="relu")
+    kernel = build(problem, name, config)
+    for seed in range(3):
+        a, b, bias = verify.make_operands(problem, "cuda", seed=seed)
+        out = kernel(a, b, bias)
+        assert verify.rel_err(out, verify.reference(problem, a, b, bias)) <= verify.tolerance(problem)
+    assert kernel._launch.binaries() == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, config", [("triton_tiled", TILED), ("triton_splitk", FMA)])
+def test_strides_alignment_and_bias_each_get_their_own_binary(name, config):
+    problem = Problem(7, 33, 64, "bfloat16", "linear")
+    kernel = build(problem, name, config)
+    a, b, _ = verify.make_operands(problem, "cuda", seed=0)
+    wide = torch.randn(7, 65, device="cuda", dtype=torch.bfloat16)
+    variants = {
+        "contiguous": (a, b, None),
+        "misaligned a": (wide[:, 1:], b, None),  # 2 bytes past a 16-byte boundary, row stride 65
+        "transposed b storage": (a, b.t().contiguous().t(), None),
+        "with bias": (a, b, torch.randn(33, device="cuda", dtype=torch.bfloat16)),
+    }
+    for label, (x, w, bias) in list(variants.items()) * 2:  # the second pass launches binaries directly
+        reference = verify.reference(problem, x, w, bias)
+        assert verify.rel_err(kernel(x, w, bias), reference) <= verify.tolerance(problem), label
+    assert kernel._launch.binaries() == len(variants)
+
+
+@pytest.mark.gpu
+def test_launch_hooks_send_calls_through_the_jit():
+    from triton import knobs
+
+    problem = Problem(16, 32, 32, "float16", "linear")
+    kernel = build(problem, "triton_tiled", TILED)
+    a, b, _ = verify.make_operands(problem, "cuda", seed=0)
+    kernel(a, b, None)
+    seen = []
+    knobs.runtime.launch_enter_hook.add(seen.append)
+    try:
+        out = kernel(a, b, None)
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(seen.append)
+    assert seen and verify.rel_err(out, verify.reference(problem, a, b, None)) <= verify.tolerance(problem)
+
+
+def test_a_hook_counts_only_when_one_is_set():
+    from triton.knobs import HookChain
+
+    from gemmtune.launch import _hooked
+
+    chain = HookChain()
+    assert not _hooked(chain) and not _hooked(None) and _hooked(print)
+    chain.add(print)
+    assert _hooked(chain)
