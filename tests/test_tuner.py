@@ -41,6 +41,16 @@ def test_slower_never_wins():
     assert decide(1.0, 1.2) == "cublas"
 
 
+def test_a_cheaper_launch_does_not_win_with_a_slower_kernel():
+    """Host-bound costs: cuBLAS's call 12 us for an 8.7 us kernel, the candidate's 10.6 us for
+    a 10.6 us kernel. Cheaper in a plain loop, 22% slower replayed from a CUDA graph."""
+    timings = {"cublas": timing(0.0087, 0.01), "x": timing(0.0106, 0.01)}
+    assert select("cublas", timings, {"cublas": 0.012, "x": 0.0106}) == "cublas"
+    # the same launch saving with a kernel as fast as cuBLAS's wins
+    timings["x"] = timing(0.0087, 0.01)
+    assert select("cublas", timings, {"cublas": 0.012, "x": 0.0092}) == "x"
+
+
 def test_tune_problem_verifies_and_records_every_candidate():
     problem = Problem(33, 47, 65, "float32", "linear", bias=True)
     result = tune_problem(problem, current(), options=TuneOptions(seed=1))

@@ -2,7 +2,9 @@
 
 Selection never makes a user slower: cuBLAS stays unless a candidate beats it by more than the
 noise measured in the same rounds (and by at least MIN_GAIN), judged on the time a user's call
-really costs; for kernels of a few microseconds that includes the host's launch path.
+really costs; for kernels of a few microseconds that includes the host's launch path. A
+candidate whose kernel alone is slower than cuBLAS's never wins, whatever its launch saves:
+replayed from a CUDA graph, the kernel is all a call costs.
 """
 
 from __future__ import annotations
@@ -95,12 +97,20 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
 
 
 def select(reference: str, timings: dict[str, Timing], costs: dict[str, float]) -> str:
-    """The label of the cheapest candidate if it beats the reference beyond the measured noise,
-    else the reference's."""
+    """The label of the cheapest candidate if it beats the reference beyond the measured noise
+    and its kernel is not slower on the GPU, else the reference's.
+
+    ``costs`` include the host's time where a call is host-bound, which a cheaper launch can
+    win; but inside a CUDA graph only the kernel's time remains, so a candidate whose kernel is
+    slower than the reference's would make graph users slower (seen on the H200: a tiled
+    kernel that won blog-mlp's host-bound cost ran 18% slower replayed from a graph).
+    """
     best = min(costs, key=costs.get)
     if best == reference:
         return reference
     noise = timings[reference].spread + timings[best].spread
+    if timings[best].median > timings[reference].median * (1.0 + noise):
+        return reference
     if costs[best] < costs[reference] * (1.0 - max(MIN_GAIN, noise)):
         return best
     return reference
