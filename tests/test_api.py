@@ -99,3 +99,39 @@ def test_linear_activation_fallback_matches_torch_and_keeps_autograd(act, fn):
 def test_linear_rejects_unknown_activation():
     with pytest.raises(ValueError, match="activation='tanh' is not supported; accepted: None, relu"):
         gemmtune.linear(torch.ones(2, 3), torch.ones(4, 3), activation="tanh")
+
+
+class CountingKernel:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, a, b, bias):
+        self.calls += 1
+        return F.linear(a, b, bias)
+
+
+def test_a_served_call_takes_the_front_path_and_a_different_one_is_checked_again(monkeypatch):
+    """Served from the dispatcher once, the same call skips the checks; a call that differs in
+    any operand's shape, dtype or device, or in the bias, goes through them (and errors)."""
+    from gemmtune import api
+    from gemmtune.dispatch import DISPATCHER
+
+    monkeypatch.setattr(api, "_falls_back", lambda first, n: False)  # CPU tensors served as if on a GPU
+    monkeypatch.setattr(DISPATCHER, "kernels", {})
+    monkeypatch.setattr(DISPATCHER, "front", {})
+    x, w, bias = torch.randn(5, 8), torch.randn(3, 8), torch.randn(3)
+    kernel = CountingKernel()
+    DISPATCHER.kernels[api._key("linear", x, bias, 5, 3, 8, "relu")] = kernel
+    with torch.no_grad():
+        first = gemmtune.linear(x, w, bias, activation="relu")
+        assert len(DISPATCHER.front) == 1
+        again = gemmtune.linear(x, w, bias, activation="relu")
+        assert kernel.calls == 2 and torch.equal(first, again)
+        with pytest.raises(TypeError, match="bias has dtype"):
+            gemmtune.linear(x, w, bias.double(), activation="relu")
+        with pytest.raises(ValueError, match="last dimension"):
+            gemmtune.linear(torch.randn(5, 9), w, bias, activation="relu")
+        with pytest.raises(ValueError, match="activation='tanh'"):
+            gemmtune.linear(x, w, bias, activation="tanh")
+    DISPATCHER.forget()
+    assert DISPATCHER.front == {}

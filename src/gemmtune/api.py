@@ -100,6 +100,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``act(F.linear(x, weight, bias))``: x (..., K), weight (N, K), bias (N,) or None;
     ``activation`` one of relu, gelu, gelu_tanh, silu, fused into the kernel's epilogue.
     Differentiable (through ``torch.ops.gemmtune.linear``) when an input requires a gradient."""
+    # The front path: a call like one already served by a kernel (same shapes, dtypes, devices,
+    # bias and activation, TF32 setting for float32) skips every check below: they passed then.
+    if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) \
+            and (bias is None or isinstance(bias, torch.Tensor)) and not torch.compiler.is_compiling() \
+            and recorder.active() is None and not _needs_grad(x, weight, bias):
+        front = _front_key(x, weight, bias, activation)
+        kernel = DISPATCHER.front.get(front)
+        if kernel is not None:
+            return kernel(x, weight, bias)
     act = "none" if activation is None else activation
     if act not in ACTIVATIONS:
         raise ValueError(f"linear: activation={activation!r} is not supported; accepted: None, "
@@ -123,7 +132,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from gemmtune import torch_ops
 
         return torch_ops.linear(x, weight, bias, act)
-    return _linear(x, weight, bias, act, x_shape, n, k)
+    out = _linear(x, weight, bias, act, x_shape, n, k)
+    if len(x_shape) == 2 and recorder.active() is None:  # served by a kernel now: later calls take the front path
+        kernel = DISPATCHER.kernels.get(_key("linear", x, bias, x_shape[0], n, k, act))
+        if kernel is not None:
+            DISPATCHER.front[_front_key(x, weight, bias, activation)] = kernel
+    return out
+
+
+def _front_key(x: torch.Tensor, weight: torch.Tensor, bias, activation) -> tuple:
+    return (x.shape, weight.shape, x.dtype, weight.dtype, x.get_device(), weight.get_device(), activation,
+            x.dtype is torch.float32 and _uses_tf32(x),
+            None if bias is None else (bias.shape, bias.dtype, bias.get_device()))
 
 
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
@@ -144,12 +164,16 @@ def _linear(x, weight, bias, act: str, x_shape, n: int, k: int) -> torch.Tensor:
     return out.reshape(*x_shape[:-1], n)
 
 
+def _key(layout: str, a, bias, m: int, n: int, k: int, act: str) -> tuple:
+    """What the dispatcher's kernels are keyed by."""
+    return layout, m, n, k, a.dtype, bias is not None, _uses_tf32(a), act, a.get_device()
+
+
 def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str) -> torch.Tensor:
-    tf32 = _uses_tf32(a)
-    key = (layout, m, n, k, a.dtype, bias is not None, tf32, act, a.get_device())
+    key = _key(layout, a, bias, m, n, k, act)
     kernel = DISPATCHER.kernels.get(key)
     if kernel is None:  # the slow path: store, then tuning; never while a CUDA graph is captured
-        problem_of_key = lambda: Problem(m, n, k, _DTYPE_NAMES[a.dtype], layout, bias is not None, tf32, act)  # noqa: E731
+        problem_of_key = lambda: Problem(m, n, k, _DTYPE_NAMES[a.dtype], layout, bias is not None, key[6], act)  # noqa: E731
         if torch.cuda.is_current_stream_capturing():
             DISPATCHER.capture_miss(key, problem_of_key)
             out = F.linear(a, b, bias) if layout == "linear" else _torch_mm(a, b, bias)

@@ -20,6 +20,8 @@ log = logging.getLogger("gemmtune")
 class Dispatcher:
     def __init__(self, store: Store | None = None) -> None:
         self.kernels: dict[tuple, object] = {}  # read directly by the hot path
+        # api.linear's front path: its operands' own attributes -> the kernel that served them
+        self.front: dict[tuple, object] = {}
         self._store = store
         self._lock = threading.Lock()
         self._capture_misses: set[tuple] = set()
@@ -56,6 +58,7 @@ class Dispatcher:
         """Drop built kernels (after the store changed, or in tests)."""
         with self._lock:
             self.kernels.clear()
+            self.front.clear()
 
     def _resolve(self, problem: Problem, device: Device):
         target = bucket(problem, settings.bucket_policy())  # the problem whose result serves this one
