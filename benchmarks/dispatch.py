@@ -20,6 +20,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -50,6 +51,15 @@ def loop_us(fn, calls: int) -> float:
     return (time.perf_counter() - t0) * 1e6 / calls
 
 
+def paired_us(ours, theirs, calls: int, pairs: int = 9) -> tuple[float, float, float]:
+    """Loops of the two calls alternated ``pairs`` times: each one's median host us per call,
+    and the median of the per-pair ratios (the host's speed drifts by tens of percent between
+    seconds on the GPU machine; a ratio within a pair sees the same drift)."""
+    samples = [(loop_us(ours, calls), loop_us(theirs, calls)) for _ in range(pairs)]
+    return (statistics.median(o for o, _ in samples), statistics.median(t for _, t in samples),
+            statistics.median(o / t for o, t in samples))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -66,23 +76,21 @@ def main() -> int:
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
             gemmtune.linear(x, w)  # tunes: later calls are store hits served from the dispatch dict
             choice = gemmtune.tune(gemmtune.Problem(m, n, k))[0].label()
-            torch_us = min(loop_us(lambda: F.linear(x, w), args.calls) for _ in range(3))
-            ours_us = min(loop_us(lambda: gemmtune.linear(x, w), args.calls) for _ in range(3))
+            ours_us, torch_us, ratio = paired_us(lambda: gemmtune.linear(x, w), lambda: F.linear(x, w), args.calls)
             rows.append({"shape": f"{m}x{n}x{k}", "dtype": "bfloat16", "choice": choice, "torch_us": torch_us,
-                         "gemmtune_us": ours_us, "ratio": ours_us / torch_us})
+                         "gemmtune_us": ours_us, "ratio": ratio})
             print(f"{m}x{n}x{k}: F.linear {torch_us:.2f} us, gemmtune.linear {ours_us:.2f} us "
-                  f"(x{ours_us / torch_us:.2f}) [{choice}]", flush=True)
+                  f"(x{ratio:.2f}) [{choice}]", flush=True)
             # The same hit served by a Triton kernel: the hot-path dict pinned to a tiled config
             key = ("linear", m, n, k, x.dtype, False, False, "none", x.get_device())
             DISPATCHER.kernels[key] = BACKEND.build(Problem(m, n, k), TiledConfig(16, 64, 64, 8, 4, 3), current())
             expected = F.linear(x, w).float()
             ok = torch.allclose(gemmtune.linear(x, w).float(), expected, rtol=2e-2, atol=2e-2)
-            triton_us = min(loop_us(lambda: gemmtune.linear(x, w), args.calls) for _ in range(3))
+            triton_us, torch_us, ratio = paired_us(lambda: gemmtune.linear(x, w), lambda: F.linear(x, w), args.calls)
             rows.append({"shape": f"{m}x{n}x{k}", "dtype": "bfloat16", "choice": "triton_tiled (pinned)",
-                         "torch_us": torch_us, "gemmtune_us": triton_us, "ratio": triton_us / torch_us,
-                         "correct": bool(ok)})
+                         "torch_us": torch_us, "gemmtune_us": triton_us, "ratio": ratio, "correct": bool(ok)})
             print(f"{m}x{n}x{k}: F.linear {torch_us:.2f} us, gemmtune.linear {triton_us:.2f} us "
-                  f"(x{triton_us / torch_us:.2f}) [triton_tiled pinned]{'' if ok else ' WRONG RESULT'}", flush=True)
+                  f"(x{ratio:.2f}) [triton_tiled pinned]{'' if ok else ' WRONG RESULT'}", flush=True)
     doc = {"kind": "dispatch", "device": current().name, "torch": torch.__version__, "triton": triton.__version__,
            "gemmtune": gemmtune.__version__, "date": datetime.date.today().isoformat(), "rows": rows,
            "launch": launch_rows(args.calls)}
@@ -123,7 +131,7 @@ def launch_rows(calls: int) -> list[dict]:
         # torch.empty computes nothing: it is timed as the cost of the output a call allocates
         ok = name == "torch.empty" or torch.allclose((result if name == "F.linear" else out).float(), expected,
                                                      rtol=2e-2, atol=2e-2)
-        us = min(loop_us(fn, calls) for _ in range(3))
+        us = statistics.median(loop_us(fn, calls) for _ in range(9))
         rows.append({"way": name, "host_us_per_call": us, "correct": bool(ok)})
         print(f"launch {name:16s} {us:7.2f} us/call{'' if ok else '  WRONG RESULT'}", flush=True)
     return rows
