@@ -60,7 +60,7 @@ def test_workers_follow_the_setting(monkeypatch):
 
 def test_plan_lists_what_a_fixed_order_strategy_measures():
     space = list(range(20))
-    assert search.plan("topk", space, predict=lambda c: -c) == list(range(19, 11, -1))
+    assert search.plan("topk", space, predict=lambda c: -c) == list(range(19, 19 - search.DEFAULT_TOPK, -1))
     assert search.plan("exhaustive", space, search.Budget(trials=5)) == [0, 1, 2, 3, 4]
     assert search.plan("random", space, seed=3) == list(search.run("random", space, float, seed=3))
     assert search.plan("descent", space, predict=float) == []
