@@ -59,6 +59,16 @@ def test_single_split_matches_reference(m, n, k, use_dot):
     check(problem, (dot if use_dot else fma)(m, 1, block_k=128))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 7, 4095), (2, 33, 1500), (3, 5, 2049)])
+def test_gemv_tiles_match_reference(m, n, k, dtype):
+    """The GEMV tiles: 4 or 8 weight rows, K steps of 1024 and 2048 (past K here), one split or two."""
+    problem = Problem(m, n, k, dtype, "linear", bias=True, activation="silu")
+    inputs = verify.make_inputs(problem, DEVICE)
+    for block_n, block_k, split_k in ((4, 1024, 1), (8, 2048, 1), (4, 1024, 2)):
+        check(problem, SplitKConfig(_pow2(m), block_n, block_k, split_k, False, 4, 1), inputs)
+
+
 @pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu"])
 @pytest.mark.parametrize("use_dot", [False, True])
 def test_fused_activations_match_reference(act, use_dot):
