@@ -25,16 +25,9 @@ from gemmtune import backends, bench, shapes, verify
 from gemmtune.device import current
 from gemmtune.tuner import TuneOptions, tune_problem
 from gemmtune.worker import IsolatedRunner
-from suite import ROOT, copy_tbps, inductor
+from suite import ROOT, copy_tbps, inductor, read_tbps
 
 BACKENDS = ("cublas", "triton_splitk", "triton_tiled")
-
-
-def read_tbps() -> float:
-    """Read-only bandwidth: a sum over 1 GiB of bf16, the bytes a weight stream moves."""
-    x = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
-    timing = bench.measure({"sum": lambda: x.sum()}, current(), min_rounds=20)["sum"]
-    return x.numel() * 2 / (timing.median * 1e-3) / 1e12
 
 
 def trial_rows(result, problem, device) -> list[dict]:

@@ -53,6 +53,13 @@ def copy_tbps() -> float:
     return 2 * src.numel() * 4 / (timing.median * 1e-3) / 1e12
 
 
+def read_tbps() -> float:
+    """Read-only bandwidth: a sum over 1 GiB of bf16, the bytes a weight stream moves."""
+    x = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
+    timing = bench.measure({"sum": lambda: x.sum()}, current(), min_rounds=20)["sum"]
+    return x.numel() * 2 / (timing.median * 1e-3) / 1e12
+
+
 def operands(named, inputs):
     p = named.problem
     a, b, bias = inputs.a, inputs.b, inputs.bias
@@ -168,7 +175,7 @@ def main() -> int:
         "kind": "suite", "device": device.name, "sm_count": device.sm_count, "torch": torch.__version__,
         "triton": triton.__version__, "gemmtune": gemmtune.__version__, "date": datetime.date.today().isoformat(),
         "shapes_file": str(args.shapes.relative_to(ROOT.parent)) if args.shapes.is_relative_to(ROOT.parent) else str(args.shapes),
-        "copy_tbps": copy_tbps(), "float32_matmul_precision": "high", "strategy": args.strategy, "rows": [],
+        "copy_tbps": copy_tbps(), "read_tbps": read_tbps(), "float32_matmul_precision": "high", "strategy": args.strategy, "rows": [],
     }
     runner = IsolatedRunner(device)  # one worker for the run: a faulty candidate costs a trial, not the suite
     for item in named:

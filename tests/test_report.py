@@ -33,6 +33,16 @@ def test_markdown_has_every_row_and_group_geomeans():
     assert "- tuning from cold: median 2.10 s, max 3.0 s per shape" in text
 
 
+def test_decode_rows_read_their_weights_against_copy_and_read_bandwidth():
+    lines = report.decode_bandwidth(dict(SUITE, read_tbps=4.0))
+    assert lines[0] == "| decode shape | weights TB/s | of copy 4.20 TB/s | of read 4.00 TB/s |"
+    qkv = 6144 * 4096 * 2 / (0.015 * 1e9)  # 3.36 TB/s
+    assert f"| qkv.m1 | {qkv:.2f} | {100 * qkv / 4.2:.0f}% | {100 * qkv / 4.0:.0f}% |" in lines
+    fp32 = 6144 * 4096 * 4 / (0.03 * 1e9)
+    assert f"| qkv.m16 | {fp32:.2f} |" in lines[3] and len(lines) == 5
+    assert report.decode_bandwidth(dict(SUITE, rows=SUITE["rows"][1:2])) == []
+
+
 def test_the_summary_reads_exhaustive_search_and_warm_tuning():
     rows = [dict(r, tune_s_warm=0.2, exhaustive_ms=r["gemmtune_ms"] * f, exhaustive_in_topk=f == 1.0)
             for r, f in zip(SUITE["rows"], (1.0, 0.9, 1.0))]

@@ -61,6 +61,9 @@ def trials_table(trials: Sequence[Trial]) -> Table:
 PEAK_TFLOPS_16BIT = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "RTX 4090": 165.0}
 
 
+_ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
 def read_suite(path) -> dict:
     """A suite file, checked enough that a wrong file fails here with its name, not in a plot."""
     import json
@@ -88,7 +91,22 @@ def suite_markdown(doc: dict) -> str:
     lines += ["", "| group | shapes | geomean speedup | min speedup |", "|---|---:|---:|---:|"]
     for group, speedups in _by_group(doc["rows"]).items():
         lines.append(f"| {group} | {len(speedups)} | {_geomean(speedups):.3f}x | {min(speedups):.3f}x |")
-    return "\n".join(lines + ["", *tuning_summary(doc["rows"])]) + "\n"
+    return "\n".join(lines + ["", *decode_bandwidth(doc), *tuning_summary(doc["rows"])]) + "\n"
+
+
+def decode_bandwidth(doc: dict) -> list[str]:
+    """Each decode row's weight-read rate (N x K elements once, at gemmtune's time) against the
+    device's copy bandwidth (bytes read + written) and, where measured, its read-only one."""
+    rows = [r for r in doc["rows"] if r.get("group") == "decode" and r.get("gemmtune_ms")]
+    if not rows:
+        return []
+    bases = [(name, doc[key]) for name, key in (("copy", "copy_tbps"), ("read", "read_tbps")) if doc.get(key)]
+    lines = ["| decode shape | weights TB/s | " + " | ".join(f"of {n} {v:.2f} TB/s" for n, v in bases) + " |",
+             "|---|---:|" + "---:|" * len(bases)]
+    for r in rows:
+        tbps = r["n"] * r["k"] * _ELEMENT_BYTES.get(r["dtype"], 2) / (r["gemmtune_ms"] * 1e9)
+        lines.append(f"| {r['name']} | {tbps:.2f} | " + " | ".join(f"{100 * tbps / v:.0f}%" for _, v in bases) + " |")
+    return lines + [""]
 
 
 def tuning_summary(rows) -> list[str]:
