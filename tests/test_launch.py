@@ -87,3 +87,18 @@ def test_a_hook_counts_only_when_one_is_set():
     assert not _hooked(chain) and not _hooked(None) and _hooked(print)
     chain.add(print)
     assert _hooked(chain)
+
+
+def test_the_guard_tells_apart_what_the_jit_specializes_on():
+    from gemmtune.launch import gemm_guard
+
+    def guard(a, b, bias=None, out=None):
+        return gemm_guard(a, b, bias, out, a.stride(), b.stride())
+
+    a, b = torch.randn(8, 64), torch.randn(32, 64)
+    base = guard(a, b)
+    assert guard(torch.randn(8, 64), torch.randn(32, 64)) == base  # fresh operands alike: one binary
+    wide = torch.randn(8, 65)
+    variants = [guard(wide[:, 1:], b), guard(a, b.t().contiguous().t()), guard(a.half(), b.half()),
+                guard(a, b, torch.randn(32)), guard(a, b, out=torch.empty(8, 32)), guard(torch.randn(9, 64), b)]
+    assert len({base, *variants}) == len(variants) + 1

@@ -17,6 +17,7 @@ import torch
 from gemmtune import costmodel
 from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_importable
 from gemmtune.device import Device
+from gemmtune.launch import Launcher, gemm_guard
 from gemmtune.problem import Problem
 
 MAX_M = 64  # larger M is compute-bound enough for triton_tiled and cuBLAS
@@ -166,7 +167,6 @@ class SplitKKernel:
 
     def __init__(self, problem: Problem, config: SplitKConfig) -> None:
         from gemmtune.kernels.splitk import splitk_matmul  # imports triton: only once a kernel is built
-        from gemmtune.launch import Launcher
 
         self._launch = Launcher(splitk_matmul)
         self._linear = problem.layout == "linear"
@@ -197,9 +197,7 @@ class SplitKKernel:
         n = b.shape[0] if self._linear else b.shape[1]
         sa, sb = a.stride(), b.stride()
         stride_bk, stride_bn = (sb[1], sb[0]) if self._linear else sb
-        # an output allocated here is contiguous, aligned and of a's dtype: a guard needs to
-        # describe only one the caller passed
-        given = None if out is None else (out.dtype, out.stride(), out.data_ptr() & 15)
+        guard = gemm_guard(a, b, bias, out, sa, sb)
         if out is None:
             out = torch.empty((m, n), dtype=a.dtype, device=a.device)
         so = out.stride()
@@ -210,11 +208,7 @@ class SplitKKernel:
         else:
             workspace, counters = out, out  # never touched: the SPLIT_K == 1 path is compiled out
         has_bias = bias is not None
-        device = a.get_device()
-        # the workspace and counters are the kernel's own, allocated aligned: not in the guard
-        guard = (device, a.dtype, b.dtype, m, n, k, sa, sb, a.data_ptr() & 15, b.data_ptr() & 15, given,
-                 (bias.dtype, bias.data_ptr() & 15, bias.stride()) if has_bias else None)
-        self._launch((grid_n, cfg.split_k, grid_m), device, guard,
+        self._launch((grid_n, cfg.split_k, grid_m), guard,
                      (a, b, out, bias if has_bias else out, workspace, counters, m, n, k, k_per_split,
                       sa[0], sa[1], stride_bk, stride_bn, so[0], so[1]),
                      self._constexprs[has_bias, k % (cfg.block_k * cfg.split_k) == 0])

@@ -11,6 +11,7 @@ import torch
 from gemmtune import costmodel
 from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_importable
 from gemmtune.device import Device
+from gemmtune.launch import Launcher, gemm_guard
 from gemmtune.problem import Problem
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -108,7 +109,6 @@ class TiledKernel:
 
     def __init__(self, problem: Problem, config: TiledConfig) -> None:
         from gemmtune.kernels.tiled import tiled_matmul  # imports triton: only once a kernel is built
-        from gemmtune.launch import Launcher
 
         self._launch = Launcher(tiled_matmul)
         self._linear = problem.layout == "linear"
@@ -126,18 +126,13 @@ class TiledKernel:
         n = b.shape[0] if self._linear else b.shape[1]
         sa, sb = a.stride(), b.stride()
         stride_bk, stride_bn = (sb[1], sb[0]) if self._linear else sb
-        # an output allocated here is contiguous, aligned and of a's dtype: a guard needs to
-        # describe only one the caller passed
-        given = None if out is None else (out.dtype, out.stride(), out.data_ptr() & 15)
+        guard = gemm_guard(a, b, bias, out, sa, sb)
         if out is None:
             out = torch.empty((m, n), dtype=a.dtype, device=a.device)
         so = out.stride()
         grid = (-(-m // self._config.block_m) * -(-n // self._config.block_n), 1, 1)
         has_bias = bias is not None
-        device = a.get_device()
-        guard = (device, a.dtype, b.dtype, m, n, k, sa, sb, a.data_ptr() & 15, b.data_ptr() & 15, given,
-                 (bias.dtype, bias.data_ptr() & 15, bias.stride()) if has_bias else None)
-        self._launch(grid, device, guard,
+        self._launch(grid, guard,
                      (a, b, out, bias if has_bias else out, m, n, k, sa[0], sa[1], stride_bk, stride_bn, so[0], so[1]),
                      self._constexprs[has_bias])
         return out
