@@ -102,6 +102,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Differentiable (through ``torch.ops.gemmtune.linear``) when an input requires a gradient."""
     # The front path: a call like one already served by a kernel (same shapes, dtypes, devices,
     # bias and activation, TF32 setting for float32) skips every check below: they passed then.
+    front = None
     if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) \
             and (bias is None or isinstance(bias, torch.Tensor)) and not torch.compiler.is_compiling() \
             and recorder.active() is None and not _needs_grad(x, weight, bias):
@@ -132,18 +133,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from gemmtune import torch_ops
 
         return torch_ops.linear(x, weight, bias, act)
-    out = _linear(x, weight, bias, act, x_shape, n, k)
-    if len(x_shape) == 2 and recorder.active() is None:  # served by a kernel now: later calls take the front path
-        kernel = DISPATCHER.kernels.get(_key("linear", x, bias, x_shape[0], n, k, act))
-        if kernel is not None:
-            DISPATCHER.front[_front_key(x, weight, bias, activation)] = kernel
-    return out
+    return _linear(x, weight, bias, act, x_shape, n, k, front)
 
 
 def _front_key(x: torch.Tensor, weight: torch.Tensor, bias, activation) -> tuple:
     return (x.shape, weight.shape, x.dtype, weight.dtype, x.get_device(), weight.get_device(), activation,
-            x.dtype is torch.float32 and _uses_tf32(x),
-            None if bias is None else (bias.shape, bias.dtype, bias.get_device()))
+            _uses_tf32(x), None if bias is None else (bias.shape, bias.dtype, bias.get_device()))
 
 
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
@@ -152,13 +147,14 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return _linear(x, weight, bias, act, x.shape, n, k)
 
 
-def _linear(x, weight, bias, act: str, x_shape, n: int, k: int) -> torch.Tensor:
+def _linear(x, weight, bias, act: str, x_shape, n: int, k: int, front: tuple | None = None) -> torch.Tensor:
+    """``front``: the call's front-path key, under which the kernel serving a 2-D ``x`` is kept."""
     if recorder.active() is not None:
         _record("linear", x, bias, x.numel() // k if k else 0, n, k, act)
     if _falls_back(x, n):
         return activations.apply(F.linear(x, weight, bias), act, inplace=False)
     if len(x_shape) == 2:  # the common case: no views made (each costs about a microsecond)
-        return _run("linear", x, weight, bias, x_shape[0], n, k, act)
+        return _run("linear", x, weight, bias, x_shape[0], n, k, act, front)
     x2 = x.reshape(-1, k)
     out = _run("linear", x2, weight, bias, x2.shape[0], n, k, act)
     return out.reshape(*x_shape[:-1], n)
@@ -169,7 +165,7 @@ def _key(layout: str, a, bias, m: int, n: int, k: int, act: str) -> tuple:
     return layout, m, n, k, a.dtype, bias is not None, _uses_tf32(a), act, a.get_device()
 
 
-def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str) -> torch.Tensor:
+def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str, front: tuple | None = None) -> torch.Tensor:
     key = _key(layout, a, bias, m, n, k, act)
     kernel = DISPATCHER.kernels.get(key)
     if kernel is None:  # the slow path: store, then tuning; never while a CUDA graph is captured
@@ -179,6 +175,8 @@ def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str) -> torch.Ten
             out = F.linear(a, b, bias) if layout == "linear" else _torch_mm(a, b, bias)
             return activations.apply(out, act)
         kernel = DISPATCHER.kernel(key, problem_of_key)
+    if front is not None:  # later calls like this one take linear's front path
+        DISPATCHER.front[front] = kernel
     return kernel(a, b, bias)
 
 
