@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import triton
 
 import gemmtune
@@ -25,7 +24,7 @@ from gemmtune import backends, bench, shapes, verify
 from gemmtune.device import current
 from gemmtune.tuner import TuneOptions, tune_problem
 from gemmtune.worker import IsolatedRunner
-from suite import ROOT, copy_tbps, inductor, read_tbps
+from suite import ROOT, bound, copy_tbps, inductor, operands, read_tbps
 
 BACKENDS = ("cublas", "triton_splitk", "triton_tiled")
 
@@ -49,9 +48,7 @@ def run_shape(named, runner, with_inductor: bool) -> dict:
     options = TuneOptions(strategy="exhaustive", backends=BACKENDS)
     result = tune_problem(p, device, options=options, runner=runner)
     inputs = verify.make_inputs(p, "cuda")
-    chosen = backends.build(p, result.backend, result.config, device)
-    fns = {"cublas": lambda: F.linear(inputs.a, inputs.b, inputs.bias),
-           "best": lambda: chosen(inputs.a, inputs.b, inputs.bias)}
+    fns = {"cublas": operands(named, inputs)[0], "best": bound(result, p, inputs)}
     inductor_s = None
     if with_inductor:
         fns["inductor"], inductor_s = inductor(fns["cublas"])

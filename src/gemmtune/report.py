@@ -61,9 +61,6 @@ def trials_table(trials: Sequence[Trial]) -> Table:
 PEAK_TFLOPS_16BIT = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "RTX 4090": 165.0}
 
 
-_ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
 def read_suite(path) -> dict:
     """A suite file, checked enough that a wrong file fails here with its name, not in a plot."""
     import json
@@ -104,7 +101,8 @@ def decode_bandwidth(doc: dict) -> list[str]:
     lines = ["| decode shape | weights TB/s | " + " | ".join(f"of {n} {v:.2f} TB/s" for n, v in bases) + " |",
              "|---|---:|" + "---:|" * len(bases)]
     for r in rows:
-        tbps = r["n"] * r["k"] * _ELEMENT_BYTES.get(r["dtype"], 2) / (r["gemmtune_ms"] * 1e9)
+        element_size = Problem(r["m"], r["n"], r["k"], r["dtype"]).element_size
+        tbps = r["n"] * r["k"] * element_size / (r["gemmtune_ms"] * 1e9)
         lines.append(f"| {r['name']} | {tbps:.2f} | " + " | ".join(f"{100 * tbps / v:.0f}%" for _, v in bases) + " |")
     return lines + [""]
 
