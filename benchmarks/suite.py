@@ -136,7 +136,9 @@ def run_shape(named, args, runner) -> dict:
 
 def best_by_backend(trials) -> dict:
     """Each backend's fastest measured trial (what the kernels of a family reach on this shape)
+    with its spread and the noise of its ratio to cuBLAS (what selection compares a gain with),
     and how many of its trials failed, with their first reason."""
+    reference = next((t for t in trials if t.ok and t.backend == "cublas"), None)
     best = {}
     for t in trials:
         entry = best.setdefault(t.backend, {"ms": None, "config": None, "failed": 0, "reason": ""})
@@ -144,7 +146,8 @@ def best_by_backend(trials) -> dict:
             entry["failed"] += 1
             entry["reason"] = entry["reason"] or f"{t.status.value}: {t.reason}"[:200]
         elif entry["ms"] is None or t.median_ms < entry["ms"]:
-            entry["ms"], entry["config"] = t.median_ms, t.label()
+            entry["ms"], entry["config"], entry["spread"] = t.median_ms, t.label(), t.timing.spread
+            entry["noise_vs_cublas"] = t.timing.spread_against(reference.timing) if reference else None
     return best
 
 
@@ -161,6 +164,9 @@ def main() -> int:
     parser.add_argument("--budget-ms", type=float, default=1500.0, help="time budget of the side-by-side rounds")
     parser.add_argument("--deadline-s", type=float, default=1e9, help="stop starting new shapes after this long")
     parser.add_argument("--strategy", default="topk", choices=STRATEGIES, help="gemmtune's search strategy")
+    parser.add_argument("--resume", type=Path, default=None,
+                        help="a partial suite file from this device: its rows are kept and their shapes skipped "
+                             "(a run split over several processes, each under a time limit)")
     args = parser.parse_args()
     args.options = TuneOptions(strategy=args.strategy)
     if not torch.cuda.is_available():
@@ -177,6 +183,16 @@ def main() -> int:
         "shapes_file": str(args.shapes.relative_to(ROOT.parent)) if args.shapes.is_relative_to(ROOT.parent) else str(args.shapes),
         "copy_tbps": copy_tbps(), "read_tbps": read_tbps(), "float32_matmul_precision": "high", "strategy": args.strategy, "rows": [],
     }
+    if args.resume is not None:
+        earlier = json.loads(args.resume.read_text())
+        if (earlier.get("device"), earlier.get("sm_count")) != (device.name, device.sm_count):
+            print(f"--resume {args.resume}: measured on {earlier.get('device')} with {earlier.get('sm_count')} SMs, "
+                  f"not this {device.name} with {device.sm_count}", file=sys.stderr)
+            return 2
+        doc["rows"] = earlier["rows"]
+        doc["processes"] = earlier.get("processes", 1) + 1
+        done = {row["name"] for row in doc["rows"]}
+        named = [item for item in named if item.name not in done]
     runner = IsolatedRunner(device)  # one worker for the run: a faulty candidate costs a trial, not the suite
     for item in named:
         if time.perf_counter() - started > args.deadline_s:

@@ -1,6 +1,8 @@
 """The tuning flow end to end on the current device (the CPU interpreter in CI), and the
 noise-aware selection rule on synthetic timings."""
 
+import random
+
 import pytest
 
 from gemmtune import backends, search
@@ -10,16 +12,21 @@ from gemmtune.results import Status, Timing
 from gemmtune.tuner import TuneOptions, select, tune_problem
 
 
-def timing(median, spread=0.0):
-    # evenly spaced samples whose half inter-quartile range is ``spread`` of the median
-    samples = tuple(median * (1 - 2 * spread + 4 * spread * i / 100) for i in range(101))
-    t = Timing(samples)
+def timing(median, spread=0.0, order_seed=None):
+    """Evenly spaced samples whose half inter-quartile range is ``spread`` of the median, in
+    rising order (a drift every timing of the rounds shares) or shuffled by ``order_seed``
+    (noise of its own)."""
+    samples = [median * (1 - 2 * spread + 4 * spread * i / 100) for i in range(101)]
+    if order_seed is not None:
+        random.Random(order_seed).shuffle(samples)
+    t = Timing(tuple(samples))
     assert abs(t.spread - spread) < 1e-9 and abs(t.median - median) < 1e-12
     return t
 
 
-def decide(cublas_ms, other_ms, cublas_spread=0.0, other_spread=0.0):
-    timings = {"cublas": timing(cublas_ms, cublas_spread), "x": timing(other_ms, other_spread)}
+def decide(cublas_ms, other_ms, cublas_spread=0.0, other_spread=0.0, shared_drift=False):
+    timings = {"cublas": timing(cublas_ms, cublas_spread, None if shared_drift else 1),
+               "x": timing(other_ms, other_spread, None if shared_drift else 2)}
     costs = {label: t.median for label, t in timings.items()}
     return select("cublas", timings, costs)
 
@@ -33,8 +40,23 @@ def test_a_win_under_two_percent_keeps_cublas():
 
 
 def test_a_win_inside_the_noise_keeps_cublas():
-    assert decide(1.0, 0.95, cublas_spread=0.03, other_spread=0.03) == "cublas"
+    # independent noise of 3% each: their per-round ratio spreads by about 3.6%
+    assert decide(1.0, 0.97, cublas_spread=0.03, other_spread=0.03) == "cublas"
     assert decide(1.0, 0.93, cublas_spread=0.03, other_spread=0.03) == "x"
+
+
+def test_drift_shared_by_the_rounds_is_not_noise():
+    """Both timings drift together by 3% (clocks, power): the ratio is steady, so a 5% win
+    stands, where adding the two spreads (6%) would have thrown it away."""
+    assert decide(1.0, 0.95, cublas_spread=0.03, other_spread=0.03, shared_drift=True) == "x"
+    assert decide(1.0, 0.99, cublas_spread=0.03, other_spread=0.03, shared_drift=True) == "cublas"  # under MIN_GAIN
+
+
+def test_spread_against_pairs_rounds_only_when_they_match():
+    drifting = timing(1.0, 0.03)
+    assert drifting.spread_against(timing(0.9, 0.03)) < 1e-9
+    shorter = Timing(drifting.samples[:50])
+    assert shorter.spread_against(drifting) == pytest.approx(shorter.spread + drifting.spread)
 
 
 def test_slower_never_wins():

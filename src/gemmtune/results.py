@@ -37,6 +37,16 @@ class Timing:
         median = self.median
         return 0.5 * (self.quantile(0.75) - self.quantile(0.25)) / median if median > 0 else 0.0
 
+    def spread_against(self, other: "Timing") -> float:
+        """The noise of this timing's median relative to ``other``'s.
+
+        Samples taken in the same interleaved rounds (as many of each) are paired: the spread of
+        the per-round ratios, in which drift common to both (clocks, power, temperature) cancels.
+        Otherwise the two spreads added."""
+        if len(self.samples) != len(other.samples) or len(self.samples) < 4 or min(other.samples) <= 0:
+            return self.spread + other.spread
+        return Timing(tuple(x / y for x, y in zip(self.samples, other.samples))).spread
+
 
 @dataclass(frozen=True)
 class Trial:
