@@ -9,21 +9,30 @@ from gemmtune.tuner import TuneOptions
 
 
 def test_policies():
-    p = Problem(1000, 4097, 33)
+    p = Problem(1000, 4104, 40)
     assert bucket(p, "exact") == p
     assert bucket(p, "pow2") == Problem(1024, 8192, 64)
-    assert bucket(p, "log2m") == Problem(1024, 4097, 33)
-    assert bucket(Problem(1, 1, 1), "pow2") == Problem(1, 1, 1)
+    assert bucket(p, "log2m") == Problem(1024, 4104, 40)
+    assert bucket(Problem(1, 8, 8), "pow2") == Problem(1, 8, 8)
+
+
+def test_a_misaligned_shape_is_a_pow2_bucket_of_its_own():
+    """Aligned representatives choose kernels that run misaligned rows several times slower."""
+    odd = Problem(1000, 4097, 33)
+    assert bucket(odd, "pow2") == odd
+    assert bucket(odd, "log2m") == Problem(1024, 4097, 33)  # N and K kept: alignment unchanged
+    assert samples(odd, "pow2", 3) == []
     with pytest.raises(ValueError, match="accepted: exact, pow2, log2m"):
-        bucket(p, "pow3")
+        bucket(odd, "pow3")
 
 
 @pytest.mark.parametrize("policy", ["pow2", "log2m"])
 def test_samples_stay_in_the_bucket(policy):
-    p = Problem(100, 300, 70)
+    p = Problem(100, 304, 72)
     drawn = samples(p, policy, 20, seed=3)
     assert len(drawn) == 20 and len(set(drawn)) > 1
     assert all(bucket(s, policy) == bucket(p, policy) for s in drawn)
+    assert all(s.rows_aligned for s in drawn)  # model widths: whole 16-byte rows
     assert samples(p, policy, 5, seed=3) == drawn[:5]
 
 

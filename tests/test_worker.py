@@ -97,3 +97,17 @@ class FaultsOnSmallTiles(LocalRunner):
 
             scribble[(1,)](torch.empty(1, device="cuda"))
         return super().evaluate(backend_name, config, screen_budget_ms)
+
+
+class RaisesOnTiles(LocalRunner):
+    def evaluate(self, backend_name, config, screen_budget_ms):
+        if backend_name == "triton_tiled":
+            raise ValueError("a bug in the runner, not a crash")
+        return super().evaluate(backend_name, config, screen_budget_ms)
+
+
+def test_an_error_that_leaves_the_context_healthy_is_raised_not_hidden():
+    """Only a crash (a dead or broken worker) becomes a failed trial; a bug surfaces."""
+    with IsolatedRunner(current(), runner_factory=RaisesOnTiles) as runner:
+        with pytest.raises(RuntimeError, match="a bug in the runner"):
+            tune_problem(PROBLEM, current(), options=OPTIONS, runner=runner)

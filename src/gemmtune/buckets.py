@@ -33,24 +33,35 @@ BUCKETED_DIMS = {"exact": (False, False, False), "pow2": (True, True, True), "lo
 
 def samples(problem: Problem, policy: str, count: int, seed: int = 0) -> list[Problem]:
     """``count`` shapes drawn from the bucket of ``problem``: each bucketed size uniform in
-    (rep/2, rep], the others as they are."""
+    (rep/2, rep], the others as they are. N and K are drawn as whole rows of 16 bytes, as the
+    bucket holds them (a misaligned shape is a bucket of its own: none is drawn for it); M, the
+    batch, is any size."""
     rep = bucket(problem, policy)
+    if rep == problem and BUCKETED_DIMS[policy][1] and not problem.rows_aligned:
+        return []
     rng = random.Random(seed)
     in_m, in_n, in_k = BUCKETED_DIMS[policy]
+    step = 16 // problem.element_size
 
-    def draw(size: int, bucketed: bool) -> int:
-        return rng.randint(size // 2 + 1, size) if bucketed and size > 1 else size
+    def draw(size: int, bucketed: bool, unit: int = 1) -> int:
+        if not bucketed or size <= unit:
+            return size
+        return unit * rng.randint(size // 2 // unit + 1, size // unit)
 
-    return [replace(problem, m=draw(rep.m, in_m), n=draw(rep.n, in_n), k=draw(rep.k, in_k)) for _ in range(count)]
+    return [replace(problem, m=draw(rep.m, in_m), n=draw(rep.n, in_n, step), k=draw(rep.k, in_k, step))
+            for _ in range(count)]
 
 
 def validate(problem: Problem, policy: str, count: int, device: Device, *, options: TuneOptions = TuneOptions(),
              runner=None, seed: int = 0) -> list[BucketCheck]:
+    drawn = samples(problem, policy, count, seed)
+    if not drawn:  # a bucket of one shape: nothing to lose
+        return []
     runner = runner or LocalRunner(device)
     rep = bucket(problem, policy)
     chosen = tune_problem(rep, device, options=options, runner=runner)
     checks = []
-    for sample in samples(problem, policy, count, seed):
+    for sample in drawn:
         exact = tune_problem(sample, device, options=options, runner=runner)
         with matmul_precision(sample):
             runner.start(sample, seed)

@@ -102,8 +102,12 @@ BUCKETS = ("exact", "pow2", "log2m")
 def bucket(problem: Problem, policy: str) -> Problem:
     """The problem that stands for ``problem``'s bucket: itself (``exact``), every size rounded
     up to a power of two (``pow2``: sizes in (2^(i-1), 2^i] share 2^i), or only M rounded up
-    (``log2m``: batch sizes vary, weights do not)."""
-    if policy == "exact":
+    (``log2m``: batch sizes vary, weights do not).
+
+    ``pow2`` pools only shapes whose rows are 16-byte aligned: a misaligned shape is its own
+    bucket. Its representative would be aligned, and a kernel tuned there ran misaligned shapes
+    up to 5x slower than their own choice on the H200 (buckets-h200-20261122.json)."""
+    if policy == "exact" or (policy == "pow2" and not problem.rows_aligned):
         return problem
     if policy == "pow2":
         return replace(problem, m=_next_pow2(problem.m), n=_next_pow2(problem.n), k=_next_pow2(problem.k))

@@ -107,6 +107,9 @@ class IsolatedRunner:
             self._stop()
             raise WorkerFailed(Status.LAUNCH_ERROR, f"the worker died (exit code {code})") from None
         if "error" in reply:
+            if reply.get("broken"):  # the child exits after this answer
+                self._stop()
+                raise WorkerFailed(Status.LAUNCH_ERROR, reply["error"][:300])
             raise RuntimeError(f"gemmtune worker: {reply['error']}")
         if reply.get("broken"):  # answered, but its CUDA context is gone: replace it now
             self._restart()
@@ -159,7 +162,9 @@ def serve(conn, device_index: int, runner_factory=None) -> None:
         try:
             reply = _handle(runner, request)
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
+            # an error that left the CUDA context broken is a crash like any other: the parent
+            # records it and restarts this process; any other error is a bug it raises
+            reply = {"error": f"{type(exc).__name__}: {exc}", "broken": not _context_healthy(device)}
         conn.send_bytes(json.dumps(reply).encode())
         if reply.get("broken"):
             os._exit(3)
