@@ -93,7 +93,8 @@ def test_the_guard_tells_apart_what_the_jit_specializes_on():
     from gemmtune.launch import gemm_guard
 
     def guard(a, b, bias=None, out=None):
-        return gemm_guard(a, b, bias, out, a.stride(), b.stride())
+        return gemm_guard(a, b, bias, out, a.stride(), b.stride(), a.data_ptr(), b.data_ptr(),
+                          0 if bias is None else bias.data_ptr())
 
     a, b = torch.randn(8, 64), torch.randn(32, 64)
     base = guard(a, b)

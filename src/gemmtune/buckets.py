@@ -33,15 +33,15 @@ BUCKETED_DIMS = {"exact": (False, False, False), "pow2": (True, True, True), "lo
 
 def samples(problem: Problem, policy: str, count: int, seed: int = 0) -> list[Problem]:
     """``count`` shapes drawn from the bucket of ``problem``: each bucketed size uniform in
-    (rep/2, rep], the others as they are. N and K are drawn as whole rows of 16 bytes, as the
-    bucket holds them (a misaligned shape is a bucket of its own: none is drawn for it); M, the
+    (rep/2, rep], the others as they are. N and K are drawn as multiples of 16 elements, as the
+    bucket holds them (any other shape is a bucket of its own: none is drawn for it); M, the
     batch, is any size."""
-    rep = bucket(problem, policy)
-    if rep == problem and BUCKETED_DIMS[policy][1] and not problem.rows_aligned:
+    if BUCKETED_DIMS[policy][1] and not problem.poolable:
         return []
+    rep = bucket(problem, policy)
     rng = random.Random(seed)
     in_m, in_n, in_k = BUCKETED_DIMS[policy]
-    step = 16 // problem.element_size
+    step = 16
 
     def draw(size: int, bucketed: bool, unit: int = 1) -> int:
         if not bucketed or size <= unit:

@@ -86,6 +86,12 @@ class Problem:
         return self.k % step == 0 and self.n % step == 0
 
     @property
+    def poolable(self) -> bool:
+        """N and K whole multiples of 16 elements: every row stride then carries Triton's
+        divisibility-by-16 specialization, as a power-of-two representative's do."""
+        return self.n % 16 == 0 and self.k % 16 == 0
+
+    @property
     def min_bytes(self) -> int:
         """Bytes a perfect kernel moves: each operand read once, the output written once."""
         return self.element_size * (self.m * self.k + self.k * self.n + self.m * self.n)
@@ -104,10 +110,13 @@ def bucket(problem: Problem, policy: str) -> Problem:
     up to a power of two (``pow2``: sizes in (2^(i-1), 2^i] share 2^i), or only M rounded up
     (``log2m``: batch sizes vary, weights do not).
 
-    ``pow2`` pools only shapes whose rows are 16-byte aligned: a misaligned shape is its own
-    bucket. Its representative would be aligned, and a kernel tuned there ran misaligned shapes
-    up to 5x slower than their own choice on the H200 (buckets-h200-20261122.json)."""
-    if policy == "exact" or (policy == "pow2" and not problem.rows_aligned):
+    ``pow2`` pools only shapes whose N and K are multiples of 16 elements, as its
+    representative's are: any other shape is a bucket of its own. Rows of 16-byte multiples
+    that are not 16-element multiples lose Triton's divisibility hint on their strides, so its
+    loads are no longer vectorized: on the H200, Triton configs tuned for the representative
+    ran such samples up to 35x slower than their own choice, and unaligned rows 1.1-5x
+    (buckets-h200-20261122*.json)."""
+    if policy == "exact" or (policy == "pow2" and not problem.poolable):
         return problem
     if policy == "pow2":
         return replace(problem, m=_next_pow2(problem.m), n=_next_pow2(problem.n), k=_next_pow2(problem.k))

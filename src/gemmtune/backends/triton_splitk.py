@@ -171,7 +171,7 @@ class SplitKKernel:
         self._launch = Launcher(splitk_matmul)
         self._linear = problem.layout == "linear"
         self._config = config
-        self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._scratch: dict[tuple, tuple] = {}  # (device, m, n) -> workspace, counters and their addresses
         base = dict(
             ACTIVATION=problem.activation, PRECISION="tf32" if problem.tf32 else "ieee",
             USE_DOT=config.use_dot, SPLIT_K=config.split_k, STAGES=config.num_stages,
@@ -182,13 +182,13 @@ class SplitKKernel:
         self._constexprs = {(bias, even): dict(base, HAS_BIAS=bias, EVEN_K=even)
                             for bias in (False, True) for even in (False, True)}
 
-    def _workspace(self, device: torch.device, m: int, n: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _workspace(self, device: torch.device, m: int, n: int, tiles: int) -> tuple:
+        """The partial sums and tile counters for (m, n) on ``device``, with their addresses."""
         key = (device, m, n)
         if key not in self._scratch:
-            self._scratch[key] = (
-                torch.empty((self._config.split_k, m, n), dtype=torch.float32, device=device),
-                torch.zeros(tiles, dtype=torch.int32, device=device),
-            )
+            workspace = torch.empty((self._config.split_k, m, n), dtype=torch.float32, device=device)
+            counters = torch.zeros(tiles, dtype=torch.int32, device=device)
+            self._scratch[key] = (workspace, counters, workspace.data_ptr(), counters.data_ptr())
         return self._scratch[key]
 
     def __call__(self, a, b, bias, out=None):
@@ -197,20 +197,22 @@ class SplitKKernel:
         n = b.shape[0] if self._linear else b.shape[1]
         sa, sb = a.stride(), b.stride()
         stride_bk, stride_bn = (sb[1], sb[0]) if self._linear else sb
-        guard = gemm_guard(a, b, bias, out, sa, sb)
+        has_bias = bias is not None
+        pa, pb, pbias = a.data_ptr(), b.data_ptr(), bias.data_ptr() if has_bias else 0
+        guard = gemm_guard(a, b, bias, out, sa, sb, pa, pb, pbias)
         if out is None:
             out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-        so = out.stride()
+        po, so = out.data_ptr(), out.stride()
         grid_n, grid_m = -(-n // cfg.block_n), -(-m // cfg.block_m)
         k_per_split = -(-k // (cfg.block_k * cfg.split_k)) * cfg.block_k
         if cfg.split_k > 1:
-            workspace, counters = self._workspace(a.device, m, n, grid_n * grid_m)
-        else:
-            workspace, counters = out, out  # never touched: the SPLIT_K == 1 path is compiled out
-        has_bias = bias is not None
+            workspace, counters, pw, pcount = self._workspace(a.device, m, n, grid_n * grid_m)
+        else:  # never touched: the SPLIT_K == 1 path is compiled out
+            workspace, counters, pw, pcount = out, out, po, po
         self._launch((grid_n, cfg.split_k, grid_m), guard,
-                     (a, b, out, bias if has_bias else out, workspace, counters, m, n, k, k_per_split,
-                      sa[0], sa[1], stride_bk, stride_bn, so[0], so[1]),
+                     (a, b, out, bias if has_bias else out, workspace, counters),
+                     (pa, pb, po, pbias if has_bias else po, pw, pcount),
+                     (m, n, k, k_per_split, sa[0], sa[1], stride_bk, stride_bn, so[0], so[1]),
                      self._constexprs[has_bias, k % (cfg.block_k * cfg.split_k) == 0])
         return out
 

@@ -126,15 +126,15 @@ class TiledKernel:
         n = b.shape[0] if self._linear else b.shape[1]
         sa, sb = a.stride(), b.stride()
         stride_bk, stride_bn = (sb[1], sb[0]) if self._linear else sb
-        guard = gemm_guard(a, b, bias, out, sa, sb)
+        has_bias = bias is not None
+        pa, pb, pbias = a.data_ptr(), b.data_ptr(), bias.data_ptr() if has_bias else 0
+        guard = gemm_guard(a, b, bias, out, sa, sb, pa, pb, pbias)
         if out is None:
             out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-        so = out.stride()
+        po, so = out.data_ptr(), out.stride()
         grid = (-(-m // self._config.block_m) * -(-n // self._config.block_n), 1, 1)
-        has_bias = bias is not None
-        self._launch(grid, guard,
-                     (a, b, out, bias if has_bias else out, m, n, k, sa[0], sa[1], stride_bk, stride_bn, so[0], so[1]),
-                     self._constexprs[has_bias])
+        self._launch(grid, guard, (a, b, out, bias if has_bias else out), (pa, pb, po, pbias if has_bias else po),
+                     (m, n, k, sa[0], sa[1], stride_bk, stride_bn, so[0], so[1]), self._constexprs[has_bias])
         return out
 
 
