@@ -84,7 +84,7 @@ def test_a_kernel_called_again_finds_its_counters_reset(use_dot):
     for seed in (1, 2, 3):  # fresh inputs every call; a counter left at SPLIT_K would leave NaNs
         inputs = verify.make_inputs(problem, DEVICE, seed=seed)
         assert verify.check(kernel, problem, inputs) <= verify.tolerance(problem), seed
-        (workspace, counters), = kernel._scratch.values()
+        (workspace, counters, *_addresses), = kernel._scratch.values()
         assert counters.numel() == 3 and not counters.any()
     assert len(kernel._scratch) == 1  # one workspace, reused
 

@@ -151,3 +151,20 @@ def test_cublas_runs_at_the_problems_float32_precision():
     with matmul_precision(Problem(8, 8, 8, "float32", tf32=False)):
         assert torch.get_float32_matmul_precision() == "highest"
     assert torch.get_float32_matmul_precision() == before
+
+
+def test_a_wrong_cublas_is_never_chosen(monkeypatch):
+    """Under MPS at 38 SMs of an H200, cuBLAS returned wrong bf16 products for 1000x1000x1000:
+    tuning goes on among the verified candidates instead of failing or trusting it."""
+    cublas = backends.get("cublas")
+    right = cublas.build
+
+    def wrong(problem, config, device):
+        kernel = right(problem, config, device)
+        return lambda a, b, bias, out=None: kernel(a, b, bias, out=out).add_(1.0)
+
+    monkeypatch.setattr(cublas, "build", wrong)
+    problem = Problem(33, 48, 40, "float32", "nn")
+    result = tune_problem(problem, current(), options=TuneOptions(seed=3, backends=("cublas", "triton_tiled")))
+    assert result.backend == "triton_tiled" and result.cublas_ms is None
+    assert [t.status for t in result.trials if t.backend == "cublas"] == [Status.WRONG_RESULT]
