@@ -5,6 +5,11 @@ max-autotune. Prefill latency (1 x prompt tokens) and decode tokens/s (batch 1 a
 mode's 32 teacher-forced decode logits checked against eager's. Writes the ``model`` file of
 RESULTS.md.
 
+Each gemmtune mode runs on its own copy of the model (same weights) and is timed in alternating
+rounds with the mode it is judged against (gemmtune with eager, gemmtune + reduce-overhead with
+reduce-overhead; max-autotune with eager): the GPU machine's host speed drifts by tens of percent
+within a run, so each row gives the median of the per-round ratios beside the medians.
+
     PYTHONPATH=src python3 benchmarks/model.py --out model.json [--layers 8] [--modes ...]
     PYTHONPATH=src python3 benchmarks/model.py --tiny --out /tmp/m.json   # a 2-layer smoke run, CPU too
 """
@@ -12,6 +17,7 @@ RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -52,7 +58,6 @@ class Runner:
         self.model, self.config, self.mode, self.max_len = model, config, mode, max_len
         forward = model.forward
         if mode in COMPILED:
-            torch._dynamo.reset()
             forward = torch.compile(model.forward, mode=COMPILED[mode], fullgraph=mode != "max-autotune")
         self.forward = forward
 
@@ -103,43 +108,62 @@ def tune_with_gemmtune(model, runner_inputs, runner) -> float:
     return time.perf_counter() - t0
 
 
-def plain_linears(model) -> None:
-    """Undo ``gemmtune.optimize``: its layers are nn.Linear objects whose class was swapped."""
-    import gemmtune.nn
-
-    for module in model.modules():
-        if type(module) is gemmtune.nn.Linear:
-            module.__class__ = torch.nn.Linear
+PAIRS = (("eager", "gemmtune"), ("reduce-overhead", "gemmtune+reduce-overhead"), ("eager", "max-autotune"))
 
 
-def measure(runner, inputs, steps: int, reference: dict, setup_s: float) -> list[dict]:
-    """Prefill latency and decode tokens/s of one mode; ``reference`` holds eager's decode logits
-    per batch (the first mode measured, eager, fills it)."""
+def prefill_ms(runner, ids) -> float:
+    _sync(ids)
+    t0 = time.perf_counter()
+    runner.prefill(ids)
+    _sync(ids)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def timed_pair(base, other, inputs, steps: int, rounds: int, reference: dict) -> list[dict]:
+    """``base`` and ``other`` alternated ``rounds`` times on each phase: one row per mode and
+    phase, with the median of other/base per round on ``other``'s rows."""
     rows = []
-    with torch.no_grad():
-        ids = inputs["prefill"]
+    ids = inputs["prefill"]
+    first_calls = {base.mode: 0.0, other.mode: 0.0}  # seconds of the warm-up calls: compiles included
+    for runner in (base, other):
+        t0 = time.perf_counter()
         for _ in range(2):
-            runner.prefill(ids)  # compiles (under torch.compile) and warms up
-        times = []
-        for _ in range(5):
-            _sync(ids)
-            t0 = time.perf_counter()
             runner.prefill(ids)
-            _sync(ids)
-            times.append((time.perf_counter() - t0) * 1e3)
+        first_calls[runner.mode] += time.perf_counter() - t0
+    times = {base.mode: [], other.mode: []}
+    for _ in range(rounds):
+        for runner in (base, other):
+            times[runner.mode].append(prefill_ms(runner, ids))
+    ratio = statistics.median(b / o for b, o in zip(times[base.mode], times[other.mode]))
+    for runner in (base, other):
         rows.append({"phase": "prefill", "batch": ids.shape[0], "tokens": ids.shape[1], "mode": runner.mode,
-                     "latency_ms": statistics.median(times), "setup_s": setup_s})
-        for prompt in inputs["decode"]:
+                     "latency_ms": statistics.median(times[runner.mode]),
+                     "speedup_vs": base.mode if runner is other else None, "speedup": ratio if runner is other else None})
+    for prompt in inputs["decode"]:
+        batch = prompt.shape[0]
+        for runner in (base, other):
+            t0 = time.perf_counter()
             runner.decode(prompt, 3)  # compiles and captures the step's graph
-            logits, seconds = runner.decode(prompt, steps)
-            batch = prompt.shape[0]
-            ref = reference.setdefault(batch, logits)
-            err = float((logits - ref).norm() / ref.norm())
+            first_calls[runner.mode] += time.perf_counter() - t0
+        rates, errors = {base.mode: [], other.mode: []}, {}
+        for _ in range(rounds):
+            for runner in (base, other):
+                logits, seconds = runner.decode(prompt, steps)
+                rates[runner.mode].append(batch * steps / seconds)
+                ref = reference.setdefault(batch, logits)
+                errors[runner.mode] = float((logits - ref).norm() / ref.norm())
+        ratio = statistics.median(o / b for b, o in zip(rates[base.mode], rates[other.mode]))
+        for runner in (base, other):
             rows.append({"phase": "decode", "batch": batch, "mode": runner.mode,
-                         "tokens_per_s": batch * steps / seconds, "max_rel_err": err, "setup_s": setup_s})
-            print(f"{runner.mode:26s} decode b={batch:3d}: {batch * steps / seconds:9.1f} tokens/s  "
-                  f"rel err {err:.2e}", flush=True)
-    print(f"{runner.mode:26s} prefill: {rows[0]['latency_ms']:.2f} ms", flush=True)
+                         "tokens_per_s": statistics.median(rates[runner.mode]), "max_rel_err": errors[runner.mode],
+                         "speedup_vs": base.mode if runner is other else None,
+                         "speedup": ratio if runner is other else None})
+    for row in rows:
+        row["first_calls_s"] = first_calls[row["mode"]]
+        if row["speedup"] is not None:
+            what = f"{row['latency_ms']:.2f} ms" if row["phase"] == "prefill" else f"{row['tokens_per_s']:.1f} tokens/s"
+            print(f"{row['mode']:26s} {row['phase']} b={row['batch']:3d}: {what}  x{row['speedup']:.3f} vs "
+                  f"{row['speedup_vs']} (paired rounds)", flush=True)
     return rows
 
 
@@ -151,6 +175,7 @@ def main() -> int:
     parser.add_argument("--decode-prompt", type=int, default=128, help="prompt length before decoding")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--steps", type=int, default=32, help="teacher-forced decode steps timed and checked")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per pair of modes")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model: a smoke run")
     args = parser.parse_args()
@@ -159,7 +184,12 @@ def main() -> int:
         print("no CUDA GPU: eager and gemmtune only, CPU timings (NOT GPU timings)", file=sys.stderr)
         args.modes = [m for m in args.modes if m in ("eager", "gemmtune")]
     os.environ.setdefault("GEMMTUNE_CACHE_DIR", tempfile.mkdtemp(prefix="gemmtune-model-"))
+    # three models' forwards share one code object: room for every shape of each under dynamo
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     model, config = build(args.layers, args.tiny, device)
+    tuned = copy.deepcopy(model)  # the same weights, run through gemmtune
     gen = torch.Generator(device).manual_seed(0)
     inputs = {"prefill": torch.randint(0, config.vocab_size, (1, args.prompt), device=device, generator=gen),
               "decode": [torch.randint(0, config.vocab_size, (b, args.decode_prompt), device=device, generator=gen)
@@ -169,30 +199,23 @@ def main() -> int:
            "torch": torch.__version__, "date": datetime.date.today().isoformat(),
            "model": f"llama (random weights, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
                     f"intermediate {config.intermediate_size}, vocab {config.vocab_size})",
-           "gpu_timings": device == "cuda", "rows": []}
-    # eager first (the reference logits), gemmtune's modes next, torch.compile's after them (with
-    # the model's layers given back to nn.Linear), then eager once more: the host's speed drifts
-    # and compiling may leave state behind, so its two readings bracket the run
-    ours = [m for m in args.modes if m.startswith("gemmtune")]
-    order = ["eager"] + ours + [m for m in args.modes if m != "eager" and m not in ours]
-    order += ["eager (last)"] if len(order) > 1 else []
+           "gpu_timings": device == "cuda", "rounds": args.rounds, "rows": []}
+    setup_s = tune_with_gemmtune(tuned, inputs, Runner(tuned, config, "eager", max_len))
     reference: dict = {}
-    tuned = False
-    for mode in order:
-        if tuned and not mode.startswith("gemmtune"):
-            plain_linears(model)
-        setup_s = 0.0
-        if mode.startswith("gemmtune") and not tuned:  # once: both gemmtune modes share the tuning
-            setup_s = tune_with_gemmtune(model, inputs, Runner(model, config, "eager", max_len))
-            tuned = True
-        runner = Runner(model, config, mode, max_len)
-        t0 = time.perf_counter()
-        rows = measure(runner, inputs, args.steps, reference, setup_s)
-        if mode in COMPILED:
-            for row in rows:  # the compile happened inside the first calls
-                row["setup_s"] = setup_s + time.perf_counter() - t0
-        doc["rows"] += rows
-        args.out.write_text(json.dumps(doc, indent=1))
+    with torch.no_grad():
+        eager_logits = Runner(model, config, "eager", max_len)
+        for prompt in inputs["decode"]:  # eager's logits are the reference of every mode
+            reference[prompt.shape[0]] = eager_logits.decode(prompt, args.steps)[0]
+        for base_mode, other_mode in PAIRS:
+            if other_mode not in args.modes or base_mode not in args.modes:
+                continue
+            base = Runner(model, config, base_mode, max_len)
+            other = Runner(tuned if other_mode.startswith("gemmtune") else model, config, other_mode, max_len)
+            rows = timed_pair(base, other, inputs, args.steps, args.rounds, reference)
+            for row in rows:  # gemmtune's tuning, then the first calls (torch.compile's work)
+                row["setup_s"] = (setup_s if row["mode"].startswith("gemmtune") else 0.0) + row["first_calls_s"]
+            doc["rows"] += rows
+            args.out.write_text(json.dumps(doc, indent=1))
     return 0
 
 

@@ -86,10 +86,13 @@ def test_budget_flag(capsys):
 
 
 def test_bucket_validation_report(capsys):
-    code, out, err = run(capsys, "tune", "--shape", "24x40x48", "--dtype", "float32", "--layout", "nn",
+    code, out, err = run(capsys, "tune", "--shape", "24x48x48", "--dtype", "float32", "--layout", "nn",
                          "--bucket", "pow2", "--validate", "1", "--in-process", "--json")
     assert code == 0, err
     rows = json.loads(out)
     assert len(rows) == 1 and rows[0]["bucket"].startswith("v2/nn/float32/32x64x64") and rows[0]["loss"] is not None
     code, _, err = run(capsys, "tune", "--shape", "24x40x48", "--validate", "1")
     assert code == 2 and "--bucket pow2" in err
+    code, out, err = run(capsys, "tune", "--shape", "24x40x48", "--dtype", "float32", "--layout", "nn",
+                         "--bucket", "pow2", "--validate", "1", "--in-process", "--json")
+    assert code == 0 and json.loads(out) == [] and "a pow2 bucket of its own" in err

@@ -229,9 +229,12 @@ def _validate_buckets(named, args, console: Console) -> int:
         for item in named:
             progress.update(task, description=f"validating {item.name}'s {args.bucket} bucket "
                                               f"({args.validate} samples)")
-            for check in buckets.validate(item.problem, args.bucket, args.validate, current(), options=options,
-                                          runner=runner):
-                rows.append(check.as_dict(item.name))
+            checks = buckets.validate(item.problem, args.bucket, args.validate, current(), options=options,
+                                      runner=runner)
+            if not checks:
+                _console(stderr=True).print(f"{item.name}: a {args.bucket} bucket of its own (N and K not multiples "
+                                            "of 16): it is tuned exactly, so nothing to validate")
+            rows += [check.as_dict(item.name) for check in checks]
             progress.advance(task)
     if args.json:
         console.print_json(json.dumps(rows))
