@@ -133,5 +133,11 @@ def test_a_served_call_takes_the_front_path_and_a_different_one_is_checked_again
             gemmtune.linear(torch.randn(5, 9), w, bias, activation="relu")
         with pytest.raises(ValueError, match="activation='tanh'"):
             gemmtune.linear(x, w, bias, activation="tanh")
+        # a model's 3-D activations: served as (B*T, K) by the same kernel, from the front path
+        x3 = torch.randn(2, 3, 8)
+        DISPATCHER.kernels[api._key("linear", x3, bias, 6, 3, 8, "none")] = kernel
+        outs = [gemmtune.linear(x3, w, bias) for _ in range(2)]
+        assert len(DISPATCHER.front) == 2 and kernel.calls == 4
+        assert outs[1].shape == (2, 3, 3) and torch.allclose(outs[1], F.linear(x3, w, bias), atol=1e-6)
     DISPATCHER.forget()
     assert DISPATCHER.front == {}

@@ -109,7 +109,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         front = _front_key(x, weight, bias, activation)
         kernel = DISPATCHER.front.get(front)
         if kernel is not None:
-            return kernel(x, weight, bias)
+            x_shape = front[0]
+            if len(x_shape) == 2:
+                return kernel(x, weight, bias)
+            return kernel(x.reshape(-1, x_shape[-1]), weight, bias).reshape(*x_shape[:-1], front[1][0])
     act = "none" if activation is None else activation
     if act not in ACTIVATIONS:
         raise ValueError(f"linear: activation={activation!r} is not supported; accepted: None, "
@@ -148,15 +151,15 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def _linear(x, weight, bias, act: str, x_shape, n: int, k: int, front: tuple | None = None) -> torch.Tensor:
-    """``front``: the call's front-path key, under which the kernel serving a 2-D ``x`` is kept."""
+    """``front``: the call's front-path key, under which the kernel serving ``x`` is kept."""
     if recorder.active() is not None:
         _record("linear", x, bias, x.numel() // k if k else 0, n, k, act)
     if _falls_back(x, n):
         return activations.apply(F.linear(x, weight, bias), act, inplace=False)
     if len(x_shape) == 2:  # the common case: no views made (each costs about a microsecond)
         return _run("linear", x, weight, bias, x_shape[0], n, k, act, front)
-    x2 = x.reshape(-1, k)
-    out = _run("linear", x2, weight, bias, x2.shape[0], n, k, act)
+    x2 = x.reshape(-1, k)  # a model's (batch, tokens, K) activations: served by the front path too
+    out = _run("linear", x2, weight, bias, x2.shape[0], n, k, act, front)
     return out.reshape(*x_shape[:-1], n)
 
 
