@@ -138,7 +138,7 @@ def best_by_backend(trials) -> dict:
     """Each backend's fastest measured trial (what the kernels of a family reach on this shape)
     with its spread and the noise of its ratio to cuBLAS (what selection compares a gain with),
     and how many of its trials failed, with their first reason."""
-    reference = next((t for t in trials if t.ok and t.backend == "cublas"), None)
+    reference = next((t for t in trials if t.ok and t.backend == backends.REFERENCE), None)
     best = {}
     for t in trials:
         entry = best.setdefault(t.backend, {"ms": None, "config": None, "failed": 0, "reason": ""})

@@ -8,7 +8,7 @@ import random
 from dataclasses import dataclass, replace
 
 from gemmtune.device import Device
-from gemmtune.problem import Problem, bucket
+from gemmtune.problem import Problem, bucket, pooled
 from gemmtune.results import Status, Trial
 from gemmtune.runner import LocalRunner, matmul_precision
 from gemmtune.tuner import MIN_ROUNDS_FINAL, TuneOptions, tune_problem
@@ -36,7 +36,7 @@ def samples(problem: Problem, policy: str, count: int, seed: int = 0) -> list[Pr
     (rep/2, rep], the others as they are. N and K are drawn as multiples of 16 elements, as the
     bucket holds them (any other shape is a bucket of its own: none is drawn for it); M, the
     batch, is any size."""
-    if BUCKETED_DIMS[policy][1] and not problem.poolable:
+    if not pooled(problem, policy):
         return []
     rep = bucket(problem, policy)
     rng = random.Random(seed)

@@ -39,19 +39,19 @@ class Launcher:
         specialization of the arguments, and the device of every tensor."""
         binary = self._binaries.get(guard)
         if binary is None or _hooked(self._hooks.launch_enter_hook) or _hooked(self._hooks.launch_exit_hook):
-            self._jit(grid, guard[0], guard, (*tensors, *scalars), constexprs)
+            self._jit(grid, guard, (*tensors, *scalars), constexprs)
             return
         run, function, metadata, tail = binary
         run(grid[0], grid[1], grid[2], self._stream(guard[0]), function, metadata, None, None, None,
             *pointers, *scalars, *tail)
 
-    def _jit(self, grid, device, guard, args, constexprs) -> None:
+    def _jit(self, grid, guard, args, constexprs) -> None:
         compiled = self._fn[grid](*args, **constexprs)
         if compiled is None:  # Triton's interpreter: nothing compiled, nothing to keep
             return
         # A binary is loaded into the current device's context: kept only when that is the
         # operands' device, so the direct path never launches it on another device's stream.
-        if guard not in self._binaries and torch.cuda.current_device() == device:
+        if guard not in self._binaries and torch.cuda.current_device() == guard[0]:
             names = self._fn.arg_names
             if len(args) + sum(name in constexprs for name in names) != len(names) \
                     or any(name in constexprs for name in names[:len(args)]):
@@ -66,6 +66,25 @@ class Launcher:
     def binaries(self) -> int:
         """How many guards launch directly (for tests and diagnostics)."""
         return len(self._binaries)
+
+
+def gemm_call(a, b, bias, out, linear: bool) -> tuple:
+    """What a GEMM wrapper needs for its launch, from a (M, K), b ((N, K) if ``linear``, else
+    (K, N)), bias or None and the caller's ``out`` (allocated here if None): m, n, k, the output,
+    the guard, the leading tensor arguments (a, b, out, bias or out), their addresses, and the
+    strides of a, of b as (K, N), and of the output."""
+    m, k = a.shape
+    n = b.shape[0] if linear else b.shape[1]
+    sa, sb = a.stride(), b.stride()
+    has_bias = bias is not None
+    pa, pb, pbias = a.data_ptr(), b.data_ptr(), bias.data_ptr() if has_bias else 0
+    guard = gemm_guard(a, b, bias, out, sa, sb, pa, pb, pbias)
+    if out is None:
+        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    po, so = out.data_ptr(), out.stride()
+    strides = (sa[0], sa[1], sb[1], sb[0], so[0], so[1]) if linear else (sa[0], sa[1], sb[0], sb[1], so[0], so[1])
+    return (m, n, k, out, guard, (a, b, out, bias if has_bias else out), (pa, pb, po, pbias if has_bias else po),
+            strides)
 
 
 def gemm_guard(a, b, bias, out, a_strides: tuple, b_strides: tuple, a_ptr: int, b_ptr: int, bias_ptr: int) -> tuple:

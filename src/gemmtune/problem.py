@@ -116,13 +116,18 @@ def bucket(problem: Problem, policy: str) -> Problem:
     loads are no longer vectorized: on the H200, Triton configs tuned for the representative
     ran such samples up to 35x slower than their own choice, and unaligned rows 1.1-5x
     (buckets-h200-20261122*.json)."""
-    if policy == "exact" or (policy == "pow2" and not problem.poolable):
+    if not pooled(problem, policy):
         return problem
     if policy == "pow2":
         return replace(problem, m=_next_pow2(problem.m), n=_next_pow2(problem.n), k=_next_pow2(problem.k))
-    if policy == "log2m":
-        return replace(problem, m=_next_pow2(problem.m))
-    raise ValueError(f"bucket policy {policy!r} is not known; accepted: {', '.join(BUCKETS)}")
+    return replace(problem, m=_next_pow2(problem.m))  # log2m
+
+
+def pooled(problem: Problem, policy: str) -> bool:
+    """Whether ``policy`` puts ``problem`` in a bucket with other shapes (see ``bucket``)."""
+    if policy not in BUCKETS:
+        raise ValueError(f"bucket policy {policy!r} is not known; accepted: {', '.join(BUCKETS)}")
+    return policy == "log2m" or (policy == "pow2" and problem.poolable)
 
 
 def _next_pow2(x: int) -> int:

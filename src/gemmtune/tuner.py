@@ -90,7 +90,7 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
     final = runner.final([(t.backend, t.config) for t in finalists], options.final_budget_ms, MIN_ROUNDS_FINAL)
     timings = {label: timing for label, (timing, _) in final.items()}
     costs = {label: cost for label, (_, cost) in final.items()}
-    label = select(reference.label(), timings, costs) if reference else min(costs, key=costs.get)
+    label = select(reference.label() if reference else None, timings, costs)
     chosen = next(t for t in finalists if t.label() == label)
     trials = [dataclasses.replace(t, timing=timings.get(t.label(), t.timing)) for t in trials]
     return TuneResult(
@@ -101,12 +101,12 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
     )
 
 
-def select(reference: str, timings: dict[str, Timing], costs: dict[str, float]) -> str:
+def select(reference: str | None, timings: dict[str, Timing], costs: dict[str, float]) -> str:
     """The label of the cheapest candidate if it beats the reference beyond the measured noise
     and its kernel is not slower on the GPU, else the reference's. The finalists are timed in
-    the same rounds, so the noise is that of their per-round ratio. Adding the two spreads
-    counts the drift both saw twice: on the H200, persistent kernels 4-5% faster than cuBLAS
-    on the largest GEMMs were left unchosen under that rule.
+    the same rounds, so the noise is that of their per-round ratio (adding the two spreads
+    would count the drift both saw twice). ``reference`` None: cuBLAS failed verification,
+    and the cheapest verified candidate is chosen.
 
     ``costs`` include the host's time where a call is host-bound, which a cheaper launch can
     win; but inside a CUDA graph only the kernel's time remains, so a candidate whose kernel is
@@ -114,8 +114,8 @@ def select(reference: str, timings: dict[str, Timing], costs: dict[str, float]) 
     kernel that won blog-mlp's host-bound cost ran 18% slower replayed from a graph).
     """
     best = min(costs, key=costs.get)
-    if best == reference:
-        return reference
+    if reference is None or best == reference:
+        return best
     noise = timings[best].spread_against(timings[reference])
     if timings[best].median > timings[reference].median * (1.0 + noise):
         return reference

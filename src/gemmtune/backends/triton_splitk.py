@@ -17,7 +17,7 @@ import torch
 from gemmtune import costmodel
 from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_importable
 from gemmtune.device import Device
-from gemmtune.launch import Launcher, gemm_guard
+from gemmtune.launch import Launcher, gemm_call
 from gemmtune.problem import Problem
 
 MAX_M = 64  # larger M is compute-bound enough for triton_tiled and cuBLAS
@@ -193,27 +193,15 @@ class SplitKKernel:
 
     def __call__(self, a, b, bias, out=None):
         cfg = self._config
-        m, k = a.shape
-        n = b.shape[0] if self._linear else b.shape[1]
-        sa, sb = a.stride(), b.stride()
-        stride_bk, stride_bn = (sb[1], sb[0]) if self._linear else sb
-        has_bias = bias is not None
-        pa, pb, pbias = a.data_ptr(), b.data_ptr(), bias.data_ptr() if has_bias else 0
-        guard = gemm_guard(a, b, bias, out, sa, sb, pa, pb, pbias)
-        if out is None:
-            out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-        po, so = out.data_ptr(), out.stride()
+        m, n, k, out, guard, tensors, pointers, strides = gemm_call(a, b, bias, out, self._linear)
         grid_n, grid_m = -(-n // cfg.block_n), -(-m // cfg.block_m)
         k_per_split = -(-k // (cfg.block_k * cfg.split_k)) * cfg.block_k
         if cfg.split_k > 1:
             workspace, counters, pw, pcount = self._workspace(a.device, m, n, grid_n * grid_m)
         else:  # never touched: the SPLIT_K == 1 path is compiled out
-            workspace, counters, pw, pcount = out, out, po, po
-        self._launch((grid_n, cfg.split_k, grid_m), guard,
-                     (a, b, out, bias if has_bias else out, workspace, counters),
-                     (pa, pb, po, pbias if has_bias else po, pw, pcount),
-                     (m, n, k, k_per_split, sa[0], sa[1], stride_bk, stride_bn, so[0], so[1]),
-                     self._constexprs[has_bias, k % (cfg.block_k * cfg.split_k) == 0])
+            workspace, counters, pw, pcount = out, out, pointers[2], pointers[2]
+        self._launch((grid_n, cfg.split_k, grid_m), guard, (*tensors, workspace, counters), (*pointers, pw, pcount),
+                     (m, n, k, k_per_split, *strides), self._constexprs[bias is not None, k % (cfg.block_k * cfg.split_k) == 0])
         return out
 
 

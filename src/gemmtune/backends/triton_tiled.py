@@ -6,12 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
-
 from gemmtune import costmodel
 from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_importable
 from gemmtune.device import Device
-from gemmtune.launch import Launcher, gemm_guard
+from gemmtune.launch import Launcher, gemm_call
 from gemmtune.problem import Problem
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -122,19 +120,9 @@ class TiledKernel:
         self._constexprs = {False: dict(base, HAS_BIAS=False), True: dict(base, HAS_BIAS=True)}
 
     def __call__(self, a, b, bias, out=None):
-        m, k = a.shape
-        n = b.shape[0] if self._linear else b.shape[1]
-        sa, sb = a.stride(), b.stride()
-        stride_bk, stride_bn = (sb[1], sb[0]) if self._linear else sb
-        has_bias = bias is not None
-        pa, pb, pbias = a.data_ptr(), b.data_ptr(), bias.data_ptr() if has_bias else 0
-        guard = gemm_guard(a, b, bias, out, sa, sb, pa, pb, pbias)
-        if out is None:
-            out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-        po, so = out.data_ptr(), out.stride()
+        m, n, k, out, guard, tensors, pointers, strides = gemm_call(a, b, bias, out, self._linear)
         grid = (-(-m // self._config.block_m) * -(-n // self._config.block_n), 1, 1)
-        self._launch(grid, guard, (a, b, out, bias if has_bias else out), (pa, pb, po, pbias if has_bias else po),
-                     (m, n, k, sa[0], sa[1], stride_bk, stride_bn, so[0], so[1]), self._constexprs[has_bias])
+        self._launch(grid, guard, tensors, pointers, (m, n, k, *strides), self._constexprs[bias is not None])
         return out
 
 
