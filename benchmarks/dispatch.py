@@ -37,6 +37,7 @@ from gemmtune.backends.triton_tiled import BACKEND, TiledConfig
 from gemmtune.device import current
 from gemmtune.dispatch import DISPATCHER
 from gemmtune.kernels.tiled import tiled_matmul
+from gemmtune.launch import gemm_hints
 from gemmtune.problem import Problem
 
 SHAPES = ((16, 16, 16), (1, 256, 256), (256, 1024, 1024))
@@ -107,8 +108,8 @@ def launch_rows(calls: int) -> list[dict]:
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     wrapper = BACKEND.build(Problem(m, n, k), TiledConfig(16, 16, 16, 8, 1, 1), current())
-    consts = wrapper._constexprs[False]
     params = (x, w, out, out, m, n, k, x.stride(0), x.stride(1), w.stride(1), w.stride(0), out.stride(0), out.stride(1))
+    consts = wrapper._constexprs[False] | gemm_hints(params[4:])
     compiled = tiled_matmul[(1,)](*params, **consts)
     runner = compiled[(1, 1, 1)]
     values = dict(zip(tiled_matmul.arg_names, params)) | consts  # the raw launcher: every parameter, in order

@@ -79,3 +79,32 @@ def test_a_broken_kernel_fails_verification():
 
     assert verify.check(drops_last_column, problem, inputs) > verify.tolerance(problem)
     assert verify.check(writes_nothing, problem, inputs) == float("inf")
+
+
+@pytest.mark.parametrize("m,n,k", [(5, 24, 40), (3, 40, 1000)])
+def test_rows_aligned_to_8_elements_but_not_16(m, n, k):
+    """Sizes and strides that are multiples of 8 elements (16 bytes in half precision) but not
+    of 16 carry gemmtune's own alignment hints; views offset from 16 bytes must stay right."""
+    problem = Problem(m, n, k, "float16", "nn")
+    a = torch.randn(m, k + 8, device=DEVICE, dtype=torch.float16)[:, 4:k + 4]  # rows of k + 8, 8 bytes in
+    b = torch.randn(k, n, device=DEVICE, dtype=torch.float16)
+    ref = a.double() @ b.double()
+    for config in CONFIGS:
+        kernel = BACKEND.build(problem, config, current())
+        assert verify.rel_err(kernel(a, b, None), ref) < 1e-2
+        assert verify.rel_err(kernel(a.contiguous(), b, None), ref) < 1e-2
+
+
+def test_hinted_rows_of_1000_compile_to_16_byte_copies():
+    """The failure the hints fix, checked in the PTX: bf16 1000x1000x1000, rows 2000 bytes."""
+    from ptx import sm90_ptx
+
+    from gemmtune.launch import gemm_hints
+
+    scalars = (1000, 1000, 1000, 1000, 1, 1000, 1, 1000, 1)  # m, n, k, then the strides
+    constexprs = dict(HAS_BIAS=False, ACTIVATION="none", EVEN_K=False, PRECISION="ieee", BLOCK_M=128,
+                      BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    hinted = sm90_ptx("tiled", scalars, constexprs | gemm_hints(scalars))
+    plain = sm90_ptx("tiled", scalars, constexprs | {"HINTS": (1,) * 8})
+    assert "cp.async.cg.shared.global" in hinted and "ld.global.b16" not in hinted
+    assert "cp.async" not in plain and "ld.global.b16" in plain  # what Triton does unaided

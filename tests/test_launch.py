@@ -103,3 +103,17 @@ def test_the_guard_tells_apart_what_the_jit_specializes_on():
     variants = [guard(wide[:, 1:], b), guard(a, b.t().contiguous().t()), guard(a.half(), b.half()),
                 guard(a, b, torch.randn(32)), guard(a, b, out=torch.empty(8, 32)), guard(torch.randn(9, 64), b)]
     assert len({base, *variants}) == len(variants) + 1
+
+
+def test_hints_mark_the_alignment_triton_cannot_see():
+    from gemmtune.launch import gemm_hints
+
+    # (m, n, k, then the strides of a, of b as (K, N), of the output): rows of 1000 and 4100
+    # elements, a linear layout's weight (N, K), a contiguous output.
+    scalars = (7, 1000, 4100, 4100, 1, 1, 4100, 1000, 1)
+    assert gemm_hints(scalars) == {"HINTS": (8, 4, 4, 1, 1, 4, 8, 1)}
+    # Multiples of 16 Triton marks itself; odd values and zero strides (broadcast) get nothing.
+    assert gemm_hints((1, 1024, 33, 0, 1, 1, 33, 1024, 1)) == {"HINTS": (1, 1, 1, 1, 1, 1, 1, 1)}
+    for scalars in [(5, 24, 40, 40, 1, 24, 1, 24, 1), (2, 1002, 6, 6, 1, 1, 6, 1002, 1)]:
+        for value, hint in zip(scalars[1:], gemm_hints(scalars)["HINTS"]):
+            assert value % hint == 0 and (hint == 1 or value % 16)  # never a claim that is false

@@ -13,7 +13,7 @@ from gemmtune.problem import Problem
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = ["float32", "float16"] + (["bfloat16"] if DEVICE == "cuda" else [])  # bf16 dots are wrong in the interpreter
-SIZES = [(1, 1, 1), (1, 33, 4095), (7, 33, 65), (16, 100, 300), (33, 7, 129), (64, 48, 40)]
+SIZES = [(1, 1, 1), (1, 33, 4095), (7, 33, 65), (16, 100, 300), (33, 7, 129), (64, 48, 40), (5, 24, 1000)]
 
 H100 = Device("H100", (9, 0), 132, 232448, 50 << 20)
 T4 = Device("Tesla T4", (7, 5), 40, 65536, 4 << 20)
@@ -67,6 +67,36 @@ def test_gemv_tiles_match_reference(m, n, k, dtype):
     inputs = verify.make_inputs(problem, DEVICE)
     for block_n, block_k, split_k in ((4, 1024, 1), (8, 2048, 1), (4, 1024, 2)):
         check(problem, SplitKConfig(_pow2(m), block_n, block_k, split_k, False, 4, 1), inputs)
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_rows_aligned_to_8_elements_but_not_16(use_dot):
+    """Sizes and strides that are multiples of 8 elements but not 16 carry gemmtune's own
+    alignment hints; views whose rows start 8 bytes past a 16-byte boundary must stay right."""
+    m, n, k = 3, 40, 1000
+    problem = Problem(m, n, k, "float16", "linear")
+    x = torch.randn(m, k + 8, device=DEVICE, dtype=torch.float16)[:, 4:k + 4]
+    w = torch.randn(n, k, device=DEVICE, dtype=torch.float16)
+    ref = x.double() @ w.double().t()
+    for split_k in (1, 2):
+        kernel = BACKEND.build(problem, (dot if use_dot else fma)(m, split_k, block_k=128), current())
+        assert verify.rel_err(kernel(x, w, None), ref) < 1e-2
+        assert verify.rel_err(kernel(x.contiguous(), w, None), ref) < 1e-2
+
+
+def test_hinted_weight_rows_of_1000_are_read_16_bytes_at_a_time():
+    """A decode GEMV on weight rows of 1000 bf16 elements, in the PTX: 16-byte loads with the
+    hints, 2-byte loads without (Triton marks only integers divisible by 16)."""
+    from ptx import sm90_ptx
+
+    from gemmtune.launch import gemm_hints
+
+    scalars = (1, 1000, 1000, 1024, 1000, 1, 1, 1000, 1000, 1)  # m, n, k, k_per_split, then the strides
+    constexprs = dict(HAS_BIAS=False, ACTIVATION="none", EVEN_K=False, PRECISION="ieee", USE_DOT=False, SPLIT_K=1,
+                      STAGES=1, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1)
+    hinted = sm90_ptx("splitk", scalars, constexprs | gemm_hints(scalars))
+    plain = sm90_ptx("splitk", scalars, constexprs | {"HINTS": (1,) * 9})
+    assert "ld.global.b16" not in hinted and "ld.global.b16" in plain
 
 
 @pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu"])

@@ -17,7 +17,7 @@ import torch
 from gemmtune import costmodel
 from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_importable
 from gemmtune.device import Device
-from gemmtune.launch import Launcher, gemm_call
+from gemmtune.launch import Launcher, gemm_call, gemm_hints
 from gemmtune.problem import Problem
 
 MAX_M = 64  # larger M is compute-bound enough for triton_tiled and cuBLAS
@@ -168,7 +168,7 @@ class SplitKKernel:
     def __init__(self, problem: Problem, config: SplitKConfig) -> None:
         from gemmtune.kernels.splitk import splitk_matmul  # imports triton: only once a kernel is built
 
-        self._launch = Launcher(splitk_matmul)
+        self._launch = Launcher(splitk_matmul, gemm_hints)
         self._linear = problem.layout == "linear"
         self._config = config
         self._scratch: dict[tuple, tuple] = {}  # (device, m, n) -> workspace, counters and their addresses

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from gemmtune import costmodel
 from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_importable
 from gemmtune.device import Device
-from gemmtune.launch import Launcher, gemm_call
+from gemmtune.launch import Launcher, gemm_call, gemm_hints
 from gemmtune.problem import Problem
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -108,7 +108,7 @@ class TiledKernel:
     def __init__(self, problem: Problem, config: TiledConfig) -> None:
         from gemmtune.kernels.tiled import tiled_matmul  # imports triton: only once a kernel is built
 
-        self._launch = Launcher(tiled_matmul)
+        self._launch = Launcher(tiled_matmul, gemm_hints)
         self._linear = problem.layout == "linear"
         self._config = config
         base = dict(

@@ -17,14 +17,15 @@ from gemmtune.kernels.epilogue import activate
 
 
 @triton.jit
-def _store_output(acc, rm, rn, c_ptr, bias_ptr, M, N, stride_cm, stride_cn,
+def _store_output(acc, rm, rn, c_rows, n_bound, c_ptr, bias_ptr, M, stride_cn,
                   HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
-    """The fused epilogue on a finished fp32 tile: bias, activation, one cast, masked store."""
+    """The fused epilogue on a finished fp32 tile: bias, activation, one cast, masked store.
+    ``c_rows`` (rm * stride_cm) and ``n_bound`` (N per column) come with the caller's hints."""
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + rn, mask=rn < n_bound, other=0.0).to(tl.float32)[None, :]
     acc = activate(acc, ACTIVATION)
-    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    c_ptrs = c_ptr + c_rows[:, None] + rn[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn < n_bound)[None, :])
 
 
 @triton.jit
@@ -34,10 +35,19 @@ def splitk_matmul(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HINTS: tl.constexpr,
 ):
     """``k_per_split`` is a multiple of BLOCK_K with SPLIT_K * k_per_split >= K; EVEN_K says
     every slice lies wholly inside K, so no load along K needs a mask."""
+    # Alignment Triton cannot see (launch.gemm_hints, one per scalar after M): N, K and the
+    # strides that step rows are multiples of these many elements, or 1 for nothing more known.
+    # (multiple_of must be written here: a hint set inside a called jit function is lost.)
+    HINT_N: tl.constexpr = HINTS[0]
+    HINT_K: tl.constexpr = HINTS[1]
+    HINT_AM: tl.constexpr = HINTS[3]
+    HINT_BK: tl.constexpr = HINTS[5]
+    HINT_BN: tl.constexpr = HINTS[6]
+    HINT_CM: tl.constexpr = HINTS[7]
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -48,13 +58,25 @@ def splitk_matmul(
     k_start = pid_k * k_per_split
     # Rows and columns past the edge wrap to valid ones instead of being masked, so the loads
     # stay unmasked along M and N; the store drops what they produce.
+    n_bound = tl.full((BLOCK_N,), N, tl.int32)
+    if HINT_N > 1:
+        n_bound = tl.multiple_of(n_bound, HINT_N)
     rm_safe = rm % M
-    rn_safe = rn % N
-    a_ptrs = a_ptr + rm_safe[:, None] * stride_am + (k_start + rk)[None, :] * stride_ak
+    rn_safe = rn % n_bound
+    a_rows = rm_safe * stride_am
+    if HINT_AM > 1:
+        a_rows = tl.multiple_of(a_rows, HINT_AM)
+    b_ks = (k_start + rk) * stride_bk
+    if HINT_BK > 1:
+        b_ks = tl.multiple_of(b_ks, HINT_BK)
+    b_ns = rn_safe * stride_bn
+    if HINT_BN > 1:
+        b_ns = tl.multiple_of(b_ns, HINT_BN)
+    a_ptrs = a_ptr + a_rows[:, None] + (k_start + rk)[None, :] * stride_ak
     if USE_DOT:  # B as (BLOCK_K, BLOCK_N) for tl.dot
-        b_ptrs = b_ptr + (k_start + rk)[:, None] * stride_bk + rn_safe[None, :] * stride_bn
+        b_ptrs = b_ptr + b_ks[:, None] + b_ns[None, :]
     else:  # B as (BLOCK_N, BLOCK_K): each weight row is read along K, its contiguous dimension
-        b_ptrs = b_ptr + rn_safe[:, None] * stride_bn + (k_start + rk)[None, :] * stride_bk
+        b_ptrs = b_ptr + b_ns[:, None] + b_ks[None, :]
 
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -69,12 +91,15 @@ def splitk_matmul(
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs, eviction_policy="evict_first")
         else:
-            k_left = K - k_start - k0  # <= 0 in a slice past K: everything masked
-            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+            k_left = tl.full((BLOCK_K,), K - k_start - k0, tl.int32)  # <= 0 in a slice past K: all masked
+            if HINT_K > 1:
+                k_left = tl.multiple_of(k_left, HINT_K)
+            k_in = rk < k_left
+            a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
             if USE_DOT:
-                b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0, eviction_policy="evict_first")
+                b = tl.load(b_ptrs, mask=k_in[:, None], other=0.0, eviction_policy="evict_first")
             else:
-                b = tl.load(b_ptrs, mask=rk[None, :] < k_left, other=0.0, eviction_policy="evict_first")
+                b = tl.load(b_ptrs, mask=k_in[None, :], other=0.0, eviction_policy="evict_first")
         if USE_DOT:
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         else:
@@ -84,8 +109,11 @@ def splitk_matmul(
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)
 
+    c_rows = rm * stride_cm
+    if HINT_CM > 1:
+        c_rows = tl.multiple_of(c_rows, HINT_CM)
     if SPLIT_K == 1:
-        _store_output(acc, rm, rn, c_ptr, bias_ptr, M, N, stride_cm, stride_cn, HAS_BIAS, ACTIVATION)
+        _store_output(acc, rm, rn, c_rows, n_bound, c_ptr, bias_ptr, M, stride_cn, HAS_BIAS, ACTIVATION)
     else:
         # Workspace [SPLIT_K, M, N] fp32, contiguous.
         tile_mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -102,7 +130,7 @@ def splitk_matmul(
                 # .cg reads L2, never an L1 line that could predate another SM's write
                 total += tl.load(ws_ptr + s * M * N + tile_offs, mask=tile_mask, other=0.0,
                                  cache_modifier=".cg")
-            _store_output(total, rm, rn, c_ptr, bias_ptr, M, N, stride_cm, stride_cn, HAS_BIAS, ACTIVATION)
+            _store_output(total, rm, rn, c_rows, n_bound, c_ptr, bias_ptr, M, stride_cn, HAS_BIAS, ACTIVATION)
             # Leave the counter at zero for the next launch: no memset launch before each call,
             # and a CUDA graph that replays this kernel finds its counters zeroed every time.
             tl.atomic_xchg(counter_ptr + tile_id, 0)

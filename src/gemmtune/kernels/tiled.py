@@ -18,7 +18,17 @@ def tiled_matmul(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HINTS: tl.constexpr,
 ):
+    # Alignment Triton cannot see (launch.stride_hints): N, K and the strides that step rows
+    # are multiples of these many elements, or 1 for nothing known beyond what Triton knows.
+    # (multiple_of must be written here: a hint set inside a called jit function is lost.)
+    HINT_N: tl.constexpr = HINTS[0]
+    HINT_K: tl.constexpr = HINTS[1]
+    HINT_AM: tl.constexpr = HINTS[2]
+    HINT_BK: tl.constexpr = HINTS[4]
+    HINT_BN: tl.constexpr = HINTS[5]
+    HINT_CM: tl.constexpr = HINTS[6]
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -33,10 +43,22 @@ def tiled_matmul(
     rk = tl.arange(0, BLOCK_K)
     # Rows and columns past the edge wrap to valid ones instead of being masked, so loads along
     # M and N stay unmasked (and vectorized where N is a multiple of 16); the store drops them.
+    n_bound = tl.full((BLOCK_N,), N, tl.int32)
+    if HINT_N > 1:
+        n_bound = tl.multiple_of(n_bound, HINT_N)
     rm_safe = rm % M
-    rn_safe = rn % N
-    a_ptrs = a_ptr + rm_safe[:, None] * stride_am + rk[None, :] * stride_ak
-    b_ptrs = b_ptr + rk[:, None] * stride_bk + rn_safe[None, :] * stride_bn
+    rn_safe = rn % n_bound
+    a_rows = rm_safe * stride_am
+    if HINT_AM > 1:
+        a_rows = tl.multiple_of(a_rows, HINT_AM)
+    b_rows = rk * stride_bk
+    if HINT_BK > 1:
+        b_rows = tl.multiple_of(b_rows, HINT_BK)
+    b_cols = rn_safe * stride_bn
+    if HINT_BN > 1:
+        b_cols = tl.multiple_of(b_cols, HINT_BN)
+    a_ptrs = a_ptr + a_rows[:, None] + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + b_rows[:, None] + b_cols[None, :]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
@@ -44,15 +66,21 @@ def tiled_matmul(
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
         else:
-            k_left = K - k0 * BLOCK_K
-            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
+            k_left = tl.full((BLOCK_K,), K - k0 * BLOCK_K, tl.int32)
+            if HINT_K > 1:
+                k_left = tl.multiple_of(k_left, HINT_K)
+            k_in = rk < k_left
+            a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_in[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + rn, mask=rn < n_bound, other=0.0).to(tl.float32)[None, :]
     acc = activate(acc, ACTIVATION)
-    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    c_rows = rm * stride_cm
+    if HINT_CM > 1:
+        c_rows = tl.multiple_of(c_rows, HINT_CM)
+    c_ptrs = c_ptr + c_rows[:, None] + rn[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn < n_bound)[None, :])

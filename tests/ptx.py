@@ -1,0 +1,44 @@
+"""A gemmtune kernel compiled for an H100 on a machine without one, for tests that check the
+code Triton generates (PTX): in a child process, outside Triton's interpreter."""
+
+import json
+import os
+import subprocess
+import sys
+
+PROBE = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+module, scalars, constexprs = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module("gemmtune.kernels." + module), module + "_matmul")
+options = {name: constexprs.pop(name) for name in ("num_warps", "num_stages")}
+constexprs = {name: tuple(v) if isinstance(v, list) else v for name, v in constexprs.items()}
+params = [name for name in fn.arg_names if not name.endswith("_ptr") and name not in constexprs]
+values = dict(zip(params, scalars))
+signature, fixed, attrs = {}, {}, {}
+for i, name in enumerate(fn.arg_names):
+    if name.endswith("_ptr"):
+        signature[name], attrs[(i,)] = "*bf16", [["tt.divisibility", 16]]
+    elif name in constexprs or values[name] == 1:  # the JIT turns integers equal to 1 into constants
+        signature[name], fixed[(i,)] = "constexpr", constexprs.get(name, 1)
+    else:
+        signature[name] = "i32"
+        if values[name] % 16 == 0:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+compiled = triton.compile(ASTSource(fn, signature, fixed, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+print(compiled.asm["ptx"])
+"""
+
+
+def sm90_ptx(module: str, scalars: tuple, constexprs: dict) -> str:
+    """``gemmtune.kernels.<module>.<module>_matmul`` compiled for sm_90 with bf16 operands on
+    16-byte boundaries, its integer arguments ``scalars`` specialized as the JIT would, and
+    ``constexprs`` (num_warps and num_stages among them)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", PROBE, json.dumps([module, scalars, constexprs])], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
