@@ -87,7 +87,9 @@ def main() -> int:
             doc["rows"].append({"batch": batch, "off_front_per_step": counter["_linear"] / steps,
                                 "jit_launches_per_step": counter["_jit"] / steps, "layers": len(linears)})
             seen = {}
-            hooks = [m.register_forward_pre_hook(lambda mod, inp, name=name: seen.setdefault(name, inp[0]))
+            # the last input each layer sees (the decode step's, after the prompt's); returns None,
+            # so the input is left as it is
+            hooks = [m.register_forward_pre_hook(lambda mod, inp, name=name: seen.__setitem__(name, inp[0]))
                      for name, m in linears]
             runner.decode(prompt, 1)
             for hook in hooks:

@@ -104,9 +104,11 @@ def test_linear_rejects_unknown_activation():
 class CountingKernel:
     def __init__(self):
         self.calls = 0
+        self.ranks = []
 
     def __call__(self, a, b, bias):
         self.calls += 1
+        self.ranks.append(a.dim())
         return F.linear(a, b, bias)
 
 
@@ -137,7 +139,14 @@ def test_a_served_call_takes_the_front_path_and_a_different_one_is_checked_again
         x3 = torch.randn(2, 3, 8)
         DISPATCHER.kernels[api._key("linear", x3, bias, 6, 3, 8, "none")] = kernel
         outs = [gemmtune.linear(x3, w, bias) for _ in range(2)]
-        assert len(DISPATCHER.front) == 2 and kernel.calls == 4
+        assert len(DISPATCHER.front) == 2 and kernel.calls == 4 and kernel.ranks == [2, 2, 2, 2]
         assert outs[1].shape == (2, 3, 3) and torch.allclose(outs[1], F.linear(x3, w, bias), atol=1e-6)
+        # a kernel that serves any rank gets the 3-D x itself from the front path: no views made
+        any_rank = CountingKernel()
+        any_rank.serves_any_rank = True
+        x4 = torch.randn(2, 2, 8)
+        DISPATCHER.kernels[api._key("linear", x4, bias, 4, 3, 8, "none")] = any_rank
+        outs = [gemmtune.linear(x4, w, bias) for _ in range(2)]
+        assert any_rank.ranks == [2, 3] and torch.allclose(outs[1], F.linear(x4, w, bias), atol=1e-6)
     DISPATCHER.forget()
     assert DISPATCHER.front == {}

@@ -4,11 +4,14 @@ binary, and results stay right."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gemmtune import verify
 from gemmtune.backends import get
 from gemmtune.device import current
 from gemmtune.problem import Problem
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 TILED = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 1, "num_stages": 1}
 FMA = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2, "USE_DOT": False, "num_warps": 1, "num_stages": 1}
@@ -117,3 +120,20 @@ def test_hints_mark_the_alignment_triton_cannot_see():
     for scalars in [(5, 24, 40, 40, 1, 24, 1, 24, 1), (2, 1002, 6, 6, 1, 1, 6, 1002, 1)]:
         for value, hint in zip(scalars[1:], gemm_hints(scalars)["HINTS"]):
             assert value % hint == 0 and (hint == 1 or value % 16)  # never a claim that is false
+
+
+@pytest.mark.parametrize("name, config", [("triton_tiled", TILED), ("triton_splitk", FMA)])
+def test_a_model_activation_of_any_rank_is_served_in_place(name, config):
+    """x (batch, tokens, K), contiguous or a strided view, straight into a kernel launched through
+    gemm_call: the output is (batch, tokens, N) and right."""
+    problem = Problem(6, 24, 40, "float32", "linear", bias=True)
+    kernel = build(problem, name, config)
+    w, bias = torch.randn(24, 40, device=DEVICE), torch.randn(24, device=DEVICE)
+    contiguous = torch.randn(2, 3, 40, device=DEVICE)
+    strided = torch.randn(2, 5, 40, device=DEVICE)[:, 1:4]  # rows of a (2, 5, K) tensor
+    for x in (contiguous, strided, contiguous[:, :1]):
+        out = kernel(x, w, bias)
+        assert out.shape == (*x.shape[:-1], 24) and out.is_contiguous()
+        assert verify.rel_err(out, F.linear(x.double(), w.double(), bias.double())) < 1e-5
+    with pytest.raises(ValueError, match="out= takes a 2-D a"):
+        kernel(contiguous, w, bias, out=torch.empty(6, 24, device=DEVICE))

@@ -108,11 +108,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and recorder.active() is None and not _needs_grad(x, weight, bias):
         front = _front_key(x, weight, bias, activation)
         kernel = DISPATCHER.front.get(front)
-        if kernel is not None:
-            x_shape = front[0]
-            if len(x_shape) == 2:
-                return kernel(x, weight, bias)
-            return kernel(x.reshape(-1, x_shape[-1]), weight, bias).reshape(*x_shape[:-1], front[1][0])
+        if kernel is not None:  # it takes x of any rank (_run made it so)
+            return kernel(x, weight, bias)
     act = "none" if activation is None else activation
     if act not in ACTIVATIONS:
         raise ValueError(f"linear: activation={activation!r} is not supported; accepted: None, "
@@ -159,8 +156,21 @@ def _linear(x, weight, bias, act: str, x_shape, n: int, k: int, front: tuple | N
     if len(x_shape) == 2:  # the common case: no views made (each costs about a microsecond)
         return _run("linear", x, weight, bias, x_shape[0], n, k, act, front)
     x2 = x.reshape(-1, k)  # a model's (batch, tokens, K) activations: served by the front path too
-    out = _run("linear", x2, weight, bias, x2.shape[0], n, k, act, front)
+    out = _run("linear", x2, weight, bias, x2.shape[0], n, k, act, front, any_rank=True)
     return out.reshape(*x_shape[:-1], n)
+
+
+def _any_rank(kernel):
+    """``kernel`` for x (..., K): itself where it serves any rank (``serves_any_rank``: cuBLAS
+    through F.linear, the kernels launched through ``launch.gemm_call``), else a wrapper that
+    flattens x to (M, K) and shapes the result back (two views: a microsecond or two each)."""
+    if getattr(kernel, "serves_any_rank", False):
+        return kernel
+
+    def flattening(x, weight, bias):
+        return kernel(x.reshape(-1, x.shape[-1]), weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+
+    return flattening
 
 
 def _key(layout: str, a, bias, m: int, n: int, k: int, act: str) -> tuple:
@@ -168,7 +178,10 @@ def _key(layout: str, a, bias, m: int, n: int, k: int, act: str) -> tuple:
     return layout, m, n, k, a.dtype, bias is not None, _uses_tf32(a), act, a.get_device()
 
 
-def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str, front: tuple | None = None) -> torch.Tensor:
+def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str, front: tuple | None = None,
+         any_rank: bool = False) -> torch.Tensor:
+    """The kernel for the key of (a, b, bias) run on them; kept under ``front`` (serving x of
+    any rank there if ``any_rank``)."""
     key = _key(layout, a, bias, m, n, k, act)
     kernel = DISPATCHER.kernels.get(key)
     if kernel is None:  # the slow path: store, then tuning; never while a CUDA graph is captured
@@ -179,7 +192,7 @@ def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str, front: tuple
             return activations.apply(out, act)
         kernel = DISPATCHER.kernel(key, problem_of_key)
     if front is not None:  # later calls like this one take linear's front path
-        DISPATCHER.front[front] = kernel
+        DISPATCHER.front[front] = _any_rank(kernel) if any_rank else kernel
     return kernel(a, b, bias)
 
 

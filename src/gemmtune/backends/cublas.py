@@ -27,6 +27,9 @@ def _linear(a, b, bias, out=None):
     return _mm(a, b.t(), bias, out)
 
 
+_linear.serves_any_rank = True  # F.linear takes x (..., K) itself: api.linear's front path passes it
+
+
 def _mm(a, b, bias, out=None):
     return torch.mm(a, b, out=out) if bias is None else torch.addmm(bias, a, b, out=out)
 
@@ -59,6 +62,7 @@ class CublasBackend:
             result = activation.apply(gemm(a, b, bias), name)
             return result if out is None else out.copy_(result)
 
+        gemm_then_activation.serves_any_rank = gemm is _linear
         return gemm_then_activation
 
 

@@ -165,6 +165,8 @@ class SplitKKernel:
     one kernel object must therefore not run concurrently on two streams.
     """
 
+    serves_any_rank = True  # x (..., K) in layout linear: launch.gemm_call takes its rows in place
+
     def __init__(self, problem: Problem, config: SplitKConfig) -> None:
         from gemmtune.kernels.splitk import splitk_matmul  # imports triton: only once a kernel is built
 

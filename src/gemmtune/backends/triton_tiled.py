@@ -105,6 +105,8 @@ class TiledKernel:
     """A compiled-on-first-call launcher for one (problem, config); later calls with operands
     of the same dtypes, strides and alignment launch the binary directly (gemmtune.launch)."""
 
+    serves_any_rank = True  # x (..., K) in layout linear: launch.gemm_call takes its rows in place
+
     def __init__(self, problem: Problem, config: TiledConfig) -> None:
         from gemmtune.kernels.tiled import tiled_matmul  # imports triton: only once a kernel is built
 
