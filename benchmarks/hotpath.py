@@ -101,12 +101,17 @@ def main() -> int:
                 ours(), theirs()
                 pairs = [(host_us(ours, args.calls), host_us(theirs, args.calls)) for _ in range(args.rounds)]
                 ratio = statistics.median(o / t for o, t in pairs)
-                key = api._front_key(x, module.weight, module.bias, None)
-                kernel = DISPATCHER.front.get(key)
+                w, b = module.weight, module.bias
+                front = DISPATCHER.front.get(api._front_key(x, w, b, None, x.data_ptr(), w.data_ptr(),
+                                                            0 if b is None else b.data_ptr()))
+                kernel = DISPATCHER.kernels.get(api._key("linear", x, b, x.numel() // x.shape[-1], w.shape[0],
+                                                         w.shape[1], "none"))
+                how = ("NOT ON THE FRONT PATH" if front is None
+                       else "bound launch" if front.__qualname__.startswith("bound_call") else "through the wrapper")
                 row = {"batch": batch, "layer": name, "x_shape": list(x.shape), "x_stride": list(x.stride()),
                        "gemmtune_us": statistics.median(p[0] for p in pairs),
                        "f_linear_us": statistics.median(p[1] for p in pairs), "ratio": ratio,
-                       "kernel": type(kernel).__name__ if kernel is not None else "NOT ON THE FRONT PATH"}
+                       "kernel": f"{type(kernel).__name__}, {how}"}
                 doc["rows"].append(row)
                 print(f"b={batch} {name:34s} {row['gemmtune_us']:6.2f} us vs F.linear {row['f_linear_us']:6.2f} us "
                       f"x{ratio:.2f}  {row['kernel']}  x {tuple(x.shape)} {tuple(x.stride())}", flush=True)

@@ -112,6 +112,21 @@ class CountingKernel:
         return F.linear(a, b, bias)
 
 
+class BindingKernel(CountingKernel):
+    """A kernel whose ``bind`` returns a launch taking the operands' addresses."""
+
+    def __init__(self):
+        super().__init__()
+        self.launches = []
+
+    def bind(self, a, b, bias):
+        def launch(a, b, bias, pa, pb, pbias):
+            self.launches.append((pa, pb))
+            return F.linear(a, b, bias)
+
+        return launch
+
+
 def test_a_served_call_takes_the_front_path_and_a_different_one_is_checked_again(monkeypatch):
     """Served from the dispatcher once, the same call skips the checks; a call that differs in
     any operand's shape, dtype or device, or in the bias, goes through them (and errors)."""
@@ -147,6 +162,14 @@ def test_a_served_call_takes_the_front_path_and_a_different_one_is_checked_again
         x4 = torch.randn(2, 2, 8)
         DISPATCHER.kernels[api._key("linear", x4, bias, 4, 3, 8, "none")] = any_rank
         outs = [gemmtune.linear(x4, w, bias) for _ in range(2)]
-        assert any_rank.ranks == [2, 3] and torch.allclose(outs[1], F.linear(x4, w, bias), atol=1e-6)
+        assert any_rank.ranks == [3, 3] and torch.allclose(outs[1], F.linear(x4, w, bias), atol=1e-6)
+        # a kernel that binds its launch to the first call's operands gets the later calls'
+        # addresses from the front path; a view of other strides or alignment is a new key
+        bound = BindingKernel()
+        DISPATCHER.kernels[api._key("linear", x, None, 5, 3, 8, "none")] = bound
+        operands = [torch.randn(5, 8), torch.randn(5, 8), torch.randn(5, 9)[:, 1:]]
+        for operand in operands:
+            assert torch.allclose(gemmtune.linear(operand, w), F.linear(operand, w), atol=1e-6)
+        assert bound.calls == 2 and bound.launches == [(operands[1].data_ptr(), w.data_ptr())]
     DISPATCHER.forget()
     assert DISPATCHER.front == {}

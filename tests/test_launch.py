@@ -137,3 +137,35 @@ def test_a_model_activation_of_any_rank_is_served_in_place(name, config):
         assert verify.rel_err(out, F.linear(x.double(), w.double(), bias.double())) < 1e-5
     with pytest.raises(ValueError, match="out= takes a 2-D a"):
         kernel(contiguous, w, bias, out=torch.empty(6, 24, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, config", [("triton_tiled", TILED), ("triton_splitk", FMA),
+                                          ("triton_splitk", dict(FMA, SPLIT_K=1))])
+def test_a_bound_launch_serves_new_operands_like_the_wrapper(name, config):
+    """``bind`` after a first call: the launch bound to those sizes, strides and alignment
+    takes new operands' addresses and stays right, 2-D and 3-D; none before a binary exists;
+    a launch hook sends it back through the wrapper."""
+    problem = Problem(7, 33, 65, "bfloat16", "linear", bias=True, activation="relu")
+    kernel = build(problem, name, config)
+    a, b, bias = verify.make_operands(problem, "cuda", seed=0)
+    assert kernel.bind(a, b, bias) is None
+    for x in (a, a.reshape(1, 7, 65)):
+        kernel(x, b, bias)
+        call = kernel.bind(x, b, bias)
+        for seed in (1, 2):
+            a2, b2, bias2 = verify.make_operands(problem, "cuda", seed=seed)
+            x2 = a2.reshape(x.shape)
+            out = call(x2, b2, bias2, x2.data_ptr(), b2.data_ptr(), bias2.data_ptr())
+            assert out.shape == (*x.shape[:-1], 33)
+            ref = verify.reference(problem, a2, b2, bias2)
+            assert verify.rel_err(out.reshape(7, 33), ref) <= verify.tolerance(problem)
+    from triton import knobs
+
+    seen = []
+    knobs.runtime.launch_enter_hook.add(seen.append)
+    try:
+        out = call(x2, b2, bias2, x2.data_ptr(), b2.data_ptr(), bias2.data_ptr())
+    finally:
+        knobs.runtime.launch_enter_hook.remove(seen.append)
+    assert seen and verify.rel_err(out.reshape(7, 33), ref) <= verify.tolerance(problem)

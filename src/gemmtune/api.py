@@ -100,16 +100,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``act(F.linear(x, weight, bias))``: x (..., K), weight (N, K), bias (N,) or None;
     ``activation`` one of relu, gelu, gelu_tanh, silu, fused into the kernel's epilogue.
     Differentiable (through ``torch.ops.gemmtune.linear``) when an input requires a gradient."""
-    # The front path: a call like one already served by a kernel (same shapes, dtypes, devices,
-    # bias and activation, TF32 setting for float32) skips every check below: they passed then.
+    # The front path: a call like one already served by a kernel (same shapes, strides, 16-byte
+    # alignment, dtypes, devices, bias and activation, TF32 setting for float32) skips every check
+    # below, since they passed then, and launches what served it (_front_call).
     front = None
     if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) \
             and (bias is None or isinstance(bias, torch.Tensor)) and not torch.compiler.is_compiling() \
             and recorder.active() is None and not _needs_grad(x, weight, bias):
-        front = _front_key(x, weight, bias, activation)
-        kernel = DISPATCHER.front.get(front)
-        if kernel is not None:  # it takes x of any rank (_run made it so)
-            return kernel(x, weight, bias)
+        px, pw, pb = x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr()
+        front = _front_key(x, weight, bias, activation, px, pw, pb)
+        call = DISPATCHER.front.get(front)
+        if call is not None:
+            return call(x, weight, bias, px, pw, pb)
     act = "none" if activation is None else activation
     if act not in ACTIVATIONS:
         raise ValueError(f"linear: activation={activation!r} is not supported; accepted: None, "
@@ -136,9 +138,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _linear(x, weight, bias, act, x_shape, n, k, front)
 
 
-def _front_key(x: torch.Tensor, weight: torch.Tensor, bias, activation) -> tuple:
-    return (x.shape, weight.shape, x.dtype, weight.dtype, x.get_device(), weight.get_device(), activation,
-            _uses_tf32(x), None if bias is None else (bias.shape, bias.dtype, bias.get_device()))
+def _front_key(x: torch.Tensor, weight: torch.Tensor, bias, activation, px: int, pw: int, pb: int) -> tuple:
+    """Everything a kernel's launch depends on in a linear call whose operands are at addresses
+    px, pw and pb (0 without bias): what its guard holds, and what the problem is."""
+    return (x.shape, x.stride(), px & 15, weight.shape, weight.stride(), pw & 15, x.dtype, weight.dtype,
+            x.get_device(), weight.get_device(), activation, _uses_tf32(x),
+            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device(), pb & 15))
 
 
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
@@ -153,11 +158,8 @@ def _linear(x, weight, bias, act: str, x_shape, n: int, k: int, front: tuple | N
         _record("linear", x, bias, x.numel() // k if k else 0, n, k, act)
     if _falls_back(x, n):
         return activations.apply(F.linear(x, weight, bias), act, inplace=False)
-    if len(x_shape) == 2:  # the common case: no views made (each costs about a microsecond)
-        return _run("linear", x, weight, bias, x_shape[0], n, k, act, front)
-    x2 = x.reshape(-1, k)  # a model's (batch, tokens, K) activations: served by the front path too
-    out = _run("linear", x2, weight, bias, x2.shape[0], n, k, act, front, any_rank=True)
-    return out.reshape(*x_shape[:-1], n)
+    # a model's (batch, tokens, K) activations are M = batch * tokens rows of one GEMM
+    return _run("linear", x, weight, bias, x_shape[0] if len(x_shape) == 2 else x.numel() // k, n, k, act, front)
 
 
 def _any_rank(kernel):
@@ -173,15 +175,27 @@ def _any_rank(kernel):
     return flattening
 
 
+def _front_call(kernel, x, weight, bias):
+    """What linear's front path calls as ``call(x, weight, bias, px, pw, pb)`` (the operands and
+    their addresses) for calls whose key matches this one's: the kernel's launch bound to this
+    call's sizes, strides and alignment where it offers one (``bind``: the launch arguments
+    computed once, not per call), else the kernel itself."""
+    bind = getattr(kernel, "bind", None)
+    bound = bind(x, weight, bias) if bind is not None else None
+    if bound is not None:
+        return bound
+    kernel = _any_rank(kernel)
+    return lambda x, weight, bias, px, pw, pb: kernel(x, weight, bias)
+
+
 def _key(layout: str, a, bias, m: int, n: int, k: int, act: str) -> tuple:
     """What the dispatcher's kernels are keyed by."""
     return layout, m, n, k, a.dtype, bias is not None, _uses_tf32(a), act, a.get_device()
 
 
-def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str, front: tuple | None = None,
-         any_rank: bool = False) -> torch.Tensor:
-    """The kernel for the key of (a, b, bias) run on them; kept under ``front`` (serving x of
-    any rank there if ``any_rank``)."""
+def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str, front: tuple | None = None) -> torch.Tensor:
+    """The kernel for the key of (a, b, bias) run on them (a (..., K) in layout linear), and kept
+    for linear's front path under ``front``."""
     key = _key(layout, a, bias, m, n, k, act)
     kernel = DISPATCHER.kernels.get(key)
     if kernel is None:  # the slow path: store, then tuning; never while a CUDA graph is captured
@@ -191,9 +205,10 @@ def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str, front: tuple
             out = F.linear(a, b, bias) if layout == "linear" else _torch_mm(a, b, bias)
             return activations.apply(out, act)
         kernel = DISPATCHER.kernel(key, problem_of_key)
+    out = (kernel if a.dim() == 2 else _any_rank(kernel))(a, b, bias)
     if front is not None:  # later calls like this one take linear's front path
-        DISPATCHER.front[front] = _any_rank(kernel) if any_rank else kernel
-    return kernel(a, b, bias)
+        DISPATCHER.front[front] = _front_call(kernel, a, b, bias)
+    return out
 
 
 def _record(layout: str, a: torch.Tensor, bias, m: int, n: int, k: int, act: str) -> None:

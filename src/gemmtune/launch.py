@@ -41,7 +41,7 @@ class Launcher:
         H200's host). ``guard`` with the sizes must determine ``constexprs``, every
         specialization of the arguments, and the device of every tensor."""
         binary = self._binaries.get(guard)
-        if binary is None or _hooked(self._hooks.launch_enter_hook) or _hooked(self._hooks.launch_exit_hook):
+        if binary is None or self.hooked():
             if self._specialize is not None:
                 constexprs = {**constexprs, **self._specialize(scalars)}
             self._jit(grid, guard, (*tensors, *scalars), constexprs)
@@ -67,6 +67,26 @@ class Launcher:
 
                 self._stream = driver.active.get_current_stream
             self._binaries[guard] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
+
+    def direct(self, guard: tuple, grid: tuple[int, int, int], scalars: Sequence) -> Callable | None:
+        """``launch(*pointers)``: the binary of ``guard`` launched with ``grid`` and ``scalars``
+        bound, on the current stream, taking only the tensors' addresses; None while the guard
+        has no binary (before its first call, and under the interpreter). The caller checks
+        ``hooked`` before each launch, as ``__call__`` does."""
+        binary = self._binaries.get(guard)
+        if binary is None:
+            return None
+        run, function, metadata, tail = binary
+        stream, device, (gx, gy, gz), rest = self._stream, guard[0], grid, (*scalars, *tail)
+
+        def launch(*pointers) -> None:
+            run(gx, gy, gz, stream(device), function, metadata, None, None, None, *pointers, *rest)
+
+        return launch
+
+    def hooked(self) -> bool:
+        """Whether a launch hook (a profiler's) is set: launches then go through the JIT."""
+        return _hooked(self._hooks.launch_enter_hook) or _hooked(self._hooks.launch_exit_hook)
 
     def binaries(self) -> int:
         """How many guards launch directly (for tests and diagnostics)."""
@@ -109,6 +129,24 @@ def gemm_call(a, b, bias, out, linear: bool) -> tuple:
     strides = (sa[0], sa[1], sb[1], sb[0], so[0], so[1]) if linear else (sa[0], sa[1], sb[0], sb[1], so[0], so[1])
     return (m, n, k, out, guard, (a, b, out, bias if has_bias else out), (pa, pb, po, pbias if has_bias else po),
             strides)
+
+
+def bound_call(kernel, launch: Callable, out_shape: tuple, has_bias: bool, *scratch: int) -> Callable:
+    """The call a GEMM wrapper's ``bind`` returns: allocates the output, launches the bound
+    binary with the operands' addresses (the output's in the bias slot without one), then
+    ``scratch`` (the addresses of the kernel's own buffers), and goes through ``kernel`` itself
+    while a launch hook is set."""
+    hooked = kernel._launch.hooked
+
+    def call(a, b, bias, pa: int, pb: int, pbias: int):
+        if hooked():
+            return kernel(a, b, bias)
+        out = a.new_empty(out_shape)
+        po = out.data_ptr()
+        launch(pa, pb, po, pbias if has_bias else po, *scratch)
+        return out
+
+    return call
 
 
 def gemm_hints(scalars: Sequence[int]) -> dict:

@@ -17,7 +17,7 @@ import torch
 from gemmtune import costmodel
 from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_importable
 from gemmtune.device import Device
-from gemmtune.launch import Launcher, gemm_call, gemm_hints
+from gemmtune.launch import Launcher, bound_call, gemm_call, gemm_hints
 from gemmtune.problem import Problem
 
 MAX_M = 64  # larger M is compute-bound enough for triton_tiled and cuBLAS
@@ -194,17 +194,40 @@ class SplitKKernel:
         return self._scratch[key]
 
     def __call__(self, a, b, bias, out=None):
-        cfg = self._config
         m, n, k, out, guard, tensors, pointers, strides = gemm_call(a, b, bias, out, self._linear)
-        grid_n, grid_m = -(-n // cfg.block_n), -(-m // cfg.block_m)
-        k_per_split = -(-k // (cfg.block_k * cfg.split_k)) * cfg.block_k
-        if cfg.split_k > 1:
-            workspace, counters, pw, pcount = self._workspace(a.device, m, n, grid_n * grid_m)
+        grid, k_per_split = self._grid(m, n, k)
+        if self._config.split_k > 1:
+            workspace, counters, pw, pcount = self._workspace(a.device, m, n, grid[0] * grid[2])
         else:  # never touched: the SPLIT_K == 1 path is compiled out
             workspace, counters, pw, pcount = out, out, pointers[2], pointers[2]
-        self._launch((grid_n, cfg.split_k, grid_m), guard, (*tensors, workspace, counters), (*pointers, pw, pcount),
-                     (m, n, k, k_per_split, *strides), self._constexprs[bias is not None, k % (cfg.block_k * cfg.split_k) == 0])
+        self._launch(grid, guard, (*tensors, workspace, counters), (*pointers, pw, pcount),
+                     (m, n, k, k_per_split, *strides), self._constexprs_for(bias, k))
         return out
+
+    def _grid(self, m: int, n: int, k: int) -> tuple[tuple[int, int, int], int]:
+        """The launch grid (N tiles, K slices, M tiles) and the K each slice covers."""
+        cfg = self._config
+        return (-(-n // cfg.block_n), cfg.split_k, -(-m // cfg.block_m)), -(-k // (cfg.block_k * cfg.split_k)) * cfg.block_k
+
+    def _constexprs_for(self, bias, k: int) -> dict:
+        return self._constexprs[bias is not None, k % (self._config.block_k * self._config.split_k) == 0]
+
+    def bind(self, a, b, bias):
+        """``call(a, b, bias, pa, pb, pbias)`` for operands like these in all their guard holds
+        (``pbias`` 0 without bias): the binary launched from the addresses, nothing recomputed.
+        None until a call with these operands made the binary, or for a non-contiguous a of
+        rank above 2 (its rows are copied per call)."""
+        if a.dim() != 2 and not a.is_contiguous():
+            return None
+        m, n, k, out, guard, _, _, strides = gemm_call(a, b, bias, None, self._linear)
+        grid, k_per_split = self._grid(m, n, k)
+        launch = self._launch.direct(guard, grid, (m, n, k, k_per_split, *strides))
+        if launch is None:
+            return None
+        # The partials' and counters' addresses; with one split the kernel never reads them
+        # (that path is compiled out), so no address is passed.
+        scratch = self._workspace(a.device, m, n, grid[0] * grid[2])[2:] if self._config.split_k > 1 else (0, 0)
+        return bound_call(self, launch, out.shape, bias is not None, *scratch)
 
 
 class TritonSplitKBackend:
