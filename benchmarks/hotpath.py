@@ -102,12 +102,12 @@ def main() -> int:
                 pairs = [(host_us(ours, args.calls), host_us(theirs, args.calls)) for _ in range(args.rounds)]
                 ratio = statistics.median(o / t for o, t in pairs)
                 w, b = module.weight, module.bias
-                front = DISPATCHER.front.get(api._front_key(x, w, b, None, x.data_ptr(), w.data_ptr(),
-                                                            0 if b is None else b.data_ptr()))
+                front = DISPATCHER.front.get(api._front_key(x, w, b, None))
                 kernel = DISPATCHER.kernels.get(api._key("linear", x, b, x.numel() // x.shape[-1], w.shape[0],
                                                          w.shape[1], "none"))
                 how = ("NOT ON THE FRONT PATH" if front is None
-                       else "bound launch" if front.__qualname__.startswith("bound_call") else "through the wrapper")
+                       else "bound launch" if getattr(front, "__qualname__", "").startswith("_front_call")
+                       else "the kernel itself")
                 row = {"batch": batch, "layer": name, "x_shape": list(x.shape), "x_stride": list(x.stride()),
                        "gemmtune_us": statistics.median(p[0] for p in pairs),
                        "f_linear_us": statistics.median(p[1] for p in pairs), "ratio": ratio,

@@ -115,6 +115,8 @@ class CountingKernel:
 class BindingKernel(CountingKernel):
     """A kernel whose ``bind`` returns a launch taking the operands' addresses."""
 
+    serves_any_rank = True
+
     def __init__(self):
         super().__init__()
         self.launches = []
@@ -163,13 +165,14 @@ def test_a_served_call_takes_the_front_path_and_a_different_one_is_checked_again
         DISPATCHER.kernels[api._key("linear", x4, bias, 4, 3, 8, "none")] = any_rank
         outs = [gemmtune.linear(x4, w, bias) for _ in range(2)]
         assert any_rank.ranks == [3, 3] and torch.allclose(outs[1], F.linear(x4, w, bias), atol=1e-6)
-        # a kernel that binds its launch to the first call's operands gets the later calls'
-        # addresses from the front path; a view of other strides or alignment is a new key
+        # a kernel that binds its launch to a call's operands gets later calls' addresses
         bound = BindingKernel()
         DISPATCHER.kernels[api._key("linear", x, None, 5, 3, 8, "none")] = bound
-        operands = [torch.randn(5, 8), torch.randn(5, 8), torch.randn(5, 9)[:, 1:]]
+        # (the first call through the wrapper, the next binds; a view of other strides is a new
+        # layout, bound in turn; then a call like the second launches with its own addresses)
+        operands = [torch.randn(5, 8), torch.randn(5, 8), torch.randn(5, 9)[:, 1:], torch.randn(5, 8)]
         for operand in operands:
             assert torch.allclose(gemmtune.linear(operand, w), F.linear(operand, w), atol=1e-6)
-        assert bound.calls == 2 and bound.launches == [(operands[1].data_ptr(), w.data_ptr())]
+        assert bound.calls == 3 and bound.launches == [(operands[3].data_ptr(), w.data_ptr())]
     DISPATCHER.forget()
     assert DISPATCHER.front == {}

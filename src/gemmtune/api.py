@@ -100,18 +100,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``act(F.linear(x, weight, bias))``: x (..., K), weight (N, K), bias (N,) or None;
     ``activation`` one of relu, gelu, gelu_tanh, silu, fused into the kernel's epilogue.
     Differentiable (through ``torch.ops.gemmtune.linear``) when an input requires a gradient."""
-    # The front path: a call like one already served by a kernel (same shapes, strides, 16-byte
-    # alignment, dtypes, devices, bias and activation, TF32 setting for float32) skips every check
-    # below, since they passed then, and launches what served it (_front_call).
+    # The front path: a call like one already served by a kernel (same shapes, dtypes, devices,
+    # bias and activation, TF32 setting for float32) skips every check below, since they passed
+    # then, and goes straight to what served it (_front_call).
     front = None
     if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) \
             and (bias is None or isinstance(bias, torch.Tensor)) and not torch.compiler.is_compiling() \
             and recorder.active() is None and not _needs_grad(x, weight, bias):
-        px, pw, pb = x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr()
-        front = _front_key(x, weight, bias, activation, px, pw, pb)
+        front = _front_key(x, weight, bias, activation)
         call = DISPATCHER.front.get(front)
         if call is not None:
-            return call(x, weight, bias, px, pw, pb)
+            return call(x, weight, bias)
     act = "none" if activation is None else activation
     if act not in ACTIVATIONS:
         raise ValueError(f"linear: activation={activation!r} is not supported; accepted: None, "
@@ -138,12 +137,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _linear(x, weight, bias, act, x_shape, n, k, front)
 
 
-def _front_key(x: torch.Tensor, weight: torch.Tensor, bias, activation, px: int, pw: int, pb: int) -> tuple:
-    """Everything a kernel's launch depends on in a linear call whose operands are at addresses
-    px, pw and pb (0 without bias): what its guard holds, and what the problem is."""
-    return (x.shape, x.stride(), px & 15, weight.shape, weight.stride(), pw & 15, x.dtype, weight.dtype,
-            x.get_device(), weight.get_device(), activation, _uses_tf32(x),
-            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device(), pb & 15))
+def _front_key(x: torch.Tensor, weight: torch.Tensor, bias, activation) -> tuple:
+    return (x.shape, weight.shape, x.dtype, weight.dtype, x.get_device(), weight.get_device(), activation,
+            _uses_tf32(x), None if bias is None else (bias.shape, bias.dtype, bias.get_device()))
 
 
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
@@ -175,17 +171,31 @@ def _any_rank(kernel):
     return flattening
 
 
-def _front_call(kernel, x, weight, bias):
-    """What linear's front path calls as ``call(x, weight, bias, px, pw, pb)`` (the operands and
-    their addresses) for calls whose key matches this one's: the kernel's launch bound to this
-    call's sizes, strides and alignment where it offers one (``bind``: the launch arguments
-    computed once, not per call), else the kernel itself."""
-    bind = getattr(kernel, "bind", None)
-    bound = bind(x, weight, bias) if bind is not None else None
-    if bound is not None:
-        return bound
+def _front_call(kernel):
+    """What linear's front path calls for a front key ``kernel`` served: the kernel (taking x of
+    any rank), or, where it can ``bind`` its launch to one call's operands (the launch arguments
+    computed once instead of per call, from the strides and 16-byte alignment its guard holds),
+    a call that keeps one bound launch per such layout and passes it only the addresses. The
+    layout key costs the call about a microsecond, so kernels without ``bind`` (cuBLAS) skip it."""
     kernel = _any_rank(kernel)
-    return lambda x, weight, bias, px, pw, pb: kernel(x, weight, bias)
+    bind = getattr(kernel, "bind", None)
+    if bind is None:
+        return kernel
+    launches: dict[tuple, Callable] = {}
+
+    def call(x, weight, bias):
+        px, pw, pb = x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr()
+        layout = (x.stride(), px & 15, weight.stride(), pw & 15, None if bias is None else (bias.stride(), pb & 15))
+        launch = launches.get(layout)
+        if launch is not None:
+            return launch(x, weight, bias, px, pw, pb)
+        out = kernel(x, weight, bias)  # the wrapper's own path: the binary exists after it
+        launch = bind(x, weight, bias)
+        if launch is not None:
+            launches[layout] = launch
+        return out
+
+    return call
 
 
 def _key(layout: str, a, bias, m: int, n: int, k: int, act: str) -> tuple:
@@ -207,7 +217,7 @@ def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str, front: tuple
         kernel = DISPATCHER.kernel(key, problem_of_key)
     out = (kernel if a.dim() == 2 else _any_rank(kernel))(a, b, bias)
     if front is not None:  # later calls like this one take linear's front path
-        DISPATCHER.front[front] = _front_call(kernel, a, b, bias)
+        DISPATCHER.front[front] = _front_call(kernel)
     return out
 
 
