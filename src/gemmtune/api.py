@@ -22,6 +22,7 @@ from gemmtune import activation as activations
 from gemmtune import recording as recorder
 from gemmtune.device import current
 from gemmtune.dispatch import DISPATCHER
+from gemmtune.launch import any_rank, front_call
 from gemmtune.problem import ACTIVATIONS, Problem
 from gemmtune.results import Trial, TuneResult
 from gemmtune.store import Store
@@ -102,7 +103,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Differentiable (through ``torch.ops.gemmtune.linear``) when an input requires a gradient."""
     # The front path: a call like one already served by a kernel (same shapes, dtypes, devices,
     # bias and activation, TF32 setting for float32) skips every check below, since they passed
-    # then, and goes straight to what served it (_front_call).
+    # then, and goes straight to what served it (launch.front_call).
     front = None
     if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) \
             and (bias is None or isinstance(bias, torch.Tensor)) and not torch.compiler.is_compiling() \
@@ -158,46 +159,6 @@ def _linear(x, weight, bias, act: str, x_shape, n: int, k: int, front: tuple | N
     return _run("linear", x, weight, bias, x_shape[0] if len(x_shape) == 2 else x.numel() // k, n, k, act, front)
 
 
-def _any_rank(kernel):
-    """``kernel`` for x (..., K): itself where it serves any rank (``serves_any_rank``: cuBLAS
-    through F.linear, the kernels launched through ``launch.gemm_call``), else a wrapper that
-    flattens x to (M, K) and shapes the result back (two views: a microsecond or two each)."""
-    if getattr(kernel, "serves_any_rank", False):
-        return kernel
-
-    def flattening(x, weight, bias):
-        return kernel(x.reshape(-1, x.shape[-1]), weight, bias).reshape(*x.shape[:-1], weight.shape[0])
-
-    return flattening
-
-
-def _front_call(kernel):
-    """What linear's front path calls for a front key ``kernel`` served: the kernel (taking x of
-    any rank), or, where it can ``bind`` its launch to one call's operands (the launch arguments
-    computed once instead of per call, from the strides and 16-byte alignment its guard holds),
-    a call that keeps one bound launch per such layout and passes it only the addresses. The
-    layout key costs the call about a microsecond, so kernels without ``bind`` (cuBLAS) skip it."""
-    kernel = _any_rank(kernel)
-    bind = getattr(kernel, "bind", None)
-    if bind is None:
-        return kernel
-    launches: dict[tuple, Callable] = {}
-
-    def call(x, weight, bias):
-        px, pw, pb = x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr()
-        layout = (x.stride(), px & 15, weight.stride(), pw & 15, None if bias is None else (bias.stride(), pb & 15))
-        launch = launches.get(layout)
-        if launch is not None:
-            return launch(x, weight, bias, px, pw, pb)
-        out = kernel(x, weight, bias)  # the wrapper's own path: the binary exists after it
-        launch = bind(x, weight, bias)
-        if launch is not None:
-            launches[layout] = launch
-        return out
-
-    return call
-
-
 def _key(layout: str, a, bias, m: int, n: int, k: int, act: str) -> tuple:
     """What the dispatcher's kernels are keyed by."""
     return layout, m, n, k, a.dtype, bias is not None, _uses_tf32(a), act, a.get_device()
@@ -215,9 +176,9 @@ def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str, front: tuple
             out = F.linear(a, b, bias) if layout == "linear" else _torch_mm(a, b, bias)
             return activations.apply(out, act)
         kernel = DISPATCHER.kernel(key, problem_of_key)
-    out = (kernel if a.dim() == 2 else _any_rank(kernel))(a, b, bias)
+    out = (kernel if a.dim() == 2 else any_rank(kernel))(a, b, bias)
     if front is not None:  # later calls like this one take linear's front path
-        DISPATCHER.front[front] = _front_call(kernel)
+        DISPATCHER.front[front] = front_call(kernel)
     return out
 
 

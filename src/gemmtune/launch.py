@@ -131,6 +131,47 @@ def gemm_call(a, b, bias, out, linear: bool) -> tuple:
             strides)
 
 
+def any_rank(kernel):
+    """``kernel`` for x (..., K): itself where it serves any rank (``serves_any_rank``: cuBLAS
+    through F.linear, the kernels launched through ``launch.gemm_call``), else a wrapper that
+    flattens x to (M, K) and shapes the result back (two views: a microsecond or two each)."""
+    if getattr(kernel, "serves_any_rank", False):
+        return kernel
+
+    def flattening(x, weight, bias):
+        return kernel(x.reshape(-1, x.shape[-1]), weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+
+    return flattening
+
+
+def front_call(kernel):
+    """What ``api.linear``'s front path calls, as ``call(x, weight, bias)``, for calls like one
+    ``kernel`` served: the kernel (taking x of any rank), or, where it can ``bind`` its launch
+    to one call's operands (the launch arguments computed once instead of per call, from the
+    strides and 16-byte alignment its guard holds), a call that keeps one bound launch per such
+    layout and passes it only the addresses. The layout key costs about a microsecond, so
+    kernels without ``bind`` (cuBLAS) skip it. The tuner times candidates' host cost this way."""
+    kernel = any_rank(kernel)
+    bind = getattr(kernel, "bind", None)
+    if bind is None:
+        return kernel
+    launches: dict[tuple, Callable] = {}
+
+    def call(x, weight, bias):
+        px, pw, pb = x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr()
+        layout = (x.stride(), px & 15, weight.stride(), pw & 15, None if bias is None else (bias.stride(), pb & 15))
+        launch = launches.get(layout)
+        if launch is not None:
+            return launch(x, weight, bias, px, pw, pb)
+        out = kernel(x, weight, bias)  # the wrapper's own path: the binary exists after it
+        launch = bind(x, weight, bias)
+        if launch is not None:
+            launches[layout] = launch
+        return out
+
+    return call
+
+
 def bound_call(kernel, launch: Callable, out_shape: tuple, has_bias: bool, *scratch: int) -> Callable:
     """The call a GEMM wrapper's ``bind`` returns: allocates the output, launches the bound
     binary with the operands' addresses (the output's in the bias slot without one), then
