@@ -68,21 +68,21 @@ class Launcher:
                 self._stream = driver.active.get_current_stream
             self._binaries[guard] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
 
-    def direct(self, guard: tuple, grid: tuple[int, int, int], scalars: Sequence) -> Callable | None:
-        """``launch(*pointers)``: the binary of ``guard`` launched with ``grid`` and ``scalars``
-        bound, on the current stream, taking only the tensors' addresses; None while the guard
-        has no binary (before its first call, and under the interpreter). The caller checks
-        ``hooked`` before each launch, as ``__call__`` does."""
+    def direct(self, guard: tuple, grid: tuple[int, int, int], scalars: Sequence) -> tuple | None:
+        """What launching the binary of ``guard`` with ``grid`` and ``scalars`` takes besides the
+        tensors' addresses, for ``bound_call``: (its launcher, the grid, the current-stream
+        query and the device to ask it for, the function, its metadata, the arguments after the
+        tensors). None while the guard has no binary (before its first call; the interpreter)."""
         binary = self._binaries.get(guard)
         if binary is None:
             return None
         run, function, metadata, tail = binary
-        stream, device, (gx, gy, gz), rest = self._stream, guard[0], grid, (*scalars, *tail)
+        return run, grid, self._stream, guard[0], function, metadata, (*scalars, *tail)
 
-        def launch(*pointers) -> None:
-            run(gx, gy, gz, stream(device), function, metadata, None, None, None, *pointers, *rest)
-
-        return launch
+    @property
+    def hooks(self):
+        """Triton's runtime knobs, where the launch hooks are set."""
+        return self._hooks
 
     def hooked(self) -> bool:
         """Whether a launch hook (a profiler's) is set: launches then go through the JIT."""
@@ -172,19 +172,22 @@ def front_call(kernel):
     return call
 
 
-def bound_call(kernel, launch: Callable, out_shape: tuple, has_bias: bool, *scratch: int) -> Callable:
-    """The call a GEMM wrapper's ``bind`` returns: allocates the output, launches the bound
-    binary with the operands' addresses (the output's in the bias slot without one), then
-    ``scratch`` (the addresses of the kernel's own buffers), and goes through ``kernel`` itself
-    while a launch hook is set."""
-    hooked = kernel._launch.hooked
+def bound_call(kernel, direct: tuple, out_shape: tuple, has_bias: bool, *scratch: int) -> Callable:
+    """The call a GEMM wrapper's ``bind`` returns, from its launcher's ``direct``: allocates the
+    output, launches the binary with the operands' addresses (the output's in the bias slot
+    without one), then ``scratch`` (the addresses of the kernel's own buffers), and goes through
+    ``kernel`` itself while a launch hook is set. One Python frame per call: every hit pays it."""
+    run, (gx, gy, gz), stream, device, function, metadata, rest = direct
+    rest = (*scratch, *rest)
+    hooks = kernel._launch.hooks
 
     def call(a, b, bias, pa: int, pb: int, pbias: int):
-        if hooked():
+        if _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
             return kernel(a, b, bias)
         out = a.new_empty(out_shape)
         po = out.data_ptr()
-        launch(pa, pb, po, pbias if has_bias else po, *scratch)
+        run(gx, gy, gz, stream(device), function, metadata, None, None, None, pa, pb, po, pbias if has_bias else po,
+            *rest)
         return out
 
     return call

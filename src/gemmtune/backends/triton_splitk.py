@@ -221,13 +221,13 @@ class SplitKKernel:
             return None
         m, n, k, out, guard, _, _, strides = gemm_call(a, b, bias, None, self._linear)
         grid, k_per_split = self._grid(m, n, k)
-        launch = self._launch.direct(guard, grid, (m, n, k, k_per_split, *strides))
-        if launch is None:
+        direct = self._launch.direct(guard, grid, (m, n, k, k_per_split, *strides))
+        if direct is None:
             return None
         # The partials' and counters' addresses; with one split the kernel never reads them
         # (that path is compiled out), so no address is passed.
         scratch = self._workspace(a.device, m, n, grid[0] * grid[2])[2:] if self._config.split_k > 1 else (0, 0)
-        return bound_call(self, launch, out.shape, bias is not None, *scratch)
+        return bound_call(self, direct, out.shape, bias is not None, *scratch)
 
 
 class TritonSplitKBackend:

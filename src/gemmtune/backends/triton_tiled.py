@@ -137,10 +137,10 @@ class TiledKernel:
         if a.dim() != 2 and not a.is_contiguous():
             return None
         m, n, k, out, guard, _, _, strides = gemm_call(a, b, bias, None, self._linear)
-        launch = self._launch.direct(guard, self._grid(m, n), (m, n, k, *strides))
-        if launch is None:
+        direct = self._launch.direct(guard, self._grid(m, n), (m, n, k, *strides))
+        if direct is None:
             return None
-        return bound_call(self, launch, out.shape, bias is not None)
+        return bound_call(self, direct, out.shape, bias is not None)
 
 
 class TritonTiledBackend:
