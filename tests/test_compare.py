@@ -13,7 +13,8 @@ def test_cpu_runs_eager_and_gemmtune_only():
     torch.manual_seed(0)
     rows = compare.run(compare.seed_mlp(32), torch.randn(4, 32), calls=5)
     assert [r.mode for r in rows] == ["eager", "gemmtune"]
-    assert all(r.gpu_ms is None and r.host_us_per_call > 0 and r.max_rel_err < 1e-5 for r in rows)
+    assert all(r.gpu_ms is None and r.host_us_per_call > 0 and r.host_vs_eager > 0 and r.max_rel_err < 1e-5
+               for r in rows)
 
 
 def test_the_cli_writes_the_compare_file(tmp_path, capsys):
@@ -24,7 +25,7 @@ def test_the_cli_writes_the_compare_file(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["kind"] == "compare" and doc["model"] == "seed-mlp" and doc["input_shape"] == [8, 64]
     assert [r["mode"] for r in doc["rows"]] == ["eager", "gemmtune"]
-    assert set(doc["rows"][0]) == {"mode", "setup_s", "gpu_ms", "host_us_per_call", "max_rel_err"}
+    assert set(doc["rows"][0]) == {"mode", "setup_s", "gpu_ms", "host_us_per_call", "host_vs_eager", "max_rel_err"}
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     on_gpu = torch.cuda.is_available()
     assert doc["gpu_timings"] is on_gpu and ("NOT GPU timings" in capsys.readouterr().out) is not on_gpu

@@ -105,7 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="a model in eager, each torch.compile mode and gemmtune, side by side",
                          description="Run one model in eager mode, under each torch.compile mode and through "
                                      "gemmtune (with and without a CUDA graph) in one process: setup time from cold, "
-                                     "GPU time, host time per call and the error against float64. Writes the "
+                                     "GPU time, host time per call (and its ratio to eager's, timed in alternating "
+                                     "rounds) and the error against float64. Writes the "
                                      "'compare' results file and a PNG chart. Without a GPU only eager and gemmtune "
                                      "run, and their timings are CPU timings.")
     cmp.add_argument("--model", default="seed-mlp",
@@ -278,7 +279,7 @@ def _compare(args, console: Console) -> int:
     model = compare.load_model(args.model, features=shape[-1])
     x = torch.randn(shape, device=device, dtype=compare.DTYPES[args.dtype])
     table = Table(title=f"gemmtune compare: {args.model}, {args.dtype}, input {list(shape)}")
-    for column in ("mode", "setup s", "GPU ms", "host µs/call", "rel err"):
+    for column in ("mode", "setup s", "GPU ms", "host µs/call", "host ×eager", "rel err"):
         table.add_column(column, justify="left" if column == "mode" else "right")
     before = torch.get_float32_matmul_precision()
     if args.dtype == "float32":
@@ -290,7 +291,7 @@ def _compare(args, console: Console) -> int:
         torch.set_float32_matmul_precision(before)
     for r in rows:
         table.add_row(r.mode, f"{r.setup_s:.2f}", "-" if r.gpu_ms is None else f"{r.gpu_ms:.4f}",
-                      f"{r.host_us_per_call:.1f}", f"{r.max_rel_err:.1e}")
+                      f"{r.host_us_per_call:.1f}", f"{r.host_vs_eager:.2f}", f"{r.max_rel_err:.1e}")
     console.print(table)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     doc = compare.document(rows, model=args.model, dtype=args.dtype, input_shape=shape, device=name)

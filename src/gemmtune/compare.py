@@ -1,6 +1,7 @@
 """``gemmtune compare``: one model, run in eager mode, under each torch.compile mode and through
 gemmtune (with and without a CUDA graph), side by side in one process: setup time from cold,
-GPU time, host time per call and the largest error against a float64 run. By default the seeds'
+GPU time, host time per call (with its ratio to eager's, timed in alternating rounds) and the
+largest error against a float64 run. By default the seeds'
 MLP (Linear 1024->1024, ReLU, Linear 1024->1024 on a batch of 256), where max-autotune once
 made a model 29x slower than eager.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import copy
 import datetime
 import importlib
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -33,6 +35,7 @@ class Row:
     setup_s: float
     gpu_ms: float | None  # median event time per call; None on the CPU
     host_us_per_call: float
+    host_vs_eager: float  # median per-round ratio of host time to eager's, timed in alternating rounds
     max_rel_err: float
 
 
@@ -55,23 +58,29 @@ def load_model(spec: str, features: int = 1024) -> nn.Module:
     return model
 
 
-def run(model: nn.Module, x: torch.Tensor, modes=MODES, *, calls: int = 200,
+def run(model: nn.Module, x: torch.Tensor, modes=MODES, *, calls: int = 200, rounds: int = 5,
         on_row: Callable[[Row], None] | None = None) -> list[Row]:
-    """Each mode's Row, in order; a model copy per mode, so no mode sees another's changes."""
+    """Each mode's Row, in order; a model copy per mode, so no mode sees another's changes.
+    Host time is timed in ``rounds`` alternating with eager's (a GPU machine's host speed
+    drifts by tens of percent within a run: only a ratio timed side by side compares)."""
     on_gpu = x.device.type == "cuda"
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"compare: mode {mode!r} is unknown; accepted: {', '.join(MODES)}")
     with torch.no_grad():
         model = model.to(device=x.device, dtype=x.dtype)
         reference = copy.deepcopy(model).double()(x.double())  # the same rounded weights, exact math
+        eager, _ = prepare("eager", copy.deepcopy(model), x)
         rows = []
         for mode in modes:
-            if mode not in MODES:
-                raise ValueError(f"compare: mode {mode!r} is unknown; accepted: {', '.join(MODES)}")
             if not on_gpu and mode not in ("eager", "gemmtune"):
                 continue
             fn, setup_s = prepare(mode, copy.deepcopy(model), x)
             out = fn()
             err = float((out.double() - reference).norm() / reference.norm())
-            row = Row(mode, setup_s, _gpu_ms(fn) if on_gpu else None, _host_us(fn, calls), err)
+            pairs = [(_host_us(fn, calls), _host_us(eager, calls)) for _ in range(rounds)]
+            row = Row(mode, setup_s, _gpu_ms(fn) if on_gpu else None, statistics.median(p[0] for p in pairs),
+                      statistics.median(p[0] / p[1] for p in pairs), err)
             rows.append(row)
             if on_row is not None:
                 on_row(row)
