@@ -169,3 +169,20 @@ def test_a_bound_launch_serves_new_operands_like_the_wrapper(name, config):
     finally:
         knobs.runtime.launch_enter_hook.remove(seen.append)
     assert seen and verify.rel_err(out.reshape(7, 33), ref) <= verify.tolerance(problem)
+
+
+def test_the_front_path_calls_cublas_linear_itself():
+    """cuBLAS-served linear calls go to F.linear with no gemmtune frame between; a kernel that
+    serves only 2-D x gets a flattening wrapper."""
+    from gemmtune.backends.cublas import _linear
+    from gemmtune.launch import front_call
+
+    assert front_call(_linear) is F.linear
+    calls = []
+
+    def two_d(a, b, bias):
+        calls.append(a.dim())
+        return F.linear(a, b, bias)
+
+    x, w = torch.randn(2, 3, 8), torch.randn(5, 8)
+    assert torch.allclose(front_call(two_d)(x, w, None), F.linear(x, w)) and calls == [2]

@@ -150,11 +150,12 @@ def front_call(kernel):
     to one call's operands (the launch arguments computed once instead of per call, from the
     strides and 16-byte alignment its guard holds), a call that keeps one bound launch per such
     layout and passes it only the addresses. The layout key costs about a microsecond, so
-    kernels without ``bind`` (cuBLAS) skip it. The tuner times candidates' host cost this way."""
+    kernels without ``bind`` (cuBLAS) skip it, and a kernel's ``front`` (cuBLAS's F.linear) is
+    called in its place. The tuner times candidates' host cost this way."""
     kernel = any_rank(kernel)
     bind = getattr(kernel, "bind", None)
     if bind is None:
-        return kernel
+        return getattr(kernel, "front", kernel)  # a kernel may name a cheaper call of its own
     launches: dict[tuple, Callable] = {}
 
     def call(x, weight, bias):
@@ -170,6 +171,21 @@ def front_call(kernel):
         return out
 
     return call
+
+
+def bind_gemm(kernel, a, b, bias, linear: bool) -> Callable | None:
+    """``kernel.bind(a, b, bias)`` for a wrapper launched through ``gemm_call`` that has
+    ``launch_args(a, m, n, k, strides) -> (grid, scalars, scratch addresses)``: a call
+    ``call(a, b, bias, pa, pb, pbias)`` for operands like these in all their guard holds (pbias
+    0 without bias), launching the binary from the addresses with nothing recomputed. None until
+    a call with these operands made the binary, and for a non-contiguous a of rank above 2 (its
+    rows are copied per call)."""
+    if a.dim() != 2 and not a.is_contiguous():
+        return None
+    m, n, k, out, guard, _, _, strides = gemm_call(a, b, bias, None, linear)
+    grid, scalars, scratch = kernel.launch_args(a, m, n, k, strides)
+    direct = kernel._launch.direct(guard, grid, scalars)
+    return None if direct is None else bound_call(kernel, direct, out.shape, bias is not None, *scratch)
 
 
 def bound_call(kernel, direct: tuple, out_shape: tuple, has_bias: bool, *scratch: int) -> Callable:

@@ -17,7 +17,7 @@ import torch
 from gemmtune import costmodel
 from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_importable
 from gemmtune.device import Device
-from gemmtune.launch import Launcher, bound_call, gemm_call, gemm_hints
+from gemmtune.launch import Launcher, bind_gemm, gemm_call, gemm_hints
 from gemmtune.problem import Problem
 
 MAX_M = 64  # larger M is compute-bound enough for triton_tiled and cuBLAS
@@ -194,40 +194,33 @@ class SplitKKernel:
         return self._scratch[key]
 
     def __call__(self, a, b, bias, out=None):
+        cfg = self._config
         m, n, k, out, guard, tensors, pointers, strides = gemm_call(a, b, bias, out, self._linear)
-        grid, k_per_split = self._grid(m, n, k)
-        if self._config.split_k > 1:
+        grid, scalars = self._grid_and_scalars(m, n, k, strides)
+        if cfg.split_k > 1:
             workspace, counters, pw, pcount = self._workspace(a.device, m, n, grid[0] * grid[2])
         else:  # never touched: the SPLIT_K == 1 path is compiled out
             workspace, counters, pw, pcount = out, out, pointers[2], pointers[2]
-        self._launch(grid, guard, (*tensors, workspace, counters), (*pointers, pw, pcount),
-                     (m, n, k, k_per_split, *strides), self._constexprs_for(bias, k))
+        self._launch(grid, guard, (*tensors, workspace, counters), (*pointers, pw, pcount), scalars,
+                     self._constexprs[bias is not None, k % (cfg.block_k * cfg.split_k) == 0])
         return out
 
-    def _grid(self, m: int, n: int, k: int) -> tuple[tuple[int, int, int], int]:
-        """The launch grid (N tiles, K slices, M tiles) and the K each slice covers."""
+    def _grid_and_scalars(self, m: int, n: int, k: int, strides: tuple) -> tuple[tuple[int, int, int], tuple]:
+        """The grid (N tiles, K slices, M tiles) and the scalar arguments (K per slice among them)."""
         cfg = self._config
-        return (-(-n // cfg.block_n), cfg.split_k, -(-m // cfg.block_m)), -(-k // (cfg.block_k * cfg.split_k)) * cfg.block_k
+        k_per_split = -(-k // (cfg.block_k * cfg.split_k)) * cfg.block_k
+        return (-(-n // cfg.block_n), cfg.split_k, -(-m // cfg.block_m)), (m, n, k, k_per_split, *strides)
 
-    def _constexprs_for(self, bias, k: int) -> dict:
-        return self._constexprs[bias is not None, k % (self._config.block_k * self._config.split_k) == 0]
+    def launch_args(self, a, m: int, n: int, k: int, strides: tuple) -> tuple:
+        """For ``launch.bind_gemm``: the grid, the scalars, and the addresses of the partials and
+        the tile counters; with one split the kernel never reads them (that path is compiled
+        out), so none are passed."""
+        grid, scalars = self._grid_and_scalars(m, n, k, strides)
+        scratch = self._workspace(a.device, m, n, grid[0] * grid[2])[2:] if self._config.split_k > 1 else (0, 0)
+        return grid, scalars, scratch
 
     def bind(self, a, b, bias):
-        """``call(a, b, bias, pa, pb, pbias)`` for operands like these in all their guard holds
-        (``pbias`` 0 without bias): the binary launched from the addresses, nothing recomputed.
-        None until a call with these operands made the binary, or for a non-contiguous a of
-        rank above 2 (its rows are copied per call)."""
-        if a.dim() != 2 and not a.is_contiguous():
-            return None
-        m, n, k, out, guard, _, _, strides = gemm_call(a, b, bias, None, self._linear)
-        grid, k_per_split = self._grid(m, n, k)
-        direct = self._launch.direct(guard, grid, (m, n, k, k_per_split, *strides))
-        if direct is None:
-            return None
-        # The partials' and counters' addresses; with one split the kernel never reads them
-        # (that path is compiled out), so no address is passed.
-        scratch = self._workspace(a.device, m, n, grid[0] * grid[2])[2:] if self._config.split_k > 1 else (0, 0)
-        return bound_call(self, direct, out.shape, bias is not None, *scratch)
+        return bind_gemm(self, a, b, bias, self._linear)
 
 
 class TritonSplitKBackend:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from gemmtune import costmodel
 from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_importable
 from gemmtune.device import Device
-from gemmtune.launch import Launcher, bound_call, gemm_call, gemm_hints
+from gemmtune.launch import Launcher, bind_gemm, gemm_call, gemm_hints
 from gemmtune.problem import Problem
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -123,24 +123,17 @@ class TiledKernel:
 
     def __call__(self, a, b, bias, out=None):
         m, n, k, out, guard, tensors, pointers, strides = gemm_call(a, b, bias, out, self._linear)
-        self._launch(self._grid(m, n), guard, tensors, pointers, (m, n, k, *strides), self._constexprs[bias is not None])
+        grid, scalars, _ = self.launch_args(a, m, n, k, strides)
+        self._launch(grid, guard, tensors, pointers, scalars, self._constexprs[bias is not None])
         return out
 
-    def _grid(self, m: int, n: int) -> tuple[int, int, int]:
-        return -(-m // self._config.block_m) * -(-n // self._config.block_n), 1, 1
+    def launch_args(self, a, m: int, n: int, k: int, strides: tuple) -> tuple:
+        """For ``launch.bind_gemm``: the grid, the scalars and the kernel's own buffers' addresses
+        (none)."""
+        return (-(-m // self._config.block_m) * -(-n // self._config.block_n), 1, 1), (m, n, k, *strides), ()
 
     def bind(self, a, b, bias):
-        """``call(a, b, bias, pa, pb, pbias)`` for operands like these in all their guard holds
-        (``pbias`` 0 without bias): the binary launched from the addresses, nothing recomputed.
-        None until a call with these operands made the binary, or for a non-contiguous a of
-        rank above 2 (its rows are copied per call)."""
-        if a.dim() != 2 and not a.is_contiguous():
-            return None
-        m, n, k, out, guard, _, _, strides = gemm_call(a, b, bias, None, self._linear)
-        direct = self._launch.direct(guard, self._grid(m, n), (m, n, k, *strides))
-        if direct is None:
-            return None
-        return bound_call(self, direct, out.shape, bias is not None)
+        return bind_gemm(self, a, b, bias, self._linear)
 
 
 class TritonTiledBackend:
