@@ -184,8 +184,9 @@ def misaligned(device) -> dict:
     odd4k = {"m": m, "n": n, "k": k, "padded_k": kp, "padded_n": np_, **{f"{name}_ms": v for name, v in t.items()},
              "ceiling_free_padding": t["cublas"] / t["mm_on_padded"],
              "ceiling_with_copies": t["cublas"] / (t["mm_on_padded"] + t["pad_a"] + t["pad_b"] + t["cut_out"])}
+    same = torch.allclose(torch.mm(a_p, b_cols, out=out), full[:, :n], rtol=2e-2, atol=2e-2)  # bf16 rounding
     print(f"odd-4k: padded operands into the unaligned output directly {t['mm_into_unaligned_out']:.4f} ms "
-          f"(within bf16 rounding of the padded product: {bool(torch.allclose(torch.mm(a_p, b_cols, out=out), full[:, :n], rtol=2e-2, atol=2e-2))})", flush=True)
+          f"(the padded product's values: {same})", flush=True)
     print(f"odd-4k: cublas {t['cublas']:.4f} ms; on padded operands {t['mm_on_padded']:.4f} ms "
           f"(x{odd4k['ceiling_free_padding']:.2f} if padding were free); copies {t['pad_a']:.4f} + {t['pad_b']:.4f} "
           f"+ {t['cut_out']:.4f} ms (x{odd4k['ceiling_with_copies']:.2f} with them)", flush=True)
