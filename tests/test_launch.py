@@ -173,16 +173,17 @@ def test_a_bound_launch_serves_new_operands_like_the_wrapper(name, config):
 
 def test_the_front_path_calls_cublas_linear_itself():
     """cuBLAS-served linear calls go to F.linear with no gemmtune frame between; a kernel that
-    serves only 2-D x gets a flattening wrapper."""
+    serves only 2-D x is called as it is for 2-D calls, through a flattening wrapper for 3-D."""
     from gemmtune.backends.cublas import _linear
-    from gemmtune.launch import front_call
+    from gemmtune.launch import any_rank, front_call
 
-    assert front_call(_linear) is F.linear
+    assert front_call(_linear) is F.linear and front_call(any_rank(_linear)) is F.linear
     calls = []
 
     def two_d(a, b, bias):
         calls.append(a.dim())
         return F.linear(a, b, bias)
 
+    assert front_call(two_d) is two_d
     x, w = torch.randn(2, 3, 8), torch.randn(5, 8)
-    assert torch.allclose(front_call(two_d)(x, w, None), F.linear(x, w)) and calls == [2]
+    assert torch.allclose(front_call(any_rank(two_d))(x, w, None), F.linear(x, w)) and calls == [2]

@@ -176,9 +176,10 @@ def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str, front: tuple
             out = F.linear(a, b, bias) if layout == "linear" else _torch_mm(a, b, bias)
             return activations.apply(out, act)
         kernel = DISPATCHER.kernel(key, problem_of_key)
-    out = (kernel if a.dim() == 2 else any_rank(kernel))(a, b, bias)
-    if front is not None:  # later calls like this one take linear's front path
-        DISPATCHER.front[front] = front_call(kernel)
+    served = kernel if a.dim() == 2 else any_rank(kernel)
+    out = served(a, b, bias)
+    if front is not None:  # later calls like this one (of this rank too) take linear's front path
+        DISPATCHER.front[front] = front_call(served)
     return out
 
 

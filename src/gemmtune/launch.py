@@ -146,13 +146,12 @@ def any_rank(kernel):
 
 def front_call(kernel):
     """What ``api.linear``'s front path calls, as ``call(x, weight, bias)``, for calls like one
-    ``kernel`` served: the kernel (taking x of any rank), or, where it can ``bind`` its launch
+    ``kernel`` served (x of that call's rank): the kernel itself, or, where it can ``bind`` its launch
     to one call's operands (the launch arguments computed once instead of per call, from the
     strides and 16-byte alignment its guard holds), a call that keeps one bound launch per such
     layout and passes it only the addresses. The layout key costs about a microsecond, so
     kernels without ``bind`` (cuBLAS) skip it, and a kernel's ``front`` (cuBLAS's F.linear) is
     called in its place. The tuner times candidates' host cost this way."""
-    kernel = any_rank(kernel)
     bind = getattr(kernel, "bind", None)
     if bind is None:
         return getattr(kernel, "front", kernel)  # a kernel may name a cheaper call of its own
