@@ -20,16 +20,15 @@ import copy
 import datetime
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dispatch import paired_us  # noqa: E402  (the store's directory is read when it opens, not here)
 from model import Runner, build, tune_with_gemmtune  # noqa: E402
 
 
@@ -42,24 +41,6 @@ def count_calls(owner, name: str, counter: dict) -> None:
         return original(*args, **kwargs)
 
     setattr(owner, name, counted)
-
-
-def host_us(fn, calls: int) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
-
-
-def paired_us(ours, theirs, calls: int, rounds: int) -> tuple[float, float, float]:
-    """Host microseconds per call of ``ours`` and ``theirs`` (medians) and the median per-round
-    ratio, alternating the two loops ``rounds`` times."""
-    ours(), theirs()
-    pairs = [(host_us(ours, calls), host_us(theirs, calls)) for _ in range(rounds)]
-    return (statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs),
-            statistics.median(o / t for o, t in pairs))
 
 
 def layer_rows(linears, step, tag: str, args) -> list[dict]:

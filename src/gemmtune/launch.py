@@ -72,17 +72,13 @@ class Launcher:
         """What launching the binary of ``guard`` with ``grid`` and ``scalars`` takes besides the
         tensors' addresses, for ``bound_call``: (its launcher, the grid, the current-stream
         query and the device to ask it for, the function, its metadata, the arguments after the
-        tensors). None while the guard has no binary (before its first call; the interpreter)."""
+        tensors, Triton's runtime knobs where launch hooks are set). None while the guard has no
+        binary (before its first call; the interpreter)."""
         binary = self._binaries.get(guard)
         if binary is None:
             return None
         run, function, metadata, tail = binary
-        return run, grid, self._stream, guard[0], function, metadata, (*scalars, *tail)
-
-    @property
-    def hooks(self):
-        """Triton's runtime knobs, where the launch hooks are set."""
-        return self._hooks
+        return run, grid, self._stream, guard[0], function, metadata, (*scalars, *tail), self._hooks
 
     def hooked(self) -> bool:
         """Whether a launch hook (a profiler's) is set: launches then go through the JIT."""
@@ -172,9 +168,9 @@ def front_call(kernel):
     return call
 
 
-def bind_gemm(kernel, a, b, bias, linear: bool) -> Callable | None:
-    """``kernel.bind(a, b, bias)`` for a wrapper launched through ``gemm_call`` that has
-    ``launch_args(a, m, n, k, strides) -> (grid, scalars, scratch addresses)``: a call
+def bind_gemm(kernel, launcher: Launcher, a, b, bias, linear: bool) -> Callable | None:
+    """``kernel.bind(a, b, bias)`` for a wrapper launched by ``launcher`` through ``gemm_call``
+    that has ``launch_args(a, m, n, k, strides) -> (grid, scalars, scratch addresses)``: a call
     ``call(a, b, bias, pa, pb, pbias)`` for operands like these in all their guard holds (pbias
     0 without bias), launching the binary from the addresses with nothing recomputed. None until
     a call with these operands made the binary, and for a non-contiguous a of rank above 2 (its
@@ -183,7 +179,7 @@ def bind_gemm(kernel, a, b, bias, linear: bool) -> Callable | None:
         return None
     m, n, k, out, guard, _, _, strides = gemm_call(a, b, bias, None, linear)
     grid, scalars, scratch = kernel.launch_args(a, m, n, k, strides)
-    direct = kernel._launch.direct(guard, grid, scalars)
+    direct = launcher.direct(guard, grid, scalars)
     return None if direct is None else bound_call(kernel, direct, out.shape, bias is not None, *scratch)
 
 
@@ -192,9 +188,8 @@ def bound_call(kernel, direct: tuple, out_shape: tuple, has_bias: bool, *scratch
     output, launches the binary with the operands' addresses (the output's in the bias slot
     without one), then ``scratch`` (the addresses of the kernel's own buffers), and goes through
     ``kernel`` itself while a launch hook is set. One Python frame per call: every hit pays it."""
-    run, (gx, gy, gz), stream, device, function, metadata, rest = direct
+    run, (gx, gy, gz), stream, device, function, metadata, rest, hooks = direct
     rest = (*scratch, *rest)
-    hooks = kernel._launch.hooks
 
     def call(a, b, bias, pa: int, pb: int, pbias: int):
         if _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):

@@ -121,10 +121,11 @@ class LocalRunner:
         kernel has one, which costs the host several microseconds less than its wrapper)."""
         if self.device.interpreter or timing.median >= HOST_BOUND_MS:
             return timing.median
-        call = self._bound(label)
         if self._problem.layout == "linear":
             front, inputs = front_call(self._ready[label][0]), self._inputs
             call = lambda: front(inputs.a, inputs.b, inputs.bias)  # noqa: E731
+        else:
+            call = self._bound(label)
         return max(timing.median, bench.host_loop_ms(call, self.device))
 
 

@@ -220,7 +220,7 @@ class SplitKKernel:
         return grid, scalars, scratch
 
     def bind(self, a, b, bias):
-        return bind_gemm(self, a, b, bias, self._linear)
+        return bind_gemm(self, self._launch, a, b, bias, self._linear)
 
 
 class TritonSplitKBackend:

@@ -133,7 +133,7 @@ class TiledKernel:
         return (-(-m // self._config.block_m) * -(-n // self._config.block_n), 1, 1), (m, n, k, *strides), ()
 
     def bind(self, a, b, bias):
-        return bind_gemm(self, a, b, bias, self._linear)
+        return bind_gemm(self, self._launch, a, b, bias, self._linear)
 
 
 class TritonTiledBackend:
