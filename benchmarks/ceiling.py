@@ -7,7 +7,9 @@ times cuBLAS (CUDA-graph replays after an L2 flush, in interleaved rounds), in o
 - prefill rows: cuBLAS's TFLOP/s with the SM clock and power read by NVML while it runs, and
   its rate per clock against the tensor cores' dense rate per SM per clock.
 - odd-4k: cuBLAS on the misaligned operands against the same product on already-padded ones
-  (padding for free) and the copies padding costs.
+  (padding for free) and the copies padding costs; and the whole padded call two ways, each as
+  one sequence: cuBLAS then a cut into the output, or gemmtune's tiled kernel storing straight
+  into the unaligned output (no cut), over a few large tiles.
 - odd-1k: cuBLAS at 1000 and at 1024 cubed, and an empty kernel's time (the floor of a launch).
 
     PYTHONPATH=src python3 benchmarks/ceiling.py --out ceiling.json
@@ -29,15 +31,22 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from gemmtune import bench, shapes
+from gemmtune import backends, bench, shapes, verify
 from gemmtune.backends.cublas_padded import copy_padded, padded_size
 from gemmtune.device import current
+from gemmtune.problem import Problem
 
 ROOT = Path(__file__).resolve().parent
 READ_CONFIGS = [(block, unroll, warps) for block in (1024, 2048, 4096) for unroll in (1, 2, 4, 8) for warps in (4, 8)]
 # Dense bf16/fp16 tensor-core FLOPs per SM per clock on Hopper (989.4 TFLOP/s = 132 SMs x
 # 1.83 GHz x 4096 on the H100 SXM's datasheet).
 HOPPER_FLOPS_PER_SM_CLOCK = 4096
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the tiled kernel's large tiles
+# (BLOCK_R, BLOCK_C, num_warps) of the pad copy, swept on odd-4k's A
+PAD_BLOCKS = ((16, 256, 4), (8, 512, 4), (4, 1024, 4), (32, 256, 8), (8, 1024, 8), (2, 2048, 8), (1, 4096, 8),
+              (64, 64, 4), (32, 128, 4), (16, 512, 8))
+DIRECT_TILES = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (256, 128, 64, 8, 4), (128, 256, 64, 8, 4),
+                (128, 128, 64, 4, 4), (128, 128, 64, 8, 4))
 
 
 @triton.jit
@@ -180,7 +189,26 @@ def misaligned(device) -> dict:
            "pad_a": lambda: copy_padded(a, m, kp, a_p), "pad_b": lambda: copy_padded(b, kp, np_, b_p),
            "cut_out": lambda: copy_padded(full, m, n, out),
            "mm_into_unaligned_out": lambda: torch.mm(a_p, b_cols, out=out)}
+    fns["padded_cublas_then_cut"] = lambda: copy_padded(torch.mm(copy_padded(a, m, kp, a_p), copy_padded(b, kp, np_, b_p)),
+                                                        m, n, out)
+    ref = full[:, :n].double()
+    for bm, bn, bk, warps, stages in DIRECT_TILES:
+        config = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": stages}
+        kernel = backends.build(Problem(m, n, kp, "bfloat16", "nn"), "triton_tiled", config, device)
+        label = f"tiled_{bm}x{bn}x{bk}_w{warps}s{stages}"
+        err = verify.rel_err(kernel(a_p, b_cols, None, out), ref)
+        print(f"odd-4k: {label} into the unaligned output: rel_err against the padded cuBLAS product {err:.2e}")
+        fns[f"padded_{label}_direct"] = (lambda kernel=kernel: kernel(copy_padded(a, m, kp, a_p),
+                                                                      copy_padded(b, kp, np_, b_p)[:, :n], None, out))
+    from gemmtune.kernels.pad import pad_copy
+
+    for br, bc, warps in PAD_BLOCKS:
+        grid = (-(-m // br), -(-kp // bc))
+        fns[f"pad_a_{br}x{bc}_w{warps}"] = (lambda grid=grid, br=br, bc=bc, warps=warps: pad_copy[grid](
+            a, a_p, m, k, m, kp, a.stride(0), a.stride(1), a_p.stride(0), BLOCK_R=br, BLOCK_C=bc, num_warps=warps))
     t = {name: timing.median for name, timing in bench.measure(fns, device, min_rounds=30).items()}
+    for name in sorted(t, key=t.get):
+        print(f"    {name:44s} {t[name]:.4f} ms  x{t['cublas'] / t[name]:.2f} over cuBLAS", flush=True)
     odd4k = {"m": m, "n": n, "k": k, "padded_k": kp, "padded_n": np_, **{f"{name}_ms": v for name, v in t.items()},
              "ceiling_free_padding": t["cublas"] / t["mm_on_padded"],
              "ceiling_with_copies": t["cublas"] / (t["mm_on_padded"] + t["pad_a"] + t["pad_b"] + t["cut_out"])}

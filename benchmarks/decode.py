@@ -3,7 +3,10 @@ with the cost model's prediction beside it, against the device's copy and read b
 inductor max-autotune, in one process. The data the decode kernels and their cost model are
 judged and fitted on.
 
-    PYTHONPATH=src python3 benchmarks/decode.py --out decode.json [--only NAME ...] [--inductor]
+    PYTHONPATH=src python3 benchmarks/decode.py --out decode.json [--only NAME ...] [--inductor] [--sweep]
+
+``--sweep`` also measures a wide grid of split-K configs beyond the tuner's space (``sweep``):
+the data a change of that space is decided on.
 
 GPU only.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,18 +24,58 @@ import torch
 import triton
 
 import gemmtune
-from gemmtune import backends, bench, shapes, verify
+from gemmtune import backends, bench, compiler, shapes, verify
 from gemmtune.device import current
+from gemmtune.backends.triton_splitk import SplitKConfig
 from gemmtune.tuner import TuneOptions, tune_problem
 from gemmtune.worker import IsolatedRunner
 from suite import ROOT, bound, copy_tbps, inductor, operands, read_tbps
 
 BACKENDS = ("cublas", "triton_splitk", "triton_tiled")
+SMEM_BYTES = 232448  # an H100's or H200's shared memory per block
 
 
-def trial_rows(result, problem, device) -> list[dict]:
+def sweep(p, sm_count: int) -> list[dict]:
+    """Split-K configs for one decode row beyond the tuner's space. M = 1: FMA programs of 1 to
+    16 weight rows, K steps up to 4096, 2 to 16 warps, each thread loading 8 to 128 elements a
+    step. Larger M: tensor-core programs 16 to 128 columns wide on 2 or 4 warps, with and without a pipeline,
+    one to four splits, that fill the SMs and fit in shared memory."""
+    configs = []
+    if p.m == 1:
+        for bn in (1, 2, 4, 8, 16):
+            for bk in (512, 1024, 2048, 4096):
+                for warps in (2, 4, 8, 16):
+                    per_thread = bn * bk // (32 * warps)
+                    if bk <= p.k and 8 <= per_thread <= 128:
+                        configs.append(SplitKConfig(1, bn, bk, 1, False, warps, 1))
+    else:
+        bm = max(16, 1 << (p.m - 1).bit_length())
+        for bn in (16, 32, 64, 128):
+            for bk in (128, 256, 512):
+                for warps in (2, 4):
+                    for stages in (1, 3, 5):
+                        for split in (1, 2, 4):
+                            c = SplitKConfig(bm, bn, bk, split, True, warps, stages)
+                            if (bn * bm >= 16 * 8 * warps and c.smem_bytes(p.element_size) <= SMEM_BYTES
+                                    and p.k >= split * bk * max(1, stages - 1)
+                                    and c.programs(p) >= sm_count and (split == 1 or c.programs(p) <= 8 * sm_count)):
+                                configs.append(c)
+    return [c.as_dict() for c in configs]
+
+
+def run_sweep(p, device, runner) -> list:
+    """Every config of ``sweep`` compiled ahead in parallel, then verified and screened."""
+    configs = sweep(p, device.sm_count)
+    runner.start(p, int.from_bytes(os.urandom(4), "little"))
+    compiler.shared_pool().compile(p, [("triton_splitk", c) for c in configs], runner.triton_cache_dir)
+    trials = [runner.evaluate("triton_splitk", c, 6.0) for c in configs]
+    print(f"    sweep: {len(configs)} configs, {sum(t.ok for t in trials)} verified and timed", flush=True)
+    return trials
+
+
+def trial_rows(trials, problem, device) -> list[dict]:
     rows = []
-    for t in result.trials:
+    for t in trials:
         predicted = None
         if t.backend != "cublas" and t.timing:
             backend = backends.get(t.backend)
@@ -43,22 +87,28 @@ def trial_rows(result, problem, device) -> list[dict]:
     return rows
 
 
-def run_shape(named, runner, with_inductor: bool) -> dict:
+def run_shape(named, runner, with_inductor: bool, with_sweep: bool) -> dict:
     p, device = named.problem, current()
     options = TuneOptions(strategy="exhaustive", backends=BACKENDS)
     result = tune_problem(p, device, options=options, runner=runner)
+    swept = run_sweep(p, device, runner) if with_sweep else []
     inputs = verify.make_inputs(p, "cuda")
     fns = {"cublas": operands(named, inputs)[0], "best": bound(result, p, inputs)}
+    best_swept = min((t for t in swept if t.ok), key=lambda t: t.median_ms, default=None)
+    if best_swept is not None:
+        kernel = backends.build(p, "triton_splitk", best_swept.config, device)
+        fns["swept"] = lambda: kernel(inputs.a, inputs.b, inputs.bias)
     inductor_s = None
     if with_inductor:
         fns["inductor"], inductor_s = inductor(fns["cublas"])
     timings = bench.measure(fns, device, budget_ms=1000, min_rounds=50)
     weights = p.n * p.k * p.element_size
     return {"name": named.name, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype,
-            "best": result.label(), "tune_s": result.tune_s, "inductor_tune_s": inductor_s,
+            "best": result.label(), "swept": best_swept.label() if best_swept else None,
+            "tune_s": result.tune_s, "inductor_tune_s": inductor_s,
             **{f"{name}_ms": t.median for name, t in timings.items()},
             **{f"{name}_weight_tbps": weights / (t.median * 1e9) for name, t in timings.items()},
-            "trials": trial_rows(result, p, device)}
+            "trials": trial_rows(result.trials, p, device), "sweep": trial_rows(swept, p, device)}
 
 
 def main() -> int:
@@ -66,6 +116,7 @@ def main() -> int:
     parser.add_argument("--shapes", type=Path, default=ROOT / "shapes" / "public.json")
     parser.add_argument("--only", nargs="*", default=None, help="names of shapes to run (default: group decode)")
     parser.add_argument("--inductor", action="store_true", help="also torch.compile(mode='max-autotune-no-cudagraphs')")
+    parser.add_argument("--sweep", action="store_true", help="also measure the wide grid of split-K configs (sweep)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -80,14 +131,16 @@ def main() -> int:
     print(f"copy {doc['copy_tbps']:.2f} TB/s (read + written), read {doc['read_tbps']:.2f} TB/s", flush=True)
     with IsolatedRunner(device) as runner, torch.no_grad():
         for item in named:
-            row = run_shape(item, runner, args.inductor)
+            row = run_shape(item, runner, args.inductor, args.sweep)
             doc["rows"].append(row)
             args.out.write_text(json.dumps(doc, indent=1))
             ind = f" inductor {row['inductor_ms'] * 1e3:.1f} us" if "inductor_ms" in row else ""
+            if "swept_ms" in row:
+                ind += f" swept {row['swept_ms'] * 1e3:.1f} us ({row['swept_weight_tbps']:.2f} TB/s) {row['swept']}"
             print(f"{item.name:24s} cublas {row['cublas_ms'] * 1e3:.1f} us ({row['cublas_weight_tbps']:.2f} TB/s) "
                   f"best {row['best_ms'] * 1e3:.1f} us ({row['best_weight_tbps']:.2f} TB/s){ind} {row['best']}",
                   flush=True)
-            for t in sorted((t for t in row["trials"] if t["ms"]), key=lambda t: t["ms"])[:5]:
+            for t in sorted((t for t in row["trials"] + row["sweep"] if t["ms"]), key=lambda t: t["ms"])[:8]:
                 print(f"    {t['ms'] * 1e3:7.1f} us  predicted {t['predicted_ms'] and t['predicted_ms'] * 1e3 or 0:6.1f}"
                       f"  {t['backend']} {t['config']}", flush=True)
     return 0

@@ -2,12 +2,14 @@
 its search space. Kernels run under the interpreter without a GPU (programs one after another,
 so the last program of every tile takes the reduction path) and on the GPU when there is one."""
 
+import re
+
 import pytest
 import torch
 
 from gemmtune import verify
 from gemmtune.backends import get
-from gemmtune.backends.triton_splitk import BACKEND, SplitKConfig, space
+from gemmtune.backends.triton_splitk import BACKEND, GEMV_TILES, SplitKConfig, space
 from gemmtune.device import Device, current
 from gemmtune.problem import Problem
 
@@ -62,10 +64,10 @@ def test_single_split_matches_reference(m, n, k, use_dot):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 7, 4095), (2, 33, 1500), (3, 5, 2049)])
 def test_gemv_tiles_match_reference(m, n, k, dtype):
-    """The GEMV tiles: 4 or 8 weight rows, K steps of 1024 and 2048 (past K here), one split or two."""
+    """The GEMV tiles: 1 to 8 weight rows, K steps of 1024 to 4096 (past K here), one split or two."""
     problem = Problem(m, n, k, dtype, "linear", bias=True, activation="silu")
     inputs = verify.make_inputs(problem, DEVICE)
-    for block_n, block_k, split_k in ((4, 1024, 1), (8, 2048, 1), (4, 1024, 2)):
+    for block_n, block_k, split_k in ((4, 1024, 1), (8, 2048, 1), (4, 1024, 2), (1, 4096, 1), (2, 2048, 2)):
         check(problem, SplitKConfig(_pow2(m), block_n, block_k, split_k, False, 4, 1), inputs)
 
 
@@ -97,6 +99,37 @@ def test_hinted_weight_rows_of_1000_are_read_16_bytes_at_a_time():
     hinted = sm90_ptx("splitk", scalars, constexprs | gemm_hints(scalars))
     plain = sm90_ptx("splitk", scalars, constexprs | {"HINTS": (1,) * 9})
     assert "ld.global.b16" not in hinted and "ld.global.b16" in plain
+
+
+def test_one_row_gemv_on_16_warps_reads_16_bytes_at_a_time():
+    """The widest GEMV program (one weight row, K in steps of 4096, 16 warps) in the PTX: every
+    weight load 16 bytes wide, none narrower."""
+    from ptx import sm90_ptx
+
+    from gemmtune.launch import gemm_hints
+
+    scalars = (1, 6144, 4096, 4096, 4096, 1, 1, 4096, 6144, 1)
+    constexprs = dict(HAS_BIAS=False, ACTIVATION="none", EVEN_K=True, PRECISION="ieee", USE_DOT=False, SPLIT_K=1,
+                      STAGES=1, BLOCK_M=1, BLOCK_N=1, BLOCK_K=4096, num_warps=16, num_stages=1)
+    ptx = sm90_ptx("splitk", scalars, constexprs | gemm_hints(scalars))
+    weight_loads = re.findall(r"ld\.global\.L1::evict_first\S*", ptx)  # the weights are read evict-first
+    assert weight_loads and all(load.endswith(".v4.b32") for load in weight_loads), weight_loads
+
+
+def test_gemv_k_loop_has_no_barrier_or_shared_memory():
+    """One row of A against a tile of weights: the K loop must be loads, converts and FMAs. The
+    3-D product form put six barriers and a shared-memory round trip in every K step."""
+    from ptx import sm90_ptx
+
+    from gemmtune.launch import gemm_hints
+
+    scalars = (1, 6144, 4096, 4096, 4096, 1, 1, 4096, 6144, 1)
+    constexprs = dict(HAS_BIAS=True, ACTIVATION="silu", EVEN_K=True, PRECISION="ieee", USE_DOT=False, SPLIT_K=1,
+                      STAGES=1, BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1)
+    ptx = sm90_ptx("splitk", scalars, constexprs | gemm_hints(scalars))
+    loop = re.search(r"Inner Loop Header(.*?)\n\s*@%p\d+ bra", ptx, re.S).group(1)
+    assert "fma.rn.f32" in loop and "evict_first" in loop
+    assert "bar.sync" not in loop and "st.shared" not in loop and "ldmatrix" not in loop
 
 
 @pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu"])
@@ -156,7 +189,7 @@ GOOD = {"BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "USE_DOT": Fa
     ({"SPLIT_K": 3}, r"SPLIT_K=3 is out of bounds; accepted: \(1, 2, 4, 8, 16, 32\)"),
     ({"SPLIT_K": True}, "SPLIT_K=True"),
     ({"USE_DOT": 1}, r"USE_DOT=1 is out of bounds; accepted: \(False, True\)"),
-    ({"num_warps": 16}, "num_warps=16"),
+    ({"num_warps": 32}, "num_warps=32"),
     ({"num_stages": 0}, "num_stages=0"),
     ({"num_stages": 2.0}, "num_stages=2.0"),
 ])
@@ -215,13 +248,28 @@ def test_every_config_fits_the_device_and_the_problem(device, problem):
     assert min(programs) >= device.sm_count or min(programs) == max(programs)
 
 
-def test_decode_space_on_an_h100_fills_the_sms_with_both_forms():
-    problem = Problem(1, 6144, 4096)
+def test_decode_space_on_an_h100_fills_the_sms_with_tensor_core_tiles():
+    """M = 16: FMA tiles would spill (16 rows of products per weight), so only dot tiles stay."""
+    problem = Problem(16, 6144, 4096)
     configs = space(problem, H100)
-    assert 15 <= len(configs) <= 30
+    assert 10 <= len(configs) <= 30
     assert all(c.programs(problem) >= H100.sm_count for c in configs)
-    assert {c.use_dot for c in configs} == {False, True}
+    assert all(c.use_dot for c in configs)
     assert any(c.split_k > 1 for c in configs)  # 6144 / 64 = 96 tiles: a split is needed to fill 132 SMs
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (28672, 4096), (4096, 14336), (7, 4095)])
+def test_a_single_row_gets_the_gemv_tiles_alone(n, k):
+    """M = 1: register-direct GEMV programs only (one row of A, no pipeline, no tensor cores);
+    a split only where the tiles alone cannot fill the SMs."""
+    problem = Problem(1, n, k)
+    configs = space(problem, H100)
+    assert configs and all(not c.use_dot and c.block_m == 1 and c.num_stages == 1 for c in configs)
+    assert all((c.block_n, c.block_k, c.num_warps, c.num_stages) in GEMV_TILES for c in configs)
+    if n >= 6144:
+        assert len(configs) == len(GEMV_TILES) and all(c.split_k == 1 for c in configs)
+    else:
+        assert any(c.split_k > 1 for c in configs)  # 7 weight rows cannot keep 132 SMs busy
 
 
 def test_splits_that_would_move_more_partials_than_weights_are_dropped():

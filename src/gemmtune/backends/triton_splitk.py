@@ -23,10 +23,10 @@ from gemmtune.problem import Problem
 MAX_M = 64  # larger M is compute-bound enough for triton_tiled and cuBLAS
 FMA_BLOCK_M = (1, 2, 4, 8, 16)
 DOT_BLOCK_M = (16, 32, 64)
-BLOCK_N = (4, 8, 16, 32, 64, 128, 256)
-BLOCK_K = (32, 64, 128, 256, 512, 1024, 2048)
+BLOCK_N = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BLOCK_K = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 SPLIT_K = (1, 2, 4, 8, 16, 32)
-WARPS = (1, 2, 4, 8)
+WARPS = (1, 2, 4, 8, 16)
 STAGES = (1, 2, 3, 4, 5, 6)
 MAX_ELEMENTS = 2**31 - 1  # the kernel indexes in int32
 # fp32 products per thread per K step in the FMA form, above which ptxas spills
@@ -44,8 +44,13 @@ MAX_WORKSPACE_TRAFFIC = 0.25
 FMA_TILES = ((16, 512, 4, 1), (32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 1), (64, 256, 4, 3),
              (128, 128, 8, 3), (16, 128, 4, 3), (16, 64, 2, 4),
              (4, 1024, 4, 1), (8, 1024, 4, 1), (4, 2048, 8, 1), (8, 2048, 8, 1), (16, 1024, 8, 1))
+# M = 1 alone: the GEMV tiles (stage 1, one row of A), the best of a 60-tile sweep on each decode
+# row of the H200 (NOTES, step 14); every pipelined or tensor-core tile was slower there.
+GEMV_TILES = ((1, 2048, 4, 1), (2, 1024, 2, 1), (4, 1024, 2, 1), (8, 512, 4, 1), (16, 512, 4, 1),
+              (16, 1024, 8, 1))
+# Tensor-core tiles; the 16- and 32-wide ones on 2 warps won the m=16 rows of the same sweep.
 DOT_TILES = ((32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (128, 64, 4, 4),
-             (256, 64, 8, 3))
+             (256, 64, 8, 3), (16, 512, 2, 3), (16, 256, 2, 5), (32, 128, 2, 3))
 # Under the interpreter: (USE_DOT, BLOCK_N, BLOCK_K, SPLIT_K), one warp, no pipeline.
 INTERPRETER_TILES = ((False, 16, 32, 1), (False, 32, 64, 2), (True, 16, 32, 2), (True, 32, 64, 1))
 
@@ -115,7 +120,7 @@ def _block_m(problem: Problem, use_dot: bool) -> int | None:
 def space(problem: Problem, device: Device) -> list[SplitKConfig]:
     """The configs worth compiling for a small-M problem on this device; [] for M > 64.
 
-    One BLOCK_M covers M. Pipelines are made no deeper than a slice has K steps, and shallower
+    One BLOCK_M covers M; M = 1 takes the GEMV tiles alone. Pipelines are made no deeper than a slice has K steps, and shallower
     where shared memory is short. Dropped before compiling: tiles larger than N or K, splits
     that leave a slice shorter than one K step or move more partial sums than a quarter of the
     weight bytes, shared memory past the device's limit, FMA tiles that would spill. Of the
@@ -126,6 +131,8 @@ def space(problem: Problem, device: Device) -> list[SplitKConfig]:
         return []
     if device.interpreter:
         raw = [(dot, bn, bk, s, 1, 1) for dot, bn, bk, s in INTERPRETER_TILES]
+    elif problem.m == 1:
+        raw = [(False, bn, bk, s, warps, stages) for bn, bk, warps, stages in GEMV_TILES for s in SPLIT_K]
     else:
         raw = [(dot, bn, bk, s, warps, stages)
                for dot, tiles in ((False, FMA_TILES), (True, DOT_TILES))
@@ -225,7 +232,7 @@ class SplitKKernel:
 
 class TritonSplitKBackend:
     name = "triton_splitk"
-    space_size = (len(FMA_TILES) + len(DOT_TILES)) * len(SPLIT_K)
+    space_size = (len(FMA_TILES) + len(DOT_TILES)) * len(SPLIT_K)  # M = 1 has GEMV_TILES instead
 
     def is_available(self, device: Device) -> bool:
         return triton_importable() and (device.interpreter or device.capability >= (7, 0))

@@ -80,6 +80,11 @@ def splitk_matmul(
 
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    elif BLOCK_M == 1:
+        # A GEMV: the one row of A broadcast over a (BLOCK_N, BLOCK_K) tile of weights. Kept
+        # 2-D: the 3-D form below made Triton move its operands through shared memory, with
+        # six barriers, on every K step.
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         # Tiny M: tensor cores would waste most of each 16-row instruction; multiply-add in fp32
         # on the CUDA cores, each product into its own lane of a 3-D accumulator, and reduce
@@ -102,12 +107,17 @@ def splitk_matmul(
                 b = tl.load(b_ptrs, mask=k_in[None, :], other=0.0, eviction_policy="evict_first")
         if USE_DOT:
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        elif BLOCK_M == 1:
+            acc += a.to(tl.float32) * b.to(tl.float32)
         else:
             acc += a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :]
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if not USE_DOT:
-        acc = tl.sum(acc, axis=2)
+        if BLOCK_M == 1:
+            acc = tl.sum(acc, axis=1)[None, :]
+        else:
+            acc = tl.sum(acc, axis=2)
 
     c_rows = rm * stride_cm
     if HINT_CM > 1:
