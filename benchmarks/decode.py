@@ -38,7 +38,7 @@ SMEM_BYTES = 232448  # an H100's or H200's shared memory per block
 def sweep(p, sm_count: int) -> list[dict]:
     """Split-K configs for one decode row beyond the tuner's space. M = 1: FMA programs of 1 to
     16 weight rows, K steps up to 4096, 2 to 16 warps, each thread loading 8 to 128 elements a
-    step. Larger M: tensor-core programs 16 to 128 columns wide on 2 or 4 warps, with and without a pipeline,
+    step, loaded straight into registers or through a 2- to 4-stage pipeline. Larger M: tensor-core programs 16 to 128 columns wide on 2 or 4 warps, with and without a pipeline,
     one to four splits, that fill the SMs and fit in shared memory."""
     configs = []
     if p.m == 1:
@@ -48,6 +48,13 @@ def sweep(p, sm_count: int) -> list[dict]:
                     per_thread = bn * bk // (32 * warps)
                     if bk <= p.k and 8 <= per_thread <= 128:
                         configs.append(SplitKConfig(1, bn, bk, 1, False, warps, 1))
+        # and through Triton's software pipeline (weights staged in shared memory)
+        for stages in (2, 3, 4):
+            for bn in (2, 4, 8, 16):
+                for bk in (256, 512, 1024):
+                    for warps in (2, 4):
+                        if 8 <= bn * bk // (32 * warps) <= 128 and p.k >= stages * bk:
+                            configs.append(SplitKConfig(1, bn, bk, 1, False, warps, stages))
     else:
         bm = max(16, 1 << (p.m - 1).bit_length())
         for bn in (16, 32, 64, 128):

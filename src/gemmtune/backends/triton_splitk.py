@@ -44,10 +44,12 @@ MAX_WORKSPACE_TRAFFIC = 0.25
 FMA_TILES = ((16, 512, 4, 1), (32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 1), (64, 256, 4, 3),
              (128, 128, 8, 3), (16, 128, 4, 3), (16, 64, 2, 4),
              (4, 1024, 4, 1), (8, 1024, 4, 1), (4, 2048, 8, 1), (8, 2048, 8, 1), (16, 1024, 8, 1))
-# M = 1 alone: the GEMV tiles (stage 1, one row of A), the best of a 60-tile sweep on each decode
-# row of the H200 (NOTES, step 14); every pipelined or tensor-core tile was slower there.
-GEMV_TILES = ((1, 2048, 4, 1), (2, 1024, 2, 1), (4, 1024, 2, 1), (8, 512, 4, 1), (16, 512, 4, 1),
-              (16, 1024, 8, 1))
+# M = 1 alone: the GEMV tiles (one row of A, no tensor cores), six so that top-k measures all of
+# them. From 126-tile sweeps of each decode row on the H200 (NOTES, step 14): at 132 SMs the
+# register-direct tiles (stage 1) win, within 1% of each row's best; at 38 SMs, where each SM
+# must keep about three times the bytes in flight, the pipelined ones (4 stages in shared
+# memory) win by 15-40% over them.
+GEMV_TILES = ((8, 512, 4, 1), (2, 2048, 4, 1), (1, 2048, 4, 1), (8, 256, 2, 4), (16, 256, 2, 4), (8, 512, 4, 4))
 # Tensor-core tiles; the 16- and 32-wide ones on 2 warps won the m=16 rows of the same sweep.
 DOT_TILES = ((32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (128, 64, 4, 4),
              (256, 64, 8, 3), (16, 512, 2, 3), (16, 256, 2, 5), (32, 128, 2, 3))
