@@ -1,0 +1,64 @@
+"""Where gemmtune's setup time goes: ``gemmtune.optimize`` on the seeds' MLP (bf16, batch 256),
+from an empty store and an empty Triton cache, in a fresh process per variant (with and without
+the compile pool), each phase's seconds from gemmtune's debug log. The setup column of
+``gemmtune compare``, taken apart.
+
+    PYTHONPATH=src python3 benchmarks/setup_cost.py --out setup.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CHILD = """
+import logging, time, torch
+t0 = time.perf_counter()
+import gemmtune
+from gemmtune import compare
+t_import = time.perf_counter() - t0
+logging.basicConfig(level=logging.DEBUG, format="%(relativeCreated)7.0f ms %(name)s %(message)s")
+for name in ("torch", "triton", "urllib3", "matplotlib"):
+    logging.getLogger(name).setLevel(logging.WARNING)
+model = compare.seed_mlp().to("cuda", torch.bfloat16)
+x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+model(x); torch.cuda.synchronize()  # eager first, as compare does: CUDA is up before setup starts
+t0 = time.perf_counter()
+gemmtune.optimize(model, (x,))
+torch.cuda.synchronize()
+print("RESULT", t_import, time.perf_counter() - t0, flush=True)
+"""
+
+
+def run(workers: str | None) -> dict:
+    env = dict(os.environ, GEMMTUNE_CACHE_DIR=tempfile.mkdtemp(), TRITON_CACHE_DIR=tempfile.mkdtemp(),
+               GEMMTUNE_LOG_LEVEL="debug")
+    if workers is not None:
+        env["GEMMTUNE_COMPILE_WORKERS"] = workers
+    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
+    lines = (done.stdout + done.stderr).splitlines()
+    result = next((line.split() for line in lines if line.startswith("RESULT")), None)
+    log = [line for line in lines if " ms gemmtune" in line]
+    return {"compile_workers": workers or "default", "import_s": float(result[1]) if result else None,
+            "setup_s": float(result[2]) if result else None, "returncode": done.returncode, "log": log[-60:],
+            "stderr_tail": done.stderr[-1500:] if done.returncode else ""}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    rows = [run(None), run("0"), run("4")]
+    args.out.write_text(json.dumps({"kind": "setup", "rows": rows}, indent=1))
+    for row in rows:
+        print(f"compile workers {row['compile_workers']:>8s}: import {row['import_s']} s, setup {row['setup_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
