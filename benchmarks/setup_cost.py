@@ -52,11 +52,15 @@ def run(workers: str | None) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--workers", nargs="*", default=["default", "0", "4"],
+                        help="compile-pool sizes to try, each in its own fresh process ('default': unset)")
+    parser.add_argument("--repeats", type=int, default=1, help="fresh processes per pool size, interleaved")
     args = parser.parse_args()
-    rows = [run(None), run("0"), run("4")]
+    rows = [run(None if w == "default" else w) for _ in range(args.repeats) for w in args.workers]
     args.out.write_text(json.dumps({"kind": "setup", "rows": rows}, indent=1))
     for row in rows:
-        print(f"compile workers {row['compile_workers']:>8s}: import {row['import_s']} s, setup {row['setup_s']} s")
+        print(f"compile workers {row['compile_workers']:>8s}: setup {row['setup_s']:.2f} s; "
+              f"{' '.join(line.split(' in ')[-1] for line in row['log'] if 'compiled' in line)}")
     return 0
 
 
