@@ -234,7 +234,7 @@ class SplitKKernel:
 
 class TritonSplitKBackend:
     name = "triton_splitk"
-    space_size = (len(FMA_TILES) + len(DOT_TILES)) * len(SPLIT_K)  # M = 1 has GEMV_TILES instead
+    space_size = (len(GEMV_TILES) + len(FMA_TILES) + len(DOT_TILES)) * len(SPLIT_K)  # GEMV_TILES serve M = 1 alone
 
     def is_available(self, device: Device) -> bool:
         return triton_importable() and (device.interpreter or device.capability >= (7, 0))
