@@ -123,11 +123,12 @@ def space(problem: Problem, device: Device) -> list[SplitKConfig]:
     """The configs worth compiling for a small-M problem on this device; [] for M > 64.
 
     One BLOCK_M covers M; M = 1 takes the GEMV tiles alone. Pipelines are made no deeper than a
-    slice has K steps, and shallower where shared memory is short. Dropped before compiling: tiles larger than N or K, splits
-    that leave a slice shorter than one K step or move more partial sums than a quarter of the
-    weight bytes, shared memory past the device's limit, FMA tiles that would spill. Of the
-    rest, a split is kept only while half of it would not already give two waves, then grids
-    that fill the SMs are kept (those with the most programs where none does). Never empty.
+    slice has K steps, and shallower where shared memory is short. Dropped before compiling:
+    tiles larger than N or K, splits that leave a slice shorter than one K step or move more
+    partial sums than a quarter of the weight bytes, shared memory past the device's limit, FMA
+    tiles that would spill. Of the rest, a split is kept only while half of it would not already
+    give two waves, then grids that fill the SMs are kept (those with the most programs where
+    none does). Never empty.
     """
     if problem.m > MAX_M:
         return []
