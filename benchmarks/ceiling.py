@@ -189,8 +189,8 @@ def misaligned(device) -> dict:
            "pad_a": lambda: copy_padded(a, m, kp, a_p), "pad_b": lambda: copy_padded(b, kp, np_, b_p),
            "cut_out": lambda: copy_padded(full, m, n, out),
            "mm_into_unaligned_out": lambda: torch.mm(a_p, b_cols, out=out)}
-    fns["padded_cublas_then_cut"] = lambda: copy_padded(torch.mm(copy_padded(a, m, kp, a_p), copy_padded(b, kp, np_, b_p)),
-                                                        m, n, out)
+    fns["padded_cublas_then_cut"] = lambda: copy_padded(
+        torch.mm(copy_padded(a, m, kp, a_p), copy_padded(b, kp, np_, b_p)), m, n, out)
     ref = full[:, :n].double()
     for bm, bn, bk, warps, stages in DIRECT_TILES:
         config = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": stages}

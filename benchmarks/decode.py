@@ -32,14 +32,14 @@ from gemmtune.worker import IsolatedRunner
 from suite import ROOT, bound, copy_tbps, inductor, operands, read_tbps
 
 BACKENDS = ("cublas", "triton_splitk", "triton_tiled")
-SMEM_BYTES = 232448  # an H100's or H200's shared memory per block
 
 
-def sweep(p, sm_count: int) -> list[dict]:
+def sweep(p, device) -> list[dict]:
     """Split-K configs for one decode row beyond the tuner's space. M = 1: FMA programs of 1 to
     16 weight rows, K steps up to 4096, 2 to 16 warps, each thread loading 8 to 128 elements a
-    step, loaded straight into registers or through a 2- to 4-stage pipeline. Larger M: tensor-core programs 16 to 128 columns wide on 2 or 4 warps, with and without a pipeline,
-    one to four splits, that fill the SMs and fit in shared memory."""
+    step, loaded straight into registers or through a 2- to 4-stage pipeline. Larger M:
+    tensor-core programs 16 to 128 columns wide on 2 or 4 warps, with and without a pipeline,
+    one to four splits, that fill ``device``'s SMs and fit in its shared memory."""
     configs = []
     if p.m == 1:
         for bn in (1, 2, 4, 8, 16):
@@ -63,16 +63,17 @@ def sweep(p, sm_count: int) -> list[dict]:
                     for stages in (1, 3, 5):
                         for split in (1, 2, 4):
                             c = SplitKConfig(bm, bn, bk, split, True, warps, stages)
-                            if (bn * bm >= 16 * 8 * warps and c.smem_bytes(p.element_size) <= SMEM_BYTES
-                                    and p.k >= split * bk * max(1, stages - 1)
-                                    and c.programs(p) >= sm_count and (split == 1 or c.programs(p) <= 8 * sm_count)):
+                            programs = c.programs(p)
+                            if (bn * bm >= 16 * 8 * warps and p.k >= split * bk * max(1, stages - 1)
+                                    and c.smem_bytes(p.element_size) <= device.smem_per_block
+                                    and device.sm_count <= programs and (split == 1 or programs <= 8 * device.sm_count)):
                                 configs.append(c)
     return [c.as_dict() for c in configs]
 
 
 def run_sweep(p, device, runner) -> list:
     """Every config of ``sweep`` compiled ahead in parallel, then verified and screened."""
-    configs = sweep(p, device.sm_count)
+    configs = sweep(p, device)
     runner.start(p, int.from_bytes(os.urandom(4), "little"))
     compiler.shared_pool().compile(p, [("triton_splitk", c) for c in configs], runner.triton_cache_dir)
     trials = [runner.evaluate("triton_splitk", c, 6.0) for c in configs]
