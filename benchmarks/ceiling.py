@@ -34,6 +34,7 @@ import triton.language as tl
 from gemmtune import backends, bench, shapes, verify
 from gemmtune.backends.cublas_padded import copy_padded, padded_size
 from gemmtune.device import current
+from gemmtune.kernels.pad import pad_copy
 from gemmtune.problem import Problem
 
 ROOT = Path(__file__).resolve().parent
@@ -41,10 +42,10 @@ READ_CONFIGS = [(block, unroll, warps) for block in (1024, 2048, 4096) for unrol
 # Dense bf16/fp16 tensor-core FLOPs per SM per clock on Hopper (989.4 TFLOP/s = 132 SMs x
 # 1.83 GHz x 4096 on the H100 SXM's datasheet).
 HOPPER_FLOPS_PER_SM_CLOCK = 4096
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the tiled kernel's large tiles
 # (BLOCK_R, BLOCK_C, num_warps) of the pad copy, swept on odd-4k's A
 PAD_BLOCKS = ((16, 256, 4), (8, 512, 4), (4, 1024, 4), (32, 256, 8), (8, 1024, 8), (2, 2048, 8), (1, 4096, 8),
               (64, 64, 4), (32, 128, 4), (16, 512, 8))
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the tiled kernel's large tiles
 DIRECT_TILES = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (256, 128, 64, 8, 4), (128, 256, 64, 8, 4),
                 (128, 128, 64, 4, 4), (128, 128, 64, 8, 4))
 
@@ -200,8 +201,6 @@ def misaligned(device) -> dict:
         print(f"odd-4k: {label} into the unaligned output: rel_err against the padded cuBLAS product {err:.2e}")
         fns[f"padded_{label}_direct"] = (lambda kernel=kernel: kernel(copy_padded(a, m, kp, a_p),
                                                                       copy_padded(b, kp, np_, b_p)[:, :n], None, out))
-    from gemmtune.kernels.pad import pad_copy
-
     for br, bc, warps in PAD_BLOCKS:
         grid = (-(-m // br), -(-kp // bc))
         fns[f"pad_a_{br}x{bc}_w{warps}"] = (lambda grid=grid, br=br, bc=bc, warps=warps: pad_copy[grid](

@@ -25,8 +25,8 @@ import triton
 
 import gemmtune
 from gemmtune import backends, bench, compiler, shapes, verify
-from gemmtune.device import current
 from gemmtune.backends.triton_splitk import SplitKConfig
+from gemmtune.device import current
 from gemmtune.tuner import TuneOptions, tune_problem
 from gemmtune.worker import IsolatedRunner
 from suite import ROOT, bound, copy_tbps, inductor, operands, read_tbps
@@ -104,8 +104,7 @@ def run_shape(named, runner, with_inductor: bool, with_sweep: bool) -> dict:
     fns = {"cublas": operands(named, inputs)[0], "best": bound(result, p, inputs)}
     best_swept = min((t for t in swept if t.ok), key=lambda t: t.median_ms, default=None)
     if best_swept is not None:
-        kernel = backends.build(p, "triton_splitk", best_swept.config, device)
-        fns["swept"] = lambda: kernel(inputs.a, inputs.b, inputs.bias)
+        fns["swept"] = bound(best_swept, p, inputs)
     inductor_s = None
     if with_inductor:
         fns["inductor"], inductor_s = inductor(fns["cublas"])

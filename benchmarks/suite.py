@@ -74,7 +74,8 @@ def operands(named, inputs):
 
 
 def bound(result, problem, inputs):
-    """The kernel a TuneResult chose, built directly, as a zero-argument call on ``inputs``."""
+    """The kernel a TuneResult chose (or a Trial measured), built directly, as a zero-argument call
+    on ``inputs``."""
     kernel = backends.build(problem, result.backend, result.config, current())
     return lambda: kernel(inputs.a, inputs.b, inputs.bias)
 

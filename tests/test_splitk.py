@@ -101,17 +101,23 @@ def test_hinted_weight_rows_of_1000_are_read_16_bytes_at_a_time():
     assert "ld.global.b16" not in hinted and "ld.global.b16" in plain
 
 
-def test_one_row_gemv_on_16_warps_reads_16_bytes_at_a_time():
-    """The widest GEMV program (one weight row, K in steps of 4096, 16 warps) in the PTX: every
-    weight load 16 bytes wide, none narrower."""
+def _qkv_gemv_ptx(**constexprs) -> str:
+    """The decode GEMV of qkv (1x6144x4096, K-contiguous weights, one split, no pipeline)
+    compiled for sm_90, with gemmtune's alignment hints and ``constexprs`` on top."""
     from ptx import sm90_ptx
 
     from gemmtune.launch import gemm_hints
 
-    scalars = (1, 6144, 4096, 4096, 4096, 1, 1, 4096, 6144, 1)
-    constexprs = dict(HAS_BIAS=False, ACTIVATION="none", EVEN_K=True, PRECISION="ieee", USE_DOT=False, SPLIT_K=1,
-                      STAGES=1, BLOCK_M=1, BLOCK_N=1, BLOCK_K=4096, num_warps=16, num_stages=1)
-    ptx = sm90_ptx("splitk", scalars, constexprs | gemm_hints(scalars))
+    scalars = (1, 6144, 4096, 4096, 4096, 1, 1, 4096, 6144, 1)  # m, n, k, k_per_split, then the strides
+    base = dict(HAS_BIAS=False, ACTIVATION="none", EVEN_K=True, PRECISION="ieee", USE_DOT=False, SPLIT_K=1,
+                STAGES=1, BLOCK_M=1, num_stages=1)
+    return sm90_ptx("splitk", scalars, base | constexprs | gemm_hints(scalars))
+
+
+def test_one_row_gemv_on_16_warps_reads_16_bytes_at_a_time():
+    """The widest GEMV program (one weight row, K in steps of 4096, 16 warps) in the PTX: every
+    weight load 16 bytes wide, none narrower."""
+    ptx = _qkv_gemv_ptx(BLOCK_N=1, BLOCK_K=4096, num_warps=16)
     weight_loads = re.findall(r"ld\.global\.L1::evict_first\S*", ptx)  # the weights are read evict-first
     assert weight_loads and all(load.endswith(".v4.b32") for load in weight_loads), weight_loads
 
@@ -119,14 +125,7 @@ def test_one_row_gemv_on_16_warps_reads_16_bytes_at_a_time():
 def test_gemv_k_loop_has_no_barrier_or_shared_memory():
     """One row of A against a tile of weights: the K loop must be loads, converts and FMAs. The
     3-D product form put six barriers and a shared-memory round trip in every K step."""
-    from ptx import sm90_ptx
-
-    from gemmtune.launch import gemm_hints
-
-    scalars = (1, 6144, 4096, 4096, 4096, 1, 1, 4096, 6144, 1)
-    constexprs = dict(HAS_BIAS=True, ACTIVATION="silu", EVEN_K=True, PRECISION="ieee", USE_DOT=False, SPLIT_K=1,
-                      STAGES=1, BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1)
-    ptx = sm90_ptx("splitk", scalars, constexprs | gemm_hints(scalars))
+    ptx = _qkv_gemv_ptx(HAS_BIAS=True, ACTIVATION="silu", BLOCK_N=4, BLOCK_K=1024, num_warps=4)
     loop = re.search(r"Inner Loop Header(.*?)\n\s*@%p\d+ bra", ptx, re.S).group(1)
     assert "fma.rn.f32" in loop and "evict_first" in loop
     assert "bar.sync" not in loop and "st.shared" not in loop and "ldmatrix" not in loop
