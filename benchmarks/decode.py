@@ -5,8 +5,9 @@ judged and fitted on.
 
     PYTHONPATH=src python3 benchmarks/decode.py --out decode.json [--only NAME ...] [--inductor] [--sweep]
 
-``--sweep`` also measures a wide grid of split-K configs beyond the tuner's space (``sweep``):
-the data a change of that space is decided on.
+``--sweep`` also measures a wide grid of configs beyond the tuner's space (``sweep``: split-K
+programs for decode rows, ``tile_sweep``'s tiled, persistent and split-K tiles for the small
+compute-bound rows named with ``--only``): the data a change of a space is decided on.
 
 GPU only.
 """
@@ -24,23 +25,29 @@ import torch
 import triton
 
 import gemmtune
-from gemmtune import backends, bench, compiler, shapes, verify
+from gemmtune import backends, bench, shapes, verify
+from gemmtune.backends.triton_persistent import PersistentConfig
 from gemmtune.backends.triton_splitk import SplitKConfig
+from gemmtune.backends.triton_tiled import TiledConfig
 from gemmtune.device import current
 from gemmtune.tuner import TuneOptions, tune_problem
 from gemmtune.worker import IsolatedRunner
 from suite import ROOT, bound, copy_tbps, inductor, operands, read_tbps
 
-BACKENDS = ("cublas", "triton_splitk", "triton_tiled")
+BACKENDS = ("cublas", "triton_splitk", "triton_tiled", "triton_persistent", "cublas_padded")
 
 
-def sweep(p, device) -> list[dict]:
-    """Split-K configs for one decode row beyond the tuner's space. M = 1: FMA programs of 1 to
-    16 weight rows, K steps up to 4096, 2 to 16 warps, each thread loading 8 to 128 elements a
-    step, loaded straight into registers or through a 2- to 4-stage pipeline. Larger M:
-    tensor-core programs 16 to 128 columns wide on 2 or 4 warps, with and without a pipeline,
-    one to four splits, that fill ``device``'s SMs and fit in its shared memory."""
+def sweep(p, device) -> list[tuple[str, dict]]:
+    """(backend, config) pairs for one row beyond the tuner's space.
+
+    M = 1: FMA programs of 1 to 16 weight rows, K steps up to 4096, 2 to 16 warps, each thread
+    loading 8 to 128 elements a step, loaded straight into registers or through a 2- to 4-stage
+    pipeline. M up to 64: tensor-core programs 16 to 128 columns wide on 2 or 4 warps, with and
+    without a pipeline, one to four splits, that fill ``device``'s SMs and fit in its shared
+    memory. Larger M (the small compute-bound rows): ``tile_sweep``."""
     configs = []
+    if p.m > 64:
+        return tile_sweep(p, device)
     if p.m == 1:
         for bn in (1, 2, 4, 8, 16):
             for bk in (512, 1024, 2048, 4096):
@@ -68,16 +75,52 @@ def sweep(p, device) -> list[dict]:
                                     and c.smem_bytes(p.element_size) <= device.smem_per_block
                                     and device.sm_count <= programs and (split == 1 or programs <= 8 * device.sm_count)):
                                 configs.append(c)
-    return [c.as_dict() for c in configs]
+    return [("triton_splitk", c.as_dict()) for c in configs]
+
+
+def tile_sweep(p, device) -> list[tuple[str, dict]]:
+    """Small compute-bound rows (odd-1k, the seeds' MLP): where a launch and a few microseconds
+    of work are the whole call, how small a tile, how deep a pipeline and how many splits of K
+    pay. Tiled programs 32 to 128 rows by 32 to 256 columns on 4 or 8 warps, 3 to 5 stages;
+    persistent TMA programs of 64 or 128 rows (Hopper, aligned rows); tensor-core split-K
+    programs of 64 rows, K cut in 1 to 4."""
+    out = []
+    for bm in (32, 64, 128):
+        for bn in (32, 64, 128, 256):
+            for bk in (32, 64, 128):
+                for warps in (4, 8):
+                    for stages in (3, 4, 5):
+                        c = TiledConfig(bm, bn, bk, 8, warps, stages)
+                        if (c.smem_bytes(p.element_size) <= device.smem_per_block and bm * bn >= 16 * 8 * warps
+                                and c.acc_regs_per_thread() <= 128 and bk <= max(32, p.k)):
+                            out.append(("triton_tiled", c.as_dict()))
+    if device.is_hopper and p.rows_aligned:
+        for bm in (64, 128):
+            for bn in (64, 128, 256):
+                for bk in (64, 128):
+                    for warps in (4, 8):
+                        for stages in (3, 4):
+                            for ws in (False, True):
+                                c = PersistentConfig(bm, bn, bk, 8, warps, stages, ws)
+                                if (c.smem_bytes(p.element_size) <= device.smem_per_block
+                                        and bm * bn // (32 * warps) <= 128 and bm * bn >= 64 * 16 * warps):
+                                    out.append(("triton_persistent", c.as_dict()))
+    for bn in (32, 64, 128):
+        for bk in (64, 128):
+            for split in (1, 2, 4):
+                c = SplitKConfig(64, bn, bk, split, True, 4, 3)
+                if p.k >= split * bk * 2 and c.smem_bytes(p.element_size) <= device.smem_per_block:
+                    out.append(("triton_splitk", c.as_dict()))
+    return out
 
 
 def run_sweep(p, device, runner) -> list:
     """Every config of ``sweep`` compiled ahead in parallel, then verified and screened."""
-    configs = sweep(p, device)
+    candidates = sweep(p, device)
     runner.start(p, int.from_bytes(os.urandom(4), "little"))
-    compiler.shared_pool().compile(p, [("triton_splitk", c) for c in configs], runner.triton_cache_dir)
-    trials = [runner.evaluate("triton_splitk", c, 6.0) for c in configs]
-    print(f"    sweep: {len(configs)} configs, {sum(t.ok for t in trials)} verified and timed", flush=True)
+    runner.compile(candidates)
+    trials = [runner.evaluate(name, c, 6.0) for name, c in candidates]
+    print(f"    sweep: {len(candidates)} configs, {sum(t.ok for t in trials)} verified and timed", flush=True)
     return trials
 
 

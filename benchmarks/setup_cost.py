@@ -1,7 +1,7 @@
 """Where gemmtune's setup time goes: ``gemmtune.optimize`` on the seeds' MLP (bf16, batch 256),
 from an empty store and an empty Triton cache, in a fresh process per variant (with and without
-the compile pool), each phase's seconds from gemmtune's debug log. The setup column of
-``gemmtune compare``, taken apart.
+compiling ahead, on several thread counts), each phase's seconds from gemmtune's debug log. The
+setup column of ``gemmtune compare``, taken apart.
 
     PYTHONPATH=src python3 benchmarks/setup_cost.py --out setup.json
 """
@@ -53,8 +53,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--workers", nargs="*", default=["default", "0", "4"],
-                        help="compile-pool sizes to try, each in its own fresh process ('default': unset)")
-    parser.add_argument("--repeats", type=int, default=1, help="fresh processes per pool size, interleaved")
+                        help="compile thread counts to try, each in its own fresh process ('default': unset)")
+    parser.add_argument("--repeats", type=int, default=1, help="fresh processes per thread count, interleaved")
     args = parser.parse_args()
     rows = [run(None if w == "default" else w) for _ in range(args.repeats) for w in args.workers]
     args.out.write_text(json.dumps({"kind": "setup", "rows": rows}, indent=1))

@@ -181,6 +181,6 @@ def test_compile_cache_is_reported(tmp_path, monkeypatch):
     (tmp_path / "triton" / "abc" / "k.cubin").write_bytes(b"x" * 4096)
     monkeypatch.setenv("GEMMTUNE_COMPILE_WORKERS", "3")
     check = next(c for c in doctor.collect() if c.name == "compile cache")
-    assert check.status == "ok" and "4" in check.value and "3 processes compile ahead" in check.value
+    assert check.status == "ok" and "4" in check.value and "3 threads compile ahead" in check.value
     monkeypatch.setenv("GEMMTUNE_COMPILE_WORKERS", "0")
     assert "compiling ahead is off" in next(c for c in doctor.collect() if c.name == "compile cache").value

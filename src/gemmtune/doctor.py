@@ -345,7 +345,7 @@ def compile_cache_check() -> Check:
 
     path = settings.triton_cache_dir()
     workers = default_workers()
-    compiling = (f"{workers} process{'es' if workers != 1 else ''} compile ahead on a GPU" if workers
+    compiling = (f"{workers} thread{'s' if workers != 1 else ''} compile ahead on a GPU" if workers
                  else "compiling ahead is off")
     if not path.exists():
         return Check("compile cache", f"{path} (empty: the first tuning compiles every candidate; "

@@ -1,5 +1,5 @@
-"""Child processes for gemmtune's own work (isolated tuning, compiling ahead) that never re-run
-the user's script.
+"""Child processes for gemmtune's own work (isolated tuning) that never re-run the user's
+script.
 
 multiprocessing's spawn and forkserver children import the parent's ``__main__`` before they
 run anything: a training script without an ``if __name__ == "__main__"`` guard would start

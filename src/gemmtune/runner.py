@@ -1,7 +1,7 @@
 """Where candidates run: build, verify and time the candidates of one problem in this process.
 
-The tuner talks to a runner only through ``start``, ``evaluate`` and ``final`` with plain data
-(backend names, config dicts, Trials), so the same flow runs here or, through
+The tuner talks to a runner only through ``start``, ``compile``, ``evaluate`` and ``final`` with
+plain data (backend names, config dicts, Trials), so the same flow runs here or, through
 ``gemmtune.worker``, in a child process that a crashing candidate cannot take down with it.
 """
 
@@ -11,7 +11,8 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 
-from gemmtune import backends, bench, verify
+from gemmtune import backends, bench, compiler, verify
+from gemmtune.compiler import Compiled
 from gemmtune.device import Device
 from gemmtune.launch import front_call
 from gemmtune.problem import Problem
@@ -55,19 +56,17 @@ class LocalRunner:
         self._ready: dict[str, tuple[Callable, float]] = {}  # label -> (kernel, rel_err)
         self._best_ms = float("inf")
 
-    @property
-    def triton_cache_dir(self) -> str:
-        """Where this process's Triton keeps compiled kernels (compiling ahead must fill it)."""
-        import triton
-
-        return str(triton.knobs.cache.dir)
-
     def start(self, problem: Problem, seed: int) -> None:
         """Fresh random inputs and their float64 reference for ``problem``."""
         self._problem = problem
         self._inputs = verify.make_inputs(problem, "cpu" if self.device.interpreter else "cuda", seed=seed)
         self._ready = {}
         self._best_ms = float("inf")
+
+    def compile(self, candidates: list[tuple[str, dict]]) -> list[Compiled]:
+        """Each candidate compiled ahead on this problem's operands, in parallel threads."""
+        inputs = self._inputs
+        return compiler.compile_ahead(self._problem, candidates, self.device, (inputs.a, inputs.b, inputs.bias))
 
     def evaluate(self, backend_name: str, config: dict, screen_budget_ms: float) -> Trial:
         """Build, verify and screen one candidate; a failure is a Trial with its typed reason."""

@@ -31,7 +31,7 @@ BUCKET = Knob("GEMMTUNE_BUCKET", "exact",
               "on a miss, reuse the result tuned for the shape's bucket: exact (none), pow2 or log2m")
 
 COMPILE_WORKERS = Knob("GEMMTUNE_COMPILE_WORKERS", "",
-                       "processes compiling candidates ahead of timing: a count, 0 for none "
+                       "threads compiling candidates ahead of timing: a count, 0 for none "
                        "(default: one per CPU core but one, at most 8)")
 
 MISSES = Knob("GEMMTUNE_MISSES", "",
@@ -78,7 +78,7 @@ def mode() -> str:
 
 
 def compile_workers() -> int | None:
-    """The number of compile processes asked for; None when unset (gemmtune picks)."""
+    """The number of compile threads asked for; None when unset (gemmtune picks)."""
     value = COMPILE_WORKERS.raw().strip()
     if not value:
         return None

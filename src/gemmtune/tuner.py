@@ -59,8 +59,6 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
     started = time.perf_counter()
     runner = runner or LocalRunner(device)
     seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(4), "little")
-    if options.compile_ahead and not device.interpreter:
-        compiler.shared_pool().start_in_background()  # overlaps the runner's start
     runner.start(problem, seed)
     spaces = _spaces(problem, device, options)
     failed_ahead = _compile_ahead(problem, device, options, spaces, runner)
@@ -125,7 +123,7 @@ def select(reference: str | None, timings: dict[str, Timing], costs: dict[str, f
 
 
 # Failures that come from compiling the candidate, the same wherever it is compiled: the tuner
-# records them from the compile pool's answer. Anything else the runner meets and classifies.
+# records them from what compiling ahead answered. Anything else the runner meets and classifies.
 _COMPILE_FAILURES = (Status.OUT_OF_RESOURCES, Status.COMPILE_ERROR)
 
 
@@ -143,19 +141,18 @@ def _spaces(problem: Problem, device: Device, options: TuneOptions) -> dict[str,
 
 def _compile_ahead(problem: Problem, device: Device, options: TuneOptions, spaces: dict[str, list],
                    runner) -> dict[tuple[str, str], Trial]:
-    """Compile every candidate the strategy plans to measure, in parallel, into the runner's
-    Triton cache; the failed ones as Trials keyed by (backend, label)."""
+    """Compile every Triton candidate the strategy plans to measure, in parallel, where the
+    runner runs them; the failed ones as Trials keyed by (backend, label)."""
     if not options.compile_ahead or device.interpreter:
         return {}
-    planned = [(name, config.as_dict()) for name, configs in spaces.items()
+    planned = [(name, config.as_dict()) for name, configs in spaces.items() if name != backends.REFERENCE
                for config in _planned(name, configs, problem, device, options)]
-    pool = compiler.shared_pool()
-    if pool.workers < 1 or len(planned) < 2:
+    if len(planned) < 2:
         return {}
     started = time.perf_counter()
-    results = pool.compile(problem, planned, runner.triton_cache_dir)
-    log.debug("compiled %d candidates ahead in %.2f s on %d processes", len(results),
-              time.perf_counter() - started, pool.workers)
+    results = runner.compile(planned)
+    log.debug("compiled %d candidates ahead in %.2f s on up to %d threads", len(results),
+              time.perf_counter() - started, compiler.default_workers())
     return {(r.backend, _label(r.backend, r.config)): Trial(r.backend, r.config, r.status, reason=r.reason)
             for r in results if r.status in _COMPILE_FAILURES}
 

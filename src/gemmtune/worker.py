@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import os
 
+from gemmtune.compiler import Compiled
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 from gemmtune.processes import main_hidden
@@ -45,16 +46,20 @@ class IsolatedRunner:
         self._session: dict | None = None
         self.restarts = 0
 
-    @property
-    def triton_cache_dir(self) -> str:
-        """The worker's Triton cache (set in ``_serve``): compiling ahead must fill this one."""
-        from gemmtune import settings
-
-        return str(settings.triton_cache_dir())
-
     def start(self, problem: Problem, seed: int) -> None:
         self._session = {"op": "start", "problem": problem.key(), "seed": seed}
         self._call(self._session)
+
+    def compile(self, candidates: list[tuple[str, dict]]) -> list[Compiled]:
+        """Compiled ahead in the child's threads; nothing when the child died doing it (the
+        restarted child builds each candidate when it evaluates it)."""
+        try:
+            reply = self._call({"op": "compile", "candidates": [list(c) for c in candidates]})
+        except WorkerFailed as failure:
+            log.warning("gemmtune: compiling ahead failed (%s); restarting the worker", failure.reason)
+            self._restart()
+            return []
+        return [Compiled.from_dict(d) for d in reply["compiled"]]
 
     def evaluate(self, backend_name: str, config: dict, screen_budget_ms: float) -> Trial:
         request = {"op": "evaluate", "backend": backend_name, "config": config, "screen_budget_ms": screen_budget_ms}
@@ -183,6 +188,9 @@ def _handle(runner, request: dict) -> dict:
         torch.set_float32_matmul_precision(float32_precision(problem))  # this process tunes, nothing else
         runner.start(problem, request["seed"])
         return {}
+    if op == "compile":
+        compiled = runner.compile([tuple(c) for c in request["candidates"]])
+        return {"compiled": [c.to_dict() for c in compiled], "broken": not _context_healthy(runner.device)}
     if op == "evaluate":
         trial = runner.evaluate(request["backend"], request["config"], request["screen_budget_ms"])
         return {"trial": trial.to_dict(), "broken": not trial.ok and not _context_healthy(runner.device)}
