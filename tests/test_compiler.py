@@ -37,8 +37,8 @@ def test_every_candidate_is_built_and_launched_once_in_threads(monkeypatch):
     monkeypatch.setattr(compiler.backends, "build", build)
     configs = [TILED[0], TILED[1], dict(TILED[1], GROUP_M=4)]
     operands = _operands()
-    done = compiler.compile_ahead(PROBLEM, [("triton_tiled", c) for c in configs], H100, operands, workers=2)
-    assert sorted(d.config["GROUP_M"] for d in done) == [2, 4, 8]
+    done = compiler.compile_ahead([(PROBLEM, "triton_tiled", c, operands) for c in configs], H100, workers=2)
+    assert [d.config["GROUP_M"] for d in done] == [8, 2, 4]  # in the jobs' order
     assert all(d.status is Status.OK and d.reason == "" and d.seconds > 0 for d in done)
     assert sorted(g for _, g, _, _ in launched) == [2, 4, 8]
     assert all(t.startswith("gemmtune-compile") and a is operands[0] and bias is operands[2]
@@ -47,14 +47,15 @@ def test_every_candidate_is_built_and_launched_once_in_threads(monkeypatch):
 
 def test_a_failure_comes_back_typed_instead_of_raising():
     bad = dict(TILED[0], BLOCK_M=24)  # not a power of two: the config is refused
-    (done,) = compiler.compile_ahead(PROBLEM, [("triton_tiled", bad)], H100, _operands(), workers=2)
+    (done,) = compiler.compile_ahead([(PROBLEM, "triton_tiled", bad, _operands())], H100, workers=2)
     assert done.status is not Status.OK and "BLOCK_M" in done.reason
 
 
 def test_nothing_is_compiled_without_threads_or_under_the_interpreter():
     cpu = Device("cpu", (0, 0), 1, 0, 0, interpreter=True)
-    assert compiler.compile_ahead(PROBLEM, [("triton_tiled", TILED[0])], H100, _operands(), workers=0) == []
-    assert compiler.compile_ahead(PROBLEM, [("triton_tiled", TILED[0])], cpu, _operands(), workers=2) == []
+    job = (PROBLEM, "triton_tiled", TILED[0], _operands())
+    assert compiler.compile_ahead([job], H100, workers=0) == []
+    assert compiler.compile_ahead([job], cpu, workers=2) == []
 
 
 def test_a_result_survives_the_trip_from_a_worker_process():
@@ -74,11 +75,11 @@ def test_the_runner_compiles_on_its_own_operands(monkeypatch):
     runner = LocalRunner(current())
     runner.start(PROBLEM, 3)
     asked = {}
-    monkeypatch.setattr(compiler, "compile_ahead", lambda problem, candidates, device, operands: asked.update(
-        problem=problem, operands=operands) or [])
+    monkeypatch.setattr(compiler, "compile_ahead", lambda jobs, device: asked.update(jobs=jobs) or [])
     runner.compile([("triton_tiled", TILED[0])])
-    assert asked["problem"] == PROBLEM and asked["operands"][0] is runner._inputs.a
-    assert asked["operands"][2] is runner._inputs.bias
+    ((problem, name, config, operands),) = asked["jobs"]
+    assert problem == PROBLEM and (name, config) == ("triton_tiled", TILED[0])
+    assert operands[0] is runner._inputs.a and operands[2] is runner._inputs.bias
 
 
 def test_plan_lists_what_a_fixed_order_strategy_measures():
@@ -142,3 +143,42 @@ def test_the_runner_finds_what_was_compiled_ahead(monkeypatch):
     trials = [runner.evaluate("triton_tiled", c, 5.0) for c in configs]
     assert [d.status for d in done] == [Status.OK, Status.OK] and all(t.ok for t in trials)
     assert compiles == []
+
+
+def test_a_batch_compiles_every_new_problem_together_and_sorts_failures_back(monkeypatch):
+    first, second = Problem(64, 4096, 4096, "bfloat16"), Problem(256, 1024, 1024, "bfloat16", bias=True, activation="relu")
+    monkeypatch.setattr(verify, "make_operands", lambda problem, device, seed: (problem,))
+    batches = []
+
+    def compile_ahead(jobs, device):
+        batches.append(jobs)
+        return [compiler.Compiled(name, config, Status.COMPILE_ERROR if i == len(jobs) - 1 else Status.OK)
+                for i, (_, name, config, _) in enumerate(jobs)]
+
+    monkeypatch.setattr(compiler, "compile_ahead", compile_ahead)
+    failed = tuner.compile_batch([first, second], H100)
+    (jobs,) = batches  # one batch for both
+    assert {p for p, *_ in jobs} == {first, second} and all(ops == (p,) for p, _, _, ops in jobs)
+    assert all(name != "cublas" for _, name, _, _ in jobs)
+    assert failed[first.key()] == {}
+    (key, trial), = failed[second.key()].items()
+    assert jobs[-1][0] == second and trial.status is Status.COMPILE_ERROR and key == (trial.backend, trial.label())
+    assert tuner.compile_batch([first], Device("cpu", (0, 0), 1, 0, 0, interpreter=True)) == {}
+    assert tuner.compile_batch([first], H100, tuner.TuneOptions(compile_ahead=False)) == {}
+
+
+def test_tune_hands_each_problem_its_part_of_the_batch(monkeypatch, tmp_path):
+    from gemmtune import api
+
+    problems = [Problem(7, 40, 100, "float32", "nn"), Problem(9, 40, 100, "float32", "nn")]
+    gemmtune_tune = api.tune
+    gemmtune_tune(problems[0], store=tmp_path)  # stored: not compiled again
+    asked, handed = [], {}
+    monkeypatch.setattr(api, "compile_batch", lambda new, device, options: asked.append(new) or {
+        p.key(): {"marker": p.key()} for p in new})
+    real = api.tune_problem
+    monkeypatch.setattr(api, "tune_problem", lambda problem, device, compiled=None, **kw: handed.update(
+        {problem.key(): compiled}) or real(problem, device, **kw))
+    gemmtune_tune(problems + [Problem(11, 40, 100, "float32", "nn")], store=tmp_path)
+    assert [[p.m for p in new] for new in asked] == [[9, 11]]
+    assert handed == {p.key(): {"marker": p.key()} for p in [problems[1], Problem(11, 40, 100, "float32", "nn")]}

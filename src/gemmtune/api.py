@@ -26,7 +26,7 @@ from gemmtune.launch import any_rank, front_call
 from gemmtune.problem import ACTIVATIONS, Problem
 from gemmtune.results import Trial, TuneResult
 from gemmtune.store import Store
-from gemmtune.tuner import TuneOptions, tune_problem
+from gemmtune.tuner import TuneOptions, compile_batch, tune_problem
 from gemmtune.worker import IsolatedRunner
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -48,15 +48,19 @@ def tune(problems: Problem | Iterable[Problem], *, store: Store | str | Path | N
             raise TypeError(f"tune(problems=...): item {i} is a {type(problem).__name__}, expected gemmtune.Problem")
     store = store if isinstance(store, Store) else Store(store)
     device = current()
+    options = options or TuneOptions()
     runner = IsolatedRunner(device, device_index=torch.cuda.current_device() if not device.interpreter else 0) \
         if isolate else None
+    new = list({p.key(): p for p in problems if retune or store.get(device.fingerprint(), p.key()) is None}.values())
+    # a model's shapes compile side by side; an isolated runner compiles each in its own process
+    compiled = compile_batch(new, device, options) if runner is None and len(new) > 1 else {}
     results = []
     try:
         for problem in problems:
             result = None if retune else store.get(device.fingerprint(), problem.key())
             if result is None:
-                result = tune_problem(problem, device, options=options or TuneOptions(), on_trial=on_trial,
-                                      runner=runner)
+                result = tune_problem(problem, device, options=options, on_trial=on_trial, runner=runner,
+                                      compiled=compiled.get(problem.key()))
                 store.put(result)
             results.append(result)
             if on_result is not None:

@@ -20,7 +20,7 @@ import contextlib
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from gemmtune import backends
@@ -50,26 +50,25 @@ class Compiled:
         return cls(data["backend"], data["config"], Status(data["status"]), data["reason"], data["seconds"])
 
 
-def compile_ahead(problem: Problem, candidates: Sequence[tuple[str, dict]], device: Device, operands: tuple,
+def compile_ahead(jobs: Sequence[tuple[Problem, str, dict, tuple]], device: Device,
                   workers: int | None = None) -> list[Compiled]:
-    """Each (backend name, config dict) built and launched once on ``operands`` (a, b, bias as
-    the runner holds them), in up to ``workers`` threads; the results in completion order.
-    Nothing under Triton's interpreter, which runs a kernel instead of compiling it and is not
-    safe to run in several threads."""
+    """Each job (problem, backend name, config dict, operands: a, b and bias shaped as the
+    runner's) built and launched once, in up to ``workers`` threads; the results in the jobs'
+    order. Nothing under Triton's interpreter, which runs a kernel instead of compiling it and is
+    not safe to run in several threads."""
     workers = default_workers() if workers is None else workers
-    if workers < 1 or not candidates or device.interpreter:
+    if workers < 1 or not jobs or device.interpreter:
         return []
-    index = operands[0].device.index if operands[0].is_cuda else None
-    with ThreadPoolExecutor(min(workers, len(candidates)), thread_name_prefix="gemmtune-compile") as pool:
-        futures = [pool.submit(_compile_one, problem, name, config, device, operands, index)
-                   for name, config in candidates]
-        return [future.result() for future in as_completed(futures)]
+    with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="gemmtune-compile") as pool:
+        futures = [pool.submit(_compile_one, problem, name, config, device, operands)
+                   for problem, name, config, operands in jobs]
+        return [future.result() for future in futures]
 
 
-def _compile_one(problem: Problem, backend_name: str, config: dict, device: Device, operands: tuple,
-                 index: int | None) -> Compiled:
+def _compile_one(problem: Problem, backend_name: str, config: dict, device: Device, operands: tuple) -> Compiled:
     from gemmtune.runner import classify
 
+    index = operands[0].device.index if operands[0].is_cuda else None
     started = time.perf_counter()
     try:
         with _on_device(index):  # a new thread's current device is the first GPU, not the runner's

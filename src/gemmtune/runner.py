@@ -65,8 +65,9 @@ class LocalRunner:
 
     def compile(self, candidates: list[tuple[str, dict]]) -> list[Compiled]:
         """Each candidate compiled ahead on this problem's operands, in parallel threads."""
-        inputs = self._inputs
-        return compiler.compile_ahead(self._problem, candidates, self.device, (inputs.a, inputs.b, inputs.bias))
+        operands = (self._inputs.a, self._inputs.b, self._inputs.bias)
+        return compiler.compile_ahead([(self._problem, name, config, operands) for name, config in candidates],
+                                      self.device)
 
     def evaluate(self, backend_name: str, config: dict, screen_budget_ms: float) -> Trial:
         """Build, verify and screen one candidate; a failure is a Trial with its typed reason."""

@@ -46,22 +46,48 @@ class TuneOptions:
 
 
 def tune_problem(problem: Problem, device: Device, *, options: TuneOptions = TuneOptions(),
-                 on_trial: Callable[[Trial], None] | None = None, runner=None) -> TuneResult:
+                 on_trial: Callable[[Trial], None] | None = None, runner=None,
+                 compiled: dict[tuple[str, str], Trial] | None = None) -> TuneResult:
     """Tune one problem on ``device`` and return the choice with every trial behind it.
 
     ``runner`` runs the candidates: in this process by default, or a ``worker.IsolatedRunner``.
+    ``compiled``: this problem's entry of ``compile_batch`` (its candidates are compiled
+    already, these failed); None compiles them here first.
     """
     with matmul_precision(problem):
-        return _tune(problem, device, options, on_trial, runner)
+        return _tune(problem, device, options, on_trial, runner, compiled)
 
 
-def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runner) -> TuneResult:
+def compile_batch(problems: list[Problem], device: Device, options: TuneOptions = TuneOptions()) -> dict[str, dict]:
+    """The planned candidates of every problem compiled in one batch of threads of this process
+    (each on operands shaped as its runner's), so a model's shapes compile side by side rather
+    than one shape after another; per problem key, the compile failures as ``tune_problem``'s
+    ``compiled``. Empty where compiling ahead is off or nothing would run on a GPU."""
+    if not options.compile_ahead or device.interpreter or not problems:
+        return {}
+    from gemmtune import verify
+
+    jobs = []
+    for problem in problems:
+        operands = verify.make_operands(problem, "cuda", seed=0)
+        jobs += [(problem, name, config, operands) for name, config in _plan(problem, device, options)]
+    started = time.perf_counter()
+    results = compiler.compile_ahead(jobs, device)
+    log.debug("compiled %d candidates of %d problems ahead in %.2f s on up to %d threads", len(results),
+              len(problems), time.perf_counter() - started, compiler.default_workers())
+    failed = {problem.key(): {} for problem in problems}
+    for (problem, *_), result in zip(jobs, results):
+        failed[problem.key()].update(_compile_failures([result]))
+    return failed
+
+
+def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runner, compiled) -> TuneResult:
     started = time.perf_counter()
     runner = runner or LocalRunner(device)
     seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(4), "little")
     runner.start(problem, seed)
     spaces = _spaces(problem, device, options)
-    failed_ahead = _compile_ahead(problem, device, options, spaces, runner)
+    failed_ahead = _compile_ahead(problem, device, options, spaces, runner) if compiled is None else compiled
     trials: list[Trial] = []
 
     def evaluate(backend_name: str, config) -> float | None:
@@ -127,15 +153,17 @@ def select(reference: str | None, timings: dict[str, Timing], costs: dict[str, f
 _COMPILE_FAILURES = (Status.OUT_OF_RESOURCES, Status.COMPILE_ERROR)
 
 
-def _spaces(problem: Problem, device: Device, options: TuneOptions) -> dict[str, list]:
-    """Each available backend's pruned configs for ``problem``, computed once per tuning."""
+def _spaces(problem: Problem, device: Device, options: TuneOptions, quiet: bool = False) -> dict[str, list]:
+    """Each available backend's pruned configs for ``problem`` (and, unless ``quiet``, how many
+    survived in the debug log)."""
     spaces = {}
     for name in options.backends or backends.names():
         backend = backends.get(name)
         if backend.is_available(device):
             spaces[name] = backend.candidates(problem, device)
-            log.debug("%s: %d of its %d configs survive pruning for %s at %d SMs", name, len(spaces[name]),
-                      backend.space_size, problem.describe(), device.sm_count)
+            if not quiet:
+                log.debug("%s: %d of its %d configs survive pruning for %s at %d SMs", name, len(spaces[name]),
+                          backend.space_size, problem.describe(), device.sm_count)
     return spaces
 
 
@@ -145,14 +173,25 @@ def _compile_ahead(problem: Problem, device: Device, options: TuneOptions, space
     runner runs them; the failed ones as Trials keyed by (backend, label)."""
     if not options.compile_ahead or device.interpreter:
         return {}
-    planned = [(name, config.as_dict()) for name, configs in spaces.items() if name != backends.REFERENCE
-               for config in _planned(name, configs, problem, device, options)]
+    planned = _plan(problem, device, options, spaces)
     if len(planned) < 2:
         return {}
     started = time.perf_counter()
     results = runner.compile(planned)
     log.debug("compiled %d candidates ahead in %.2f s on up to %d threads", len(results),
               time.perf_counter() - started, compiler.default_workers())
+    return _compile_failures(results)
+
+
+def _plan(problem: Problem, device: Device, options: TuneOptions, spaces: dict[str, list] | None = None) -> list:
+    """(backend name, config dict) of every Triton candidate the strategy plans to measure."""
+    spaces = _spaces(problem, device, options, quiet=True) if spaces is None else spaces
+    return [(name, config.as_dict()) for name, configs in spaces.items() if name != backends.REFERENCE
+            for config in _planned(name, configs, problem, device, options)]
+
+
+def _compile_failures(results: list) -> dict[tuple[str, str], Trial]:
+    """What compiling ahead answered, as Trials keyed by (backend, label): its compile failures."""
     return {(r.backend, _label(r.backend, r.config)): Trial(r.backend, r.config, r.status, reason=r.reason)
             for r in results if r.status in _COMPILE_FAILURES}
 
