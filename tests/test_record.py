@@ -106,3 +106,26 @@ def test_a_recording_without_a_path_is_kept_in_memory_only(tmp_path, monkeypatch
         gemmtune.matmul(torch.randn(4, 6), torch.randn(6, 2))
     assert seen.problems() == [(Problem(4, 2, 6, "float32", "nn", tf32=False), 1)]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_deferred_miss_is_served_by_cublas_untuned_and_dropped_after(tmp_path, monkeypatch):
+    from gemmtune import dispatch
+
+    monkeypatch.setattr(dispatch, "tune_problem", lambda *a, **k: pytest.fail("tuned while deferring"))
+    dispatcher = Dispatcher(Store(tmp_path / "store"))
+    problem = Problem(7, 40, 33, "float32", "nn")
+    with dispatcher.deferring():
+        kernel = dispatcher.kernel(("test", 0, None), lambda: problem)
+        a, b = torch.randn(7, 33), torch.randn(33, 40)
+        assert torch.allclose(kernel(a, b, None), a @ b)
+        assert dispatcher.kernels  # served again from the dict within the block
+    assert dispatcher.kernels == {} and dispatcher.front == {}
+    tuned = []
+
+    def tune(problem, *args, **kwargs):
+        tuned.append(problem)
+        raise RuntimeError("not here")  # the dispatcher falls back to cuBLAS and says so
+
+    monkeypatch.setattr(dispatch, "tune_problem", tune)
+    dispatcher.kernel(("test", 0, None), lambda: problem)
+    assert tuned == [problem]  # after the block a miss is tuned again

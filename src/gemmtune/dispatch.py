@@ -3,9 +3,11 @@ then (in mode ``tune``) to the tuner; the answer is cached here so the next call
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
+from collections.abc import Iterator
 
 from gemmtune import backends, settings
 from gemmtune.device import Device, current
@@ -25,6 +27,7 @@ class Dispatcher:
         self._store = store
         self._lock = threading.Lock()
         self._capture_misses: set[tuple] = set()
+        self._deferring = False
 
     @property
     def store(self) -> Store:
@@ -54,6 +57,18 @@ class Dispatcher:
                     "call the model once before capturing to capture the tuned kernel", problem.describe())
         _append_miss(problem)
 
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[None]:
+        """While the block runs, a miss is served by cuBLAS instead of being tuned (in every
+        thread), and when it ends every kernel built meanwhile is dropped: ``optimize`` records
+        a model's GEMMs this way, then tunes them together."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+            self.forget()
+
     def forget(self) -> None:
         """Drop built kernels (after the store changed, or in tests)."""
         with self._lock:
@@ -66,6 +81,8 @@ class Dispatcher:
             stored = self.store.get(device.fingerprint(), candidate.key())
             if stored is not None and _serves(stored.backend, problem, device):
                 return backends.build(problem, stored.backend, stored.config, device)
+        if self._deferring:
+            return backends.build(problem, backends.REFERENCE, {}, device)
         if settings.mode() == "lookup":  # logged once: the fallback is cached like any kernel
             log.info("gemmtune: no tuned kernel for %s on this device; using cuBLAS (GEMMTUNE_MODE=lookup)",
                      problem.describe())

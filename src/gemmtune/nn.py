@@ -89,8 +89,8 @@ def tune_model(model: nn.Module, example_inputs: Sequence, *, options: TuneOptio
     if not isinstance(example_inputs, (tuple, list)):
         raise TypeError("optimize(example_inputs=...): expected a tuple or list of the model's positional inputs, "
                         f"got {type(example_inputs).__name__}")
-    with recording.record() as seen, torch.no_grad():
-        model(*example_inputs)
+    with recording.record() as seen, DISPATCHER.deferring(), torch.no_grad():
+        model(*example_inputs)  # served by cuBLAS: the shapes are tuned below, in one batch
     problems = [problem for problem, _ in seen.problems()]
     if current().interpreter:  # CPU layers fall back to torch: nothing to gain from tuning them
         log.warning("gemmtune.optimize: no CUDA GPU, so the %d GEMMs seen are not tuned", len(problems))
