@@ -54,8 +54,9 @@ def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
 
     ``fuse`` folds an activation (ReLU, GELU exact or tanh, SiLU) into the layer before it where
     both sit next to each other in an ``nn.Sequential``. With ``example_inputs`` the model runs
-    once on them (without gradients) and every GEMM it performed is tuned and stored, so the
-    next calls find their kernels; without them, each GEMM is tuned when first seen (or served
+    once on them (without gradients, its GEMMs served by cuBLAS), then every GEMM it performed is
+    tuned, their candidates compiled together, and stored, so the next calls find their kernels;
+    without them, each GEMM is tuned when first seen (or served
     by cuBLAS in ``GEMMTUNE_MODE=lookup``).
     """
     if not isinstance(model, nn.Module):
