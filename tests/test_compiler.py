@@ -156,6 +156,7 @@ def test_a_batch_compiles_every_new_problem_together_and_sorts_failures_back(mon
                 for i, (_, name, config, _) in enumerate(jobs)]
 
     monkeypatch.setattr(compiler, "compile_ahead", compile_ahead)
+    monkeypatch.setattr(tuner, "_free_gpu_bytes", lambda: 1 << 40)
     failed = tuner.compile_batch([first, second], H100)
     (jobs,) = batches  # one batch for both
     assert {p for p, *_ in jobs} == {first, second} and all(ops == (p,) for p, _, _, ops in jobs)
@@ -182,3 +183,12 @@ def test_tune_hands_each_problem_its_part_of_the_batch(monkeypatch, tmp_path):
     gemmtune_tune(problems + [Problem(11, 40, 100, "float32", "nn")], store=tmp_path)
     assert [[p.m for p in new] for new in asked] == [[9, 11]]
     assert handed == {p.key(): {"marker": p.key()} for p in [problems[1], Problem(11, 40, 100, "float32", "nn")]}
+
+
+def test_a_batch_takes_only_the_problems_whose_operands_fit(monkeypatch):
+    small, large = Problem(16, 1024, 1024, "bfloat16"), Problem(8192, 8192, 8192, "bfloat16")
+    monkeypatch.setattr(verify, "make_operands", lambda problem, device, seed: (problem,))
+    monkeypatch.setattr(compiler, "compile_ahead", lambda jobs, device: [
+        compiler.Compiled(name, config, Status.OK) for _, name, config, _ in jobs])
+    monkeypatch.setattr(tuner, "_free_gpu_bytes", lambda: int(small.min_bytes / tuner.BATCH_MEMORY_SHARE) + 1)
+    assert list(tuner.compile_batch([small, large, small], H100)) == [small.key()]  # large: compiled on its own

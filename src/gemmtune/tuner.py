@@ -26,6 +26,9 @@ log = logging.getLogger("gemmtune.tuner")
 
 MIN_GAIN = 0.02  # a win smaller than this is not worth leaving cuBLAS for
 MIN_ROUNDS_FINAL = 20
+# compile_batch keeps its problems' operands (and, in each thread, an output) on the GPU at once:
+# at most this share of the free memory, so a model that nearly fills a small GPU still tunes
+BATCH_MEMORY_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -62,23 +65,36 @@ def compile_batch(problems: list[Problem], device: Device, options: TuneOptions 
     """The planned candidates of every problem compiled in one batch of threads of this process
     (each on operands shaped as its runner's), so a model's shapes compile side by side rather
     than one shape after another; per problem key, the compile failures as ``tune_problem``'s
-    ``compiled``. Empty where compiling ahead is off or nothing would run on a GPU."""
+    ``compiled``. Every problem's operands are alive at once, so the batch takes problems in
+    order while they fit in BATCH_MEMORY_SHARE of the GPU's free memory; the rest are left out
+    (``tune_problem`` compiles each of them on its own). Empty where compiling ahead is off or
+    nothing would run on a GPU."""
     if not options.compile_ahead or device.interpreter or not problems:
         return {}
     from gemmtune import verify
 
-    jobs = []
+    jobs, room, fitting = [], BATCH_MEMORY_SHARE * _free_gpu_bytes(), []
     for problem in problems:
+        room -= problem.min_bytes  # its a, b and output
+        if room < 0:
+            break
+        fitting.append(problem)
         operands = verify.make_operands(problem, "cuda", seed=0)
         jobs += [(problem, name, config, operands) for name, config in _plan(problem, device, options)]
     started = time.perf_counter()
     results = compiler.compile_ahead(jobs, device)
     log.debug("compiled %d candidates of %d problems ahead in %.2f s on up to %d threads", len(results),
-              len(problems), time.perf_counter() - started, compiler.default_workers())
-    failed = {problem.key(): {} for problem in problems}
+              len(fitting), time.perf_counter() - started, compiler.default_workers())
+    failed = {problem.key(): {} for problem in fitting}
     for (problem, *_), result in zip(jobs, results):
         failed[problem.key()].update(_compile_failures([result]))
     return failed
+
+
+def _free_gpu_bytes() -> int:
+    import torch
+
+    return torch.cuda.mem_get_info()[0]
 
 
 def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runner, compiled) -> TuneResult:
