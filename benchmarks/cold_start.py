@@ -22,6 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from gemmtune.device import current
+from gemmtune.problem import Problem
+from gemmtune.tuner import TuneOptions, _plan
+
 CHILD = r"""
 import collections, json, sys, time
 t = {}
@@ -33,7 +37,6 @@ t0 = time.perf_counter(); import gemmtune.backends, gemmtune.verify; t["import_g
 
 from triton.runtime import build
 from triton.backends.nvidia import compiler as nv
-from triton.compiler import compiler as tc
 
 spent = collections.defaultdict(float)
 def timed(owner, name, label):
@@ -49,7 +52,6 @@ def timed(owner, name, label):
 timed(build, "_build", "c_build")
 for stage in ("make_ttir", "make_ttgir", "make_llir", "make_ptx", "make_cubin"):
     timed(nv.CUDABackend, stage, stage)
-timed(tc, "compile", "triton_compile")
 
 from gemmtune import backends, verify
 from gemmtune.device import current
@@ -84,13 +86,13 @@ t["failed"] = [d.reason[:200] for d in done if d.status.value != "ok"]
 print("RESULT", json.dumps(t), flush=True)
 """
 
-PROBLEM_SRC = ("from gemmtune.problem import Problem\n"
-               "PROBLEM = Problem(256, 1024, 1024, 'bfloat16', 'linear', bias=True, activation='relu')\n")
+# the seeds' MLP's first GEMM, which optimize compiles first
+PROBLEM = Problem(256, 1024, 1024, "bfloat16", "linear", bias=True, activation="relu")
 
 
 def child(src: str, args: list[str], cache: str) -> dict:
     env = dict(os.environ, TRITON_CACHE_DIR=cache)
-    code = src.replace("#PROBLEM", PROBLEM_SRC)
+    code = src.replace("#PROBLEM", f"from gemmtune.problem import Problem\nPROBLEM = Problem.from_key({PROBLEM.key()!r})")
     done = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=400)
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT")), None)
     if line is None:
@@ -98,23 +100,13 @@ def child(src: str, args: list[str], cache: str) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def candidates() -> list[tuple[str, dict]]:
-    """The tuner's planned candidates for the seeds' first GEMM (what optimize compiles first)."""
-    from gemmtune.device import current
-    from gemmtune.tuner import TuneOptions, _planned, _spaces
-
-    exec(PROBLEM_SRC, scope := {})
-    problem, device, options = scope["PROBLEM"], current(), TuneOptions()
-    return [(name, c.as_dict()) for name, configs in _spaces(problem, device, options).items()
-            for c in _planned(name, configs, problem, device, options)]
-
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--workers", type=int, nargs="*", default=[8, 4, 1], help="compile threads to try")
     args = parser.parse_args()
-    planned = [c for c in candidates() if c[0] != "cublas"]
+    planned = _plan(PROBLEM, current(), TuneOptions())  # the Triton candidates the tuner compiles ahead
     three = [planned[0], planned[1]] + [c for c in planned if c[0] != planned[0][0]][:1]
     doc = {"kind": "cold_start", "candidates": planned, "cases": []}
     # one process, three kernels (two of one signature, one of another): from an empty cache,

@@ -1,7 +1,8 @@
-"""Compiling ahead: threads of the runner's process build and launch candidates (on the GPU
-where there is one, under the interpreter otherwise, where a launch runs the kernel instead of
-compiling it), failures come back typed, and the tuner plans what to compile and records
-compile failures without building those candidates again."""
+"""Compiling ahead: threads of the runner's process build and launch candidates (on the GPU;
+Triton's interpreter, which runs kernels instead of compiling them, gets nothing, and its tests
+stand a recording kernel in), failures come back typed, a batch takes several problems at once,
+and the tuner plans what to compile and records compile failures without building those
+candidates again."""
 
 import threading
 

@@ -51,17 +51,19 @@ def tune(problems: Problem | Iterable[Problem], *, store: Store | str | Path | N
     options = options or TuneOptions()
     runner = IsolatedRunner(device, device_index=torch.cuda.current_device() if not device.interpreter else 0) \
         if isolate else None
-    new = list({p.key(): p for p in problems if retune or store.get(device.fingerprint(), p.key()) is None}.values())
+    known = {} if retune else {p.key(): store.get(device.fingerprint(), p.key()) for p in problems}
+    new = list({p.key(): p for p in problems if known.get(p.key()) is None}.values())
     # a model's shapes compile side by side; an isolated runner compiles each in its own process
     compiled = compile_batch(new, device, options) if runner is None and len(new) > 1 else {}
     results = []
     try:
         for problem in problems:
-            result = None if retune else store.get(device.fingerprint(), problem.key())
+            result = known.get(problem.key())
             if result is None:
                 result = tune_problem(problem, device, options=options, on_trial=on_trial, runner=runner,
                                       compiled=compiled.get(problem.key()))
                 store.put(result)
+                known[problem.key()] = result  # a problem listed twice is tuned once
             results.append(result)
             if on_result is not None:
                 on_result(result)

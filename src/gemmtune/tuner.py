@@ -103,6 +103,9 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
     seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(4), "little")
     runner.start(problem, seed)
     spaces = _spaces(problem, device, options)
+    for name, configs in spaces.items():
+        log.debug("%s: %d of its %d configs survive pruning for %s at %d SMs", name, len(configs),
+                  backends.get(name).space_size, problem.describe(), device.sm_count)
     failed_ahead = _compile_ahead(problem, device, options, spaces, runner) if compiled is None else compiled
     trials: list[Trial] = []
 
@@ -169,18 +172,10 @@ def select(reference: str | None, timings: dict[str, Timing], costs: dict[str, f
 _COMPILE_FAILURES = (Status.OUT_OF_RESOURCES, Status.COMPILE_ERROR)
 
 
-def _spaces(problem: Problem, device: Device, options: TuneOptions, quiet: bool = False) -> dict[str, list]:
-    """Each available backend's pruned configs for ``problem`` (and, unless ``quiet``, how many
-    survived in the debug log)."""
-    spaces = {}
-    for name in options.backends or backends.names():
-        backend = backends.get(name)
-        if backend.is_available(device):
-            spaces[name] = backend.candidates(problem, device)
-            if not quiet:
-                log.debug("%s: %d of its %d configs survive pruning for %s at %d SMs", name, len(spaces[name]),
-                          backend.space_size, problem.describe(), device.sm_count)
-    return spaces
+def _spaces(problem: Problem, device: Device, options: TuneOptions) -> dict[str, list]:
+    """Each available backend's pruned configs for ``problem``."""
+    return {name: backends.get(name).candidates(problem, device) for name in options.backends or backends.names()
+            if backends.get(name).is_available(device)}
 
 
 def _compile_ahead(problem: Problem, device: Device, options: TuneOptions, spaces: dict[str, list],
@@ -201,7 +196,7 @@ def _compile_ahead(problem: Problem, device: Device, options: TuneOptions, space
 
 def _plan(problem: Problem, device: Device, options: TuneOptions, spaces: dict[str, list] | None = None) -> list:
     """(backend name, config dict) of every Triton candidate the strategy plans to measure."""
-    spaces = _spaces(problem, device, options, quiet=True) if spaces is None else spaces
+    spaces = _spaces(problem, device, options) if spaces is None else spaces
     return [(name, config.as_dict()) for name, configs in spaces.items() if name != backends.REFERENCE
             for config in _planned(name, configs, problem, device, options)]
 
