@@ -124,8 +124,10 @@ def launch_rows(calls: int) -> list[dict]:
     from gemmtune.api import _front_key
     from gemmtune.launch import gemm_guard
 
-    front = _front_key(x, w, None, None)
-    DISPATCHER.front[front] = lambda x, w, bias: out  # the API's front path alone, no launch
+    front = _front_key(x, w, None, None, x.data_ptr(), w.data_ptr(), 0)
+    DISPATCHER.front[front] = lambda x, w, bias, px, pw, pb: out  # the API's front path alone, no launch
+    c_launch = raw.launch  # Triton's C launcher without CudaLauncher.__call__ (launch._raw_launch)
+    assert raw.global_scratch_size == 0 and raw.profile_scratch_size == 0
     ways = {
         "F.linear": lambda: F.linear(x, w),
         "TiledKernel": lambda: wrapper(x, w, None, out=out),
@@ -135,6 +137,9 @@ def launch_rows(calls: int) -> list[dict]:
                                     *ordered),
         "compiled.run, int pointers": lambda: raw(1, 1, 1, stream, compiled.function, compiled.packed_metadata,
                                                   None, None, None, *pointers),
+        "C launcher, int pointers": lambda: c_launch(
+            1, 1, 1, stream, compiled.function, raw.launch_cooperative_grid, raw.launch_pdl, None, None,
+            compiled.packed_metadata, None, None, None, *pointers),
         "compiled.run, data_ptr() per call": lambda: raw(
             1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
             x.data_ptr(), w.data_ptr(), out.data_ptr(), out.data_ptr(), *ordered[4:]),

@@ -60,11 +60,12 @@ def layer_rows(linears, step, tag: str, args) -> list[dict]:
         x, w, b, act = seen[name], module.weight, module.bias, module.activation
         ours_us, torch_us, ratio = paired_us(lambda: module(x), lambda: activation.apply(F.linear(x, w, b), act),
                                              args.calls, args.rounds)
-        front = DISPATCHER.front.get(api._front_key(x, w, b, None if act == "none" else act))
+        front = DISPATCHER.front.get(api._front_key(x, w, b, None if act == "none" else act, x.data_ptr(),
+                                                    w.data_ptr(), 0 if b is None else b.data_ptr()))
         kernel = DISPATCHER.kernels.get(api._key("linear", x, b, x.numel() // x.shape[-1], w.shape[0], w.shape[1],
                                                  act))
         how = ("NOT ON THE FRONT PATH" if front is None
-               else "bound launch" if getattr(front, "__qualname__", "").startswith("front_call")
+               else "bound launch" if getattr(front, "__qualname__", "").startswith("bound_call")
                else "the kernel itself")
         row = {"case": tag, "layer": name, "x_shape": list(x.shape), "x_stride": list(x.stride()),
                "activation": act, "gemmtune_us": ours_us, "torch_us": torch_us, "ratio": ratio,

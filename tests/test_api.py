@@ -168,11 +168,18 @@ def test_a_served_call_takes_the_front_path_and_a_different_one_is_checked_again
         # a kernel that binds its launch to a call's operands gets later calls' addresses
         bound = BindingKernel()
         DISPATCHER.kernels[api._key("linear", x, None, 5, 3, 8, "none")] = bound
-        # (the first call through the wrapper, the next binds; a view of other strides is a new
-        # layout, bound in turn; then a call like the second launches with its own addresses)
+        # (the first call through the wrapper, which binds; the next launches with its own
+        # addresses; a view of other strides is a new key, served by the wrapper and bound in turn)
         operands = [torch.randn(5, 8), torch.randn(5, 8), torch.randn(5, 9)[:, 1:], torch.randn(5, 8)]
         for operand in operands:
             assert torch.allclose(gemmtune.linear(operand, w), F.linear(operand, w), atol=1e-6)
-        assert bound.calls == 3 and bound.launches == [(operands[3].data_ptr(), w.data_ptr())]
+        assert bound.calls == 2
+        assert bound.launches == [(operands[i].data_ptr(), w.data_ptr()) for i in (1, 3)]
+        # an operand 16-byte aligned differently is a new key too: its launch is never bound
+        # to the alignment of another call (Triton specializes on it)
+        storage = torch.randn(41)
+        shifted = storage[1:].view(5, 8)  # 4 bytes past the storage's aligned start
+        assert torch.allclose(gemmtune.linear(shifted, w), F.linear(shifted, w), atol=1e-6)
+        assert bound.calls == 3
     DISPATCHER.forget()
     assert DISPATCHER.front == {}

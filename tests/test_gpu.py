@@ -112,6 +112,25 @@ def test_graph_timing_keeps_host_stalls_out_of_gpu_time():
     assert plain["stalls"].median > 1.0  # ms: without graphs the stall is in the sample
 
 
+def test_the_rounds_that_size_a_measurement_are_samples_and_the_budget_is_wall_time():
+    """The two rounds that price a round are kept as samples, and ``stop`` may end it there;
+    with no budget left a measurement takes its minimum rounds, and a budget buys rounds at
+    what a round costs on the host's clock (a 1 ms kernel plus its flush: a 20 ms budget buys
+    fewer than 20 rounds)."""
+    from gemmtune import bench
+
+    x = torch.randn(256, 256, device="cuda")
+    for min_rounds, expected in ((1, 2), (2, 2), (5, 5)):
+        timing = bench.measure({"mm": lambda: x @ x}, current(), budget_ms=0.0, min_rounds=min_rounds)["mm"]
+        assert len(timing.samples) == expected
+    stopped = bench.measure({"mm": lambda: x @ x}, current(), budget_ms=50.0, min_rounds=10, stop=lambda t: True)
+    assert len(stopped["mm"].samples) == 2  # a stop after the two pricing rounds ends it there
+    big = torch.randn(4096, 4096, device="cuda")
+    rounds = len(bench.measure({"mm": lambda: big @ big}, current(), budget_ms=20.0, min_rounds=2)["mm"].samples)
+    per_call = bench.measure({"mm": lambda: big @ big}, current(), budget_ms=0.0, min_rounds=3)["mm"].median
+    assert 2 <= rounds <= max(2, int(20.0 / per_call))
+
+
 def test_a_candidate_that_syncs_falls_back_to_plain_timing(caplog):
     from gemmtune import bench
 

@@ -171,19 +171,26 @@ def test_a_bound_launch_serves_new_operands_like_the_wrapper(name, config):
     assert seen and verify.rel_err(out.reshape(7, 33), ref) <= verify.tolerance(problem)
 
 
-def test_the_front_path_calls_cublas_linear_itself():
-    """cuBLAS-served linear calls go to F.linear with no gemmtune frame between; a kernel that
-    serves only 2-D x is called as it is for 2-D calls, through a flattening wrapper for 3-D."""
-    from gemmtune.backends.cublas import _linear
-    from gemmtune.launch import any_rank, front_call
+def test_the_front_entry_calls_cublas_linear_itself_and_flattens_only_for_two_d_kernels(monkeypatch):
+    """A cuBLAS-served front entry calls F.linear itself (not the backend's wrapper) on the
+    caller's x of any rank; a kernel that serves only 2-D x is called as it is for 2-D calls,
+    through a flattening wrapper for 3-D. Neither binds: the addresses are not used."""
+    import gemmtune.backends.cublas as cublas
+    from gemmtune.launch import any_rank, front_entry
 
-    assert front_call(_linear) is F.linear and front_call(any_rank(_linear)) is F.linear
+    seen = []
+    monkeypatch.setattr(cublas._linear, "front", lambda a, b, bias: seen.append(a.dim()) or F.linear(a, b, bias))
+    x, w = torch.randn(2, 3, 8), torch.randn(5, 8)
+    for kernel in (cublas._linear, any_rank(cublas._linear)):
+        assert torch.allclose(front_entry(kernel, x, w, None)(x, w, None, 0, 0, 0), F.linear(x, w))
+    assert seen == [3, 3]
     calls = []
 
     def two_d(a, b, bias):
         calls.append(a.dim())
         return F.linear(a, b, bias)
 
-    assert front_call(two_d) is two_d
-    x, w = torch.randn(2, 3, 8), torch.randn(5, 8)
-    assert torch.allclose(front_call(any_rank(two_d))(x, w, None), F.linear(x, w)) and calls == [2]
+    x2 = x.reshape(6, 8)
+    assert torch.allclose(front_entry(two_d, x2, w, None)(x2, w, None, 0, 0, 0), F.linear(x2, w))
+    assert torch.allclose(front_entry(any_rank(two_d), x, w, None)(x, w, None, 0, 0, 0), F.linear(x, w))
+    assert calls == [2, 2]

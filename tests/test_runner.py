@@ -1,19 +1,25 @@
 """The in-process runner: verification before timing, and the early abort of hopeless candidates."""
 
 from gemmtune import bench
-from gemmtune.device import current
+from gemmtune.device import current, interpreter_device
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing
 from gemmtune.runner import ABORT_FACTOR, LocalRunner
 
 
 def test_a_clearly_slower_candidate_is_not_screened_further(monkeypatch):
-    calls = []
-    times = iter([1.0, 1.0, 5.0, 1.2, 1.1])  # cublas: quick + full; slow: quick only; close: quick + full
+    """The measurement's first two rounds decide: a candidate ABORT_FACTOR slower than the best
+    so far stops there; the others are screened in full."""
+    # per candidate: (median of its first two rounds, median once screened in full)
+    medians = iter([(1.0, 1.0), (5.0, 4.0), (1.2, 1.1)])  # cublas, a slow one, a close one
+    stopped = []
 
-    def fake_measure(fns, device, *, budget_ms, min_rounds, **_):
-        calls.append(next(iter(fns)))
-        return {name: Timing((next(times),)) for name in fns}
+    def fake_measure(fns, device, *, budget_ms, min_rounds, stop=None, **_):
+        (name,) = fns
+        first, full = next(medians)
+        early = stop is not None and stop({name: Timing((first,))})
+        stopped.append(early)
+        return {name: Timing((first if early else full,))}
 
     monkeypatch.setattr(bench, "measure", fake_measure)
     runner = LocalRunner(current())
@@ -25,7 +31,24 @@ def test_a_clearly_slower_candidate_is_not_screened_further(monkeypatch):
     close = runner.evaluate("triton_tiled", {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8,
                                              "num_warps": 1, "num_stages": 1}, 40.0)
     assert close.median_ms == 1.1
-    assert [c.split("(")[0] for c in calls] == ["cublas", "cublas", "triton_tiled", "triton_tiled", "triton_tiled"]
+    assert stopped == [False, True, False]
+
+
+def test_measuring_stops_after_two_rounds_when_asked_and_long_rounds_take_fewer():
+    """On the interpreter's timing path (the GPU's is in test_gpu): ``stop`` sees two rounds' samples. And the rounds a measurement
+    takes: its minimum when rounds are cheap, fewer (never under FEWEST_ROUNDS) when the
+    minimum would overrun the budget LONG_ROUNDS times, and what the budget buys otherwise."""
+    seen = []
+    cpu = interpreter_device()
+    timings = bench.measure({"a": lambda: None, "b": lambda: None}, cpu, min_rounds=30,
+                            stop=lambda t: seen.append({k: len(v.samples) for k, v in t.items()}) or True)
+    assert seen == [{"a": 2, "b": 2}] and all(len(t.samples) == 2 for t in timings.values())
+    assert len(bench.measure({"a": lambda: None}, cpu, min_rounds=30, stop=lambda t: False)["a"].samples) == 10
+    assert bench._rounds(budget_ms=45.0, min_rounds=20, per_round_ms=0.5) == 90  # the budget buys more
+    assert bench._rounds(budget_ms=45.0, min_rounds=20, per_round_ms=5.0) == 20  # 100 ms: within 4 budgets
+    assert bench._rounds(budget_ms=45.0, min_rounds=20, per_round_ms=15.0) == 12  # 300 ms: 180 ms buys 12
+    assert bench._rounds(budget_ms=45.0, min_rounds=20, per_round_ms=60.0) == bench.FEWEST_ROUNDS
+    assert bench._rounds(budget_ms=0.5, min_rounds=3, per_round_ms=60.0) == 3  # never above min_rounds
 
 
 def test_a_config_that_does_not_parse_is_a_failed_trial():

@@ -22,7 +22,7 @@ from gemmtune import activation as activations
 from gemmtune import recording as recorder
 from gemmtune.device import current
 from gemmtune.dispatch import DISPATCHER
-from gemmtune.launch import any_rank, front_call
+from gemmtune.launch import any_rank, front_entry
 from gemmtune.problem import ACTIVATIONS, Problem
 from gemmtune.results import Trial, TuneResult
 from gemmtune.store import Store
@@ -30,6 +30,10 @@ from gemmtune.tuner import TuneOptions, compile_batch, tune_problem
 from gemmtune.worker import IsolatedRunner
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_FLOAT32 = torch.float32
+# looked up once: linear's front path calls them on every call
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
 
 
 def tune(problems: Problem | Iterable[Problem], *, store: Store | str | Path | None = None,
@@ -107,17 +111,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``act(F.linear(x, weight, bias))``: x (..., K), weight (N, K), bias (N,) or None;
     ``activation`` one of relu, gelu, gelu_tanh, silu, fused into the kernel's epilogue.
     Differentiable (through ``torch.ops.gemmtune.linear``) when an input requires a gradient."""
-    # The front path: a call like one already served by a kernel (same shapes, dtypes, devices,
-    # bias and activation, TF32 setting for float32) skips every check below, since they passed
-    # then, and goes straight to what served it (launch.front_call).
+    # The front path: a call like one already served by a kernel (same shapes, strides, 16-byte
+    # alignment, dtypes and devices of every operand, same activation and TF32 setting) skips
+    # every check below, since they passed then, and goes straight to what served it, which gets
+    # the operands' addresses too (launch.front_entry). One key, one dict lookup.
     front = None
-    if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) \
-            and (bias is None or isinstance(bias, torch.Tensor)) and not torch.compiler.is_compiling() \
-            and recorder.active() is None and not _needs_grad(x, weight, bias):
-        front = _front_key(x, weight, bias, activation)
-        call = DISPATCHER.front.get(front)
-        if call is not None:
-            return call(x, weight, bias)
+    if not _is_compiling() and recorder.active() is None:
+        try:
+            if not (_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                         or (bias is not None and bias.requires_grad))):
+                px, pw = x.data_ptr(), weight.data_ptr()
+                pb = 0 if bias is None else bias.data_ptr()
+                front = _front_key(x, weight, bias, activation, px, pw, pb)
+        except (AttributeError, TypeError, RuntimeError):  # not tensors, or no storage: checked below
+            front = None
+        else:
+            call = DISPATCHER.front.get(front)
+            if call is not None:
+                return call(x, weight, bias, px, pw, pb)
     act = "none" if activation is None else activation
     if act not in ACTIVATIONS:
         raise ValueError(f"linear: activation={activation!r} is not supported; accepted: None, "
@@ -144,9 +155,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _linear(x, weight, bias, act, x_shape, n, k, front)
 
 
-def _front_key(x: torch.Tensor, weight: torch.Tensor, bias, activation) -> tuple:
-    return (x.shape, weight.shape, x.dtype, weight.dtype, x.get_device(), weight.get_device(), activation,
-            _uses_tf32(x), None if bias is None else (bias.shape, bias.dtype, bias.get_device()))
+def _front_key(x, weight, bias, activation, px: int, pw: int, pb: int) -> tuple:
+    """What linear's front path is keyed by: everything a served call's checks and its kernel's
+    launch depend on (``px``, ``pw``, ``pb``: the operands' addresses, pb 0 without a bias)."""
+    dtype = x.dtype
+    return (x.shape, x.stride(), dtype, x.get_device(), px & 15, weight.shape, weight.stride(), weight.dtype,
+            weight.get_device(), pw & 15, activation, dtype is _FLOAT32 and _tf32_allowed(),
+            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device(), pb & 15))
 
 
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
@@ -185,7 +200,7 @@ def _run(layout: str, a, b, bias, m: int, n: int, k: int, act: str, front: tuple
     served = kernel if a.dim() == 2 else any_rank(kernel)
     out = served(a, b, bias)
     if front is not None:  # later calls like this one (of this rank too) take linear's front path
-        DISPATCHER.front[front] = front_call(served)
+        DISPATCHER.front[front] = front_entry(served, a, b, bias)
     return out
 
 
@@ -195,9 +210,13 @@ def _record(layout: str, a: torch.Tensor, bias, m: int, n: int, k: int, act: str
         recording.add(m, n, k, _DTYPE_NAMES[a.dtype], layout, bias is not None, _uses_tf32(a), act)
 
 
+def _tf32_allowed() -> bool:
+    return torch.get_float32_matmul_precision() != "highest"
+
+
 def _uses_tf32(a: torch.Tensor) -> bool:
     """Whether cuBLAS may run this float32 product in TF32 now: part of what the call is keyed by."""
-    return a.dtype is torch.float32 and torch.get_float32_matmul_precision() != "highest"
+    return a.dtype is _FLOAT32 and _tf32_allowed()
 
 
 def _torch_mm(a, b, bias):

@@ -28,6 +28,8 @@ log = logging.getLogger("gemmtune.bench")
 
 MIN_ROUNDS = 10
 MAX_ROUNDS = 200
+FEWEST_ROUNDS = 5
+LONG_ROUNDS = 4  # min_rounds may overrun the budget this many times before long rounds take fewer
 # At least twice the L2, and no less than triton's do_bench (256 MiB): zeroing it also keeps the
 # GPU busy for tens of microseconds, so the host's launch path of the next call is hidden and
 # the events time the kernel alone. Host cost is judged separately (host_loop_ms).
@@ -35,8 +37,14 @@ MIN_FLUSH_BYTES = 256 << 20
 
 
 def measure(fns: Mapping[str, Callable[[], object]], device: Device, *, budget_ms: float = 400.0,
-            min_rounds: int = MIN_ROUNDS, seed: int = 0, graphs: bool = True) -> dict[str, Timing]:
-    """Time each zero-argument callable; returns their samples in milliseconds.
+            min_rounds: int = MIN_ROUNDS, seed: int = 0, graphs: bool = True,
+            stop: Callable[[dict[str, Timing]], bool] | None = None) -> dict[str, Timing]:
+    """Time each zero-argument callable; returns their samples in milliseconds. ``budget_ms``
+    of wall time, at least ``min_rounds`` rounds, except that rounds too long to take that
+    many within LONG_ROUNDS budgets take fewer (at least FEWEST_ROUNDS, or min_rounds if fewer):
+    samples of a millisecond-long kernel vary by a fraction of a percent, and on a small GPU
+    twenty of them cost seconds. ``stop(timings)``, if given, sees the first two rounds and
+    ends the measurement there when it answers True (a candidate that cannot win).
 
     ``graphs`` replays each callable from a CUDA graph (GPU time alone); False times plain calls.
     """
@@ -50,24 +58,46 @@ def measure(fns: Mapping[str, Callable[[], object]], device: Device, *, budget_m
     gc.disable()
     try:
         if device.interpreter:
-            return _measure_cpu(fns, rounds=max(3, min_rounds // 3), seed=seed)
+            return _measure_cpu(fns, rounds=max(3, min_rounds // 3), seed=seed, stop=stop)
         runners = graphed(fns) if graphs else dict(fns)
-        return _measure_cuda(runners, device, budget_ms=budget_ms, min_rounds=min_rounds, seed=seed)
+        return _measure_cuda(runners, device, budget_ms=budget_ms, min_rounds=min_rounds, seed=seed, stop=stop)
     finally:
         if was_enabled:
             gc.enable()
 
 
-def _measure_cuda(fns, device, *, budget_ms, min_rounds, seed) -> dict[str, Timing]:
+def _measure_cuda(fns, device, *, budget_ms, min_rounds, seed, stop) -> dict[str, Timing]:
+    """Two rounds first, timed on the host's clock: what a round really costs (the flush
+    included, which takes longer on fewer SMs), so the rest fills ``budget_ms`` of wall time
+    at any SM count. Those two rounds are samples too."""
     import torch
 
     flush = torch.empty(max(2 * device.l2_bytes, MIN_FLUSH_BYTES) // 4, dtype=torch.int32, device="cuda")
     for fn in fns.values():  # warm-up: compiles, loads modules, creates handles
         fn()
-    estimate = _cuda_round(fns, flush, rounds=2, rng=random.Random(seed))
-    per_round = sum(min(t) for t in estimate.values()) + 0.08 * len(fns)  # + flush cost, roughly
-    rounds = int(min(MAX_ROUNDS, max(min_rounds, budget_ms / max(per_round, 1e-3))))
-    samples = _cuda_round(fns, flush, rounds=rounds, rng=random.Random(seed + 1))
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    samples = _cuda_round(fns, flush, rounds=2, rng=random.Random(seed))
+    per_round_ms = (time.perf_counter() - started) * 1e3 / 2
+    if stop is not None and stop(_timings(samples)):
+        return _timings(samples)
+    rounds = _rounds(budget_ms, min_rounds, per_round_ms)
+    if rounds > 2:
+        more = _cuda_round(fns, flush, rounds=rounds - 2, rng=random.Random(seed + 1))
+        samples = {name: samples[name] + more[name] for name in samples}
+    return _timings(samples)
+
+
+def _rounds(budget_ms: float, min_rounds: int, per_round_ms: float) -> int:
+    """How many rounds a measurement takes in all (see ``measure``)."""
+    per_round_ms = max(per_round_ms, 1e-3)
+    floor = min_rounds
+    if min_rounds * per_round_ms > LONG_ROUNDS * budget_ms:
+        floor = max(min(min_rounds, FEWEST_ROUNDS), int(LONG_ROUNDS * budget_ms / per_round_ms))
+    return int(min(MAX_ROUNDS, max(floor, budget_ms / per_round_ms)))
+
+
+def _timings(samples: dict[str, list[float]]) -> dict[str, Timing]:
     return {name: Timing(tuple(s)) for name, s in samples.items()}
 
 
@@ -164,19 +194,21 @@ def _cuda_round(fns, flush, *, rounds: int, rng: random.Random) -> dict[str, lis
     return {name: [s.elapsed_time(e) for s, e in pairs] for name, pairs in events.items()}
 
 
-def _measure_cpu(fns, *, rounds: int, seed: int) -> dict[str, Timing]:
+def _measure_cpu(fns, *, rounds: int, seed: int, stop) -> dict[str, Timing]:
     rng = random.Random(seed)
     names = list(fns)
     for fn in fns.values():
         fn()
     samples = {name: [] for name in names}
-    for _ in range(rounds):
+    for done in range(rounds):
+        if done == 2 and stop is not None and stop(_timings(samples)):
+            break
         rng.shuffle(names)
         for name in names:
             t0 = time.perf_counter()
             fns[name]()
             samples[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: Timing(tuple(s)) for name, s in samples.items()}
+    return _timings(samples)
 
 
 def host_loop_ms(fn: Callable[[], object], device: Device, *, calls: int = 100, repeats: int = 3) -> float:

@@ -46,9 +46,8 @@ class Launcher:
                 constexprs = {**constexprs, **self._specialize(scalars)}
             self._jit(grid, guard, (*tensors, *scalars), constexprs)
             return
-        run, function, metadata, tail = binary
-        run(grid[0], grid[1], grid[2], self._stream(guard[0]), function, metadata, None, None, None,
-            *pointers, *scalars, *tail)
+        run, function, prefix, tail = binary
+        run(grid[0], grid[1], grid[2], self._stream(guard[0]), function, *prefix, *pointers, *scalars, *tail)
 
     def _jit(self, grid, guard, args, constexprs) -> None:
         compiled = self._fn[grid](*args, **constexprs)
@@ -66,19 +65,19 @@ class Launcher:
                 from triton.runtime import driver
 
                 self._stream = driver.active.get_current_stream
-            self._binaries[guard] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
+            self._binaries[guard] = (*_raw_launch(compiled), tail)
 
     def direct(self, guard: tuple, grid: tuple[int, int, int], scalars: Sequence) -> tuple | None:
         """What launching the binary of ``guard`` with ``grid`` and ``scalars`` takes besides the
         tensors' addresses, for ``bound_call``: (its launcher, the grid, the current-stream
-        query and the device to ask it for, the function, its metadata, the arguments after the
-        tensors, Triton's runtime knobs where launch hooks are set). None while the guard has no
+        query and the device to ask it for, the function, what the launch takes before the
+        tensors' addresses (``_raw_launch``), the arguments after them, Triton's runtime knobs where launch hooks are set). None while the guard has no
         binary (before its first call; the interpreter)."""
         binary = self._binaries.get(guard)
         if binary is None:
             return None
-        run, function, metadata, tail = binary
-        return run, grid, self._stream, guard[0], function, metadata, (*scalars, *tail), self._hooks
+        run, function, prefix, tail = binary
+        return run, grid, self._stream, guard[0], function, prefix, (*scalars, *tail), self._hooks
 
     def hooked(self) -> bool:
         """Whether a launch hook (a profiler's) is set: launches then go through the JIT."""
@@ -87,6 +86,20 @@ class Launcher:
     def binaries(self) -> int:
         """How many guards launch directly (for tests and diagnostics)."""
         return len(self._binaries)
+
+
+def _raw_launch(compiled) -> tuple:
+    """(launch, the function, what the launch takes between the stream and the function's own
+    arguments) for a compiled kernel: Triton's C launcher itself where the kernel needs no
+    scratch memory, skipping the Python ``CudaLauncher.__call__`` in front of it (it builds
+    scratch allocators on every call: about a microsecond of host time), else that ``run``. The
+    ``None``s are the launch metadata and the enter and exit hooks (see ``Launcher.hooked``)."""
+    run = compiled.run
+    head = (compiled.packed_metadata, None, None, None)
+    raw = getattr(run, "launch", None)
+    if raw is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return run, compiled.function, head
+    return raw, compiled.function, (run.launch_cooperative_grid, run.launch_pdl, None, None, *head)
 
 
 def gemm_call(a, b, bias, out, linear: bool) -> tuple:
@@ -140,32 +153,24 @@ def any_rank(kernel):
     return flattening
 
 
-def front_call(kernel):
-    """What ``api.linear``'s front path calls, as ``call(x, weight, bias)``, for calls like one
-    ``kernel`` served (x of that call's rank): the kernel itself, or, where it can ``bind`` its launch
-    to one call's operands (the launch arguments computed once instead of per call, from the
-    strides and 16-byte alignment its guard holds), a call that keeps one bound launch per such
-    layout and passes it only the addresses. The layout key costs about a microsecond, so
-    kernels without ``bind`` (cuBLAS) skip it, and a kernel's ``front`` (cuBLAS's F.linear) is
-    called in its place. The tuner times candidates' host cost this way."""
+def front_entry(kernel, x, weight, bias) -> Callable:
+    """What ``api.linear``'s front path calls, as ``call(x, weight, bias, px, pw, pbias)`` with
+    the operands' addresses (pbias 0 without a bias), for calls like this one, which ``kernel``
+    (x of this call's rank) has just served: the front path's key fixes shapes, strides, dtypes,
+    devices and 16-byte alignment, everything a launch depends on. Where the kernel can ``bind``
+    its launch to these operands, that bound launch (nothing recomputed per call but the
+    output); else the kernel, or its cheaper ``front`` (cuBLAS's F.linear). The tuner times
+    candidates' host cost through this same call."""
     bind = getattr(kernel, "bind", None)
-    if bind is None:
-        return getattr(kernel, "front", kernel)  # a kernel may name a cheaper call of its own
-    launches: dict[tuple, Callable] = {}
+    launch = None if bind is None else bind(x, weight, bias)
+    if launch is not None:
+        return launch
+    call = getattr(kernel, "front", kernel)
 
-    def call(x, weight, bias):
-        px, pw, pb = x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr()
-        layout = (x.stride(), px & 15, weight.stride(), pw & 15, None if bias is None else (bias.stride(), pb & 15))
-        launch = launches.get(layout)
-        if launch is not None:
-            return launch(x, weight, bias, px, pw, pb)
-        out = kernel(x, weight, bias)  # the wrapper's own path: the binary exists after it
-        launch = bind(x, weight, bias)
-        if launch is not None:
-            launches[layout] = launch
-        return out
+    def unbound(x, weight, bias, px: int, pw: int, pbias: int):
+        return call(x, weight, bias)
 
-    return call
+    return unbound
 
 
 def bind_gemm(kernel, launcher: Launcher, a, b, bias, linear: bool) -> Callable | None:
@@ -188,7 +193,7 @@ def bound_call(kernel, direct: tuple, out_shape: tuple, has_bias: bool, *scratch
     output, launches the binary with the operands' addresses (the output's in the bias slot
     without one), then ``scratch`` (the addresses of the kernel's own buffers), and goes through
     ``kernel`` itself while a launch hook is set. One Python frame per call: every hit pays it."""
-    run, (gx, gy, gz), stream, device, function, metadata, rest, hooks = direct
+    run, (gx, gy, gz), stream, device, function, prefix, rest, hooks = direct
     rest = (*scratch, *rest)
 
     def call(a, b, bias, pa: int, pb: int, pbias: int):
@@ -196,8 +201,7 @@ def bound_call(kernel, direct: tuple, out_shape: tuple, has_bias: bool, *scratch
             return kernel(a, b, bias)
         out = a.new_empty(out_shape)
         po = out.data_ptr()
-        run(gx, gy, gz, stream(device), function, metadata, None, None, None, pa, pb, po, pbias if has_bias else po,
-            *rest)
+        run(gx, gy, gz, stream(device), function, *prefix, pa, pb, po, pbias if has_bias else po, *rest)
         return out
 
     return call

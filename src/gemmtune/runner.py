@@ -14,14 +14,14 @@ from collections.abc import Callable, Iterator
 from gemmtune import backends, bench, compiler, verify
 from gemmtune.compiler import Compiled
 from gemmtune.device import Device
-from gemmtune.launch import front_call
+from gemmtune.launch import front_entry
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing, Trial
 
 log = logging.getLogger("gemmtune.runner")
 
 HOST_BOUND_MS = 0.1  # below this a call's cost is checked with a back-to-back loop too
-# A candidate whose first few calls are this much slower than the best so far is not screened
+# A candidate whose first two rounds are this much slower than the best so far is not screened
 # further: it cannot become a finalist, and full screening would cost most of the time.
 ABORT_FACTOR = 1.5
 
@@ -75,10 +75,10 @@ class LocalRunner:
         if not trial.ok:
             return trial
         label = trial.label()
-        fn = {label: self._bound(label)}
-        timing = bench.measure(fn, self.device, budget_ms=screen_budget_ms / 8, min_rounds=2)[label]
-        if timing.median < ABORT_FACTOR * self._best_ms:  # a contender: screen it properly
-            timing = bench.measure(fn, self.device, budget_ms=screen_budget_ms, min_rounds=3)[label]
+        best = self._best_ms
+        # after two rounds, a candidate far slower than the best so far is not screened further
+        timing = bench.measure({label: self._bound(label)}, self.device, budget_ms=screen_budget_ms, min_rounds=3,
+                               stop=lambda timings: timings[label].median >= ABORT_FACTOR * best)[label]
         self._best_ms = min(self._best_ms, timing.median)
         return Trial(backend_name, trial.config, Status.OK, timing=timing, rel_err=trial.rel_err)
 
@@ -122,8 +122,10 @@ class LocalRunner:
         if self.device.interpreter or timing.median >= HOST_BOUND_MS:
             return timing.median
         if self._problem.layout == "linear":
-            front, inputs = front_call(self._ready[label][0]), self._inputs
-            call = lambda: front(inputs.a, inputs.b, inputs.bias)  # noqa: E731
+            a, b, bias = self._inputs.a, self._inputs.b, self._inputs.bias
+            front = front_entry(self._ready[label][0], a, b, bias)
+            pa, pb, pbias = a.data_ptr(), b.data_ptr(), 0 if bias is None else bias.data_ptr()
+            call = lambda: front(a, b, bias, pa, pb, pbias)  # noqa: E731
         else:
             call = self._bound(label)
         return max(timing.median, bench.host_loop_ms(call, self.device))

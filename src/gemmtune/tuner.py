@@ -36,8 +36,10 @@ class TuneOptions:
     strategy: str = "topk"  # how each backend's space is searched (gemmtune.search.STRATEGIES)
     budget: search.Budget = search.Budget()  # per backend whose configs the cost model ranks
     finalists: int = 4  # candidates re-measured beside cuBLAS after screening
-    screen_budget_ms: float = 6.0  # each candidate's own screening measurement
-    final_budget_ms: float = 60.0  # the finalists side by side, at least MIN_ROUNDS_FINAL rounds
+    # Wall time on the host's clock (flushes included: bench._measure_cuda); on 132 SMs these
+    # spend what the GPU-time budgets of 6 and 60 ms spent before
+    screen_budget_ms: float = 4.5  # each candidate's own screening measurement
+    final_budget_ms: float = 45.0  # the finalists side by side, at least MIN_ROUNDS_FINAL rounds
     backends: tuple[str, ...] | None = None  # None: every registered backend
     seed: int | None = None  # inputs' seed; None draws fresh random inputs
     compile_ahead: bool = True  # compile the planned candidates in parallel first (GPU only)

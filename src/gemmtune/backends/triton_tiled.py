@@ -24,13 +24,16 @@ MAX_ELEMENTS = 2**31 - 1  # the kernel indexes in int32
 TILES = (
     (128, 256, 64, 8), (256, 128, 64, 8), (128, 128, 64, 8), (128, 128, 64, 4), (128, 128, 32, 4),
     (64, 256, 64, 8), (256, 64, 64, 8), (64, 128, 64, 4), (128, 64, 64, 4), (64, 64, 64, 4),
-    (64, 64, 32, 4), (32, 128, 64, 4), (32, 64, 64, 4), (32, 32, 64, 2), (16, 256, 64, 4),
+    (64, 64, 32, 4), (64, 32, 64, 4), (32, 128, 64, 4), (32, 64, 64, 4), (32, 32, 64, 2), (16, 256, 64, 4),
     (16, 128, 128, 4), (16, 64, 128, 4), (16, 64, 256, 4), (16, 32, 128, 2), (16, 16, 64, 2),
 )
 STAGE_CHOICES = (3, 4)
 # The thin tiles stream weights (decode): on the H200 a fourth stage beat a third by 7-16% on
-# qkv decode (tests/data/h200-tiled-trials.json), so they also get a fifth.
+# qkv decode (tests/data/h200-tiled-trials.json), so they also get a fifth; so do tiles of at
+# most 64x32, whose short K loops on small problems (blog-mlp in float32: 64x32x64 on five
+# stages 10.6 us against 11.2 on four, small-h200-20261122-sweep.json) want loads in flight.
 STREAMING_STAGES = (5,)
+SMALL_TILE = 64 * 32
 INTERPRETER_TILES = ((16, 16, 16, 1), (32, 32, 32, 1), (16, 32, 64, 1))
 
 
@@ -66,6 +69,11 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+def _deep(block_m: int, block_n: int) -> bool:
+    """Whether a tile also gets STREAMING_STAGES: the thin ones and the small ones."""
+    return block_m == 16 or block_m * block_n <= SMALL_TILE
+
+
 def _tiles(problem: Problem, config: TiledConfig) -> int:
     return -(-problem.m // config.block_m) * -(-problem.n // config.block_n)
 
@@ -87,7 +95,7 @@ def space(problem: Problem, device: Device) -> list[TiledConfig]:
     for bm, bn, bk, warps in tiles:
         if bm > fit_m or bn > fit_n or bk > fit_k:
             continue
-        for s in stages + (STREAMING_STAGES if bm == 16 and not device.interpreter else ()):
+        for s in stages + (STREAMING_STAGES if _deep(bm, bn) and not device.interpreter else ()):
             config = TiledConfig(bm, bn, bk, 8, warps, s)
             if config.smem_bytes(problem.element_size) > device.smem_per_block:
                 continue
@@ -138,7 +146,7 @@ class TiledKernel:
 
 class TritonTiledBackend:
     name = "triton_tiled"
-    space_size = len(TILES) * len(STAGE_CHOICES) + sum(t[0] == 16 for t in TILES) * len(STREAMING_STAGES)
+    space_size = len(TILES) * len(STAGE_CHOICES) + sum(_deep(t[0], t[1]) for t in TILES) * len(STREAMING_STAGES)
 
     def is_available(self, device: Device) -> bool:
         return triton_importable() and (device.interpreter or device.capability >= (7, 0))
