@@ -152,6 +152,8 @@ def test_a_served_call_takes_the_front_path_and_a_different_one_is_checked_again
             gemmtune.linear(torch.randn(5, 9), w, bias, activation="relu")
         with pytest.raises(ValueError, match="activation='tanh'"):
             gemmtune.linear(x, w, bias, activation="tanh")
+        with pytest.raises(ValueError, match=r"activation=\['relu'\]"):  # unhashable: no front-path key
+            gemmtune.linear(x, w, bias, activation=["relu"])
         # a model's 3-D activations: served as (B*T, K) by the same kernel, from the front path
         x3 = torch.randn(2, 3, 8)
         DISPATCHER.kernels[api._key("linear", x3, bias, 6, 3, 8, "none")] = kernel

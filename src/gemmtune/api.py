@@ -115,7 +115,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # alignment, dtypes and devices of every operand, same activation and TF32 setting) skips
     # every check below, since they passed then, and goes straight to what served it, which gets
     # the operands' addresses too (launch.front_entry). One key, one dict lookup.
-    front = None
+    front = call = None
     if not _is_compiling() and recorder.active() is None:
         try:
             if not (_grad_enabled() and (x.requires_grad or weight.requires_grad
@@ -123,12 +123,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                 px, pw = x.data_ptr(), weight.data_ptr()
                 pb = 0 if bias is None else bias.data_ptr()
                 front = _front_key(x, weight, bias, activation, px, pw, pb)
-        except (AttributeError, TypeError, RuntimeError):  # not tensors, or no storage: checked below
-            front = None
-        else:
-            call = DISPATCHER.front.get(front)
-            if call is not None:
-                return call(x, weight, bias, px, pw, pb)
+                call = DISPATCHER.front.get(front)
+        except (AttributeError, TypeError, RuntimeError):  # not tensors, no storage, an unhashable
+            front = call = None                               # activation: the checks below say which
+        if call is not None:
+            return call(x, weight, bias, px, pw, pb)
     act = "none" if activation is None else activation
     if act not in ACTIVATIONS:
         raise ValueError(f"linear: activation={activation!r} is not supported; accepted: None, "

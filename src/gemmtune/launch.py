@@ -71,8 +71,9 @@ class Launcher:
         """What launching the binary of ``guard`` with ``grid`` and ``scalars`` takes besides the
         tensors' addresses, for ``bound_call``: (its launcher, the grid, the current-stream
         query and the device to ask it for, the function, what the launch takes before the
-        tensors' addresses (``_raw_launch``), the arguments after them, Triton's runtime knobs where launch hooks are set). None while the guard has no
-        binary (before its first call; the interpreter)."""
+        addresses (``_raw_launch``), the arguments after them, Triton's runtime knobs where
+        launch hooks are set). None while the guard has no binary (before its first call; the
+        interpreter)."""
         binary = self._binaries.get(guard)
         if binary is None:
             return None
