@@ -173,11 +173,13 @@ def main() -> int:
         print("decode.py needs a CUDA GPU", file=sys.stderr)
         return 2
     device = current()
+    torch.set_float32_matmul_precision("high")  # fp32 rows in TF32 for every column, as the suite times them
     named = [n for n in shapes.load(args.shapes, tf32=True)
              if (n.name in args.only if args.only else n.group == "decode")]
     doc = {"kind": "decode", "device": device.name, "sm_count": device.sm_count, "torch": torch.__version__,
            "triton": triton.__version__, "gemmtune": gemmtune.__version__,
-           "date": datetime.date.today().isoformat(), "copy_tbps": copy_tbps(), "read_tbps": read_tbps(), "rows": []}
+           "date": datetime.date.today().isoformat(), "copy_tbps": copy_tbps(), "read_tbps": read_tbps(),
+           "float32_matmul_precision": "high", "rows": []}
     print(f"copy {doc['copy_tbps']:.2f} TB/s (read + written), read {doc['read_tbps']:.2f} TB/s", flush=True)
     with IsolatedRunner(device) as runner, torch.no_grad():
         for item in named:

@@ -129,3 +129,26 @@ def test_a_deferred_miss_is_served_by_cublas_untuned_and_dropped_after(tmp_path,
     monkeypatch.setattr(dispatch, "tune_problem", tune)
     dispatcher.kernel(("test", 0, None), lambda: problem)
     assert tuned == [problem]  # after the block a miss is tuned again
+
+
+def test_deferring_holds_back_tuning_in_its_own_thread_only(tmp_path, monkeypatch):
+    """A server thread's miss is tuned as usual while another thread runs optimize's example."""
+    import threading
+
+    from gemmtune import dispatch
+
+    tuned = []
+
+    def tune(problem, *args, **kwargs):
+        tuned.append(problem)
+        raise RuntimeError("not here")  # the dispatcher falls back to cuBLAS
+
+    monkeypatch.setattr(dispatch, "tune_problem", tune)
+    dispatcher = Dispatcher(Store(tmp_path / "store"))
+    mine, theirs = Problem(7, 40, 33, "float32", "nn"), Problem(9, 40, 33, "float32", "nn")
+    with dispatcher.deferring():
+        dispatcher.kernel(("mine", 0, None), lambda: mine)
+        other = threading.Thread(target=lambda: dispatcher.kernel(("theirs", 0, None), lambda: theirs))
+        other.start()
+        other.join()
+    assert tuned == [theirs]

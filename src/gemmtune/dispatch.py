@@ -27,7 +27,7 @@ class Dispatcher:
         self._store = store
         self._lock = threading.Lock()
         self._capture_misses: set[tuple] = set()
-        self._deferring = False
+        self._local = threading.local()  # .deferring: this thread is inside deferring()
 
     @property
     def store(self) -> Store:
@@ -59,14 +59,14 @@ class Dispatcher:
 
     @contextlib.contextmanager
     def deferring(self) -> Iterator[None]:
-        """While the block runs, a miss is served by cuBLAS instead of being tuned (in every
-        thread), and when it ends every kernel built meanwhile is dropped: ``optimize`` records
-        a model's GEMMs this way, then tunes them together."""
-        self._deferring = True
+        """While the block runs, a miss in this thread is served by cuBLAS instead of being
+        tuned (other threads tune theirs as usual), and when it ends every kernel built meanwhile
+        is dropped: ``optimize`` records a model's GEMMs this way, then tunes them together."""
+        self._local.deferring = True
         try:
             yield
         finally:
-            self._deferring = False
+            self._local.deferring = False
             self.forget()
 
     def forget(self) -> None:
@@ -81,7 +81,7 @@ class Dispatcher:
             stored = self.store.get(device.fingerprint(), candidate.key())
             if stored is not None and _serves(stored.backend, problem, device):
                 return backends.build(problem, stored.backend, stored.config, device)
-        if self._deferring:
+        if getattr(self._local, "deferring", False):
             return backends.build(problem, backends.REFERENCE, {}, device)
         if settings.mode() == "lookup":  # logged once: the fallback is cached like any kernel
             log.info("gemmtune: no tuned kernel for %s on this device; using cuBLAS (GEMMTUNE_MODE=lookup)",
