@@ -66,7 +66,7 @@ def layer_rows(linears, step, tag: str, args) -> list[dict]:
                                                  act))
         how = ("NOT ON THE FRONT PATH" if front is None
                else "bound launch" if getattr(front, "__qualname__", "").startswith("bound_call")
-               else "the kernel itself")
+               else "the kernel's own call")
         row = {"case": tag, "layer": name, "x_shape": list(x.shape), "x_stride": list(x.stride()),
                "activation": act, "gemmtune_us": ours_us, "torch_us": torch_us, "ratio": ratio,
                "kernel": f"{type(kernel).__name__}, {how}"}
