@@ -61,3 +61,19 @@ def test_activation_after_the_cut(act):
     inputs = verify.make_inputs(problem, DEVICE)
     kernel = get("cublas_padded").build(problem, PaddedConfig(8), current())
     assert verify.check(kernel, problem, inputs) <= verify.tolerance(problem)
+
+
+@pytest.mark.parametrize("src_shape, stride, rows, cols", [((5, 12), 12, 7, 16), ((6, 8), 20, 4, 6), ((3, 4), 4, 3, 12)])
+def test_the_flat_copy_cuts_and_zero_fills_rows_aligned_to_four(src_shape, stride, rows, cols):
+    """Sources and destinations whose rows start every 4 elements take the flat copy (sizes as
+    constants): a contiguous source, a view with wider rows, cut or padded in either dimension."""
+    from gemmtune.backends.cublas_padded import _rows_aligned_to, copy_padded
+
+    src = torch.randn(src_shape[0], stride, device=DEVICE)[:, :src_shape[1]]
+    assert _rows_aligned_to(src, 4)
+    dst = copy_padded(src, rows, cols)
+    expected = torch.zeros(rows, cols, device=DEVICE)
+    r, c = min(rows, src_shape[0]), min(cols, src_shape[1])
+    expected[:r, :c] = src[:r, :c]
+    assert torch.equal(dst, expected)
+    assert not _rows_aligned_to(torch.randn(8, 12).t(), 4) and not _rows_aligned_to(torch.randn(4, 6), 4)
