@@ -77,3 +77,19 @@ def test_the_flat_copy_cuts_and_zero_fills_rows_aligned_to_four(src_shape, strid
     expected[:r, :c] = src[:r, :c]
     assert torch.equal(dst, expected)
     assert not _rows_aligned_to(torch.randn(8, 12).t(), 4) and not _rows_aligned_to(torch.randn(4, 6), 4)
+
+
+def test_copies_too_large_for_int32_offsets_go_through_torch(monkeypatch):
+    """Past the kernels' int32 offsets (here a limit lowered to 30 elements) the copy is torch's:
+    the same cut and zero fill, never an offset that wrapped around."""
+    import gemmtune.backends.cublas_padded as padded
+    import gemmtune.kernels.pad as kernels
+
+    monkeypatch.setattr(padded, "INDEX_LIMIT", 30)
+    for name in ("pad_copy", "pad_copy_flat"):  # neither kernel may run
+        monkeypatch.setattr(kernels, name, None)
+    src = torch.randn(6, 8, device=DEVICE)
+    dst = padded.copy_padded(src, 5, 12)
+    expected = torch.zeros(5, 12, device=DEVICE)
+    expected[:, :8] = src[:5]
+    assert torch.equal(dst, expected)

@@ -42,6 +42,7 @@ def padded_size(size: int, step: int, align: int) -> int:
 
 BLOCK_R, BLOCK_C = 16, 256
 FLAT_BLOCK, FLAT_WARPS = 4096, 8
+INDEX_LIMIT = 2**31 - 1  # the copy kernels compute element offsets in int32
 
 
 def copy_padded(src: torch.Tensor, rows: int, cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,6 +57,11 @@ def copy_padded(src: torch.Tensor, rows: int, cols: int, out: torch.Tensor | Non
 
     dst = torch.empty((rows, cols), dtype=src.dtype, device=src.device) if out is None else out
     assert dst.shape == (rows, cols) and dst.stride(1) == 1, "the destination's rows must be contiguous"
+    if max(src.shape[0] * src.stride(0), src.shape[1] * src.stride(1), rows * dst.stride(0)) > INDEX_LIMIT:
+        r, c = min(rows, src.shape[0]), min(cols, src.shape[1])  # too large for int32 offsets: torch copies
+        dst.zero_()
+        dst[:r, :c].copy_(src[:r, :c])
+        return dst
     if _rows_aligned_to(src, 4) and _rows_aligned_to(dst, 4):
         total = rows * cols
         pad_copy_flat[(-(-total // FLAT_BLOCK),)](src, dst, src.shape[0], total, SRC_COLS=src.shape[1], DST_COLS=cols,
