@@ -48,11 +48,12 @@ INDEX_LIMIT = 2**31 - 1  # the copy kernels compute element offsets in int32
 def copy_padded(src: torch.Tensor, rows: int, cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """``src`` copied into a contiguous (rows, cols) tensor: cut where smaller, zeros where larger.
 
-    Where the source's rows start every 4 or more elements (K = 4100), the flat copy with its
-    sizes as constants; on the H200 it took 25.6 us against 47.3 at 38 SMs and 21.8 against 24.8
-    at 132 for a 4096x4100 bf16 weight (`pad-flat-h200-*.json`). Rows of odd length
-    (4095, 4097) on either side gain nothing from it, and cutting a result out into them took
-    longer (61 against 46 us at 38 SMs): those keep the 2-D copy."""
+    Where both sides' rows start every 4 elements (K = 4100 padded to 4160), the flat copy with
+    its sizes as constants; on the H200 it took 25.6 us against 47.3 at 38 SMs and 21.8 against
+    24.8 at 132 for a 4096x4100 bf16 weight (`pad-flat-h200-*.json`). Rows of odd length (4095,
+    4097) on either side gain nothing from it, and cutting a result out into them took longer
+    (61 against 46 us at 38 SMs): those keep the 2-D copy. Past int32 element offsets, torch's
+    own copies (slower, and correct)."""
     from gemmtune.kernels.pad import pad_copy, pad_copy_flat
 
     dst = torch.empty((rows, cols), dtype=src.dtype, device=src.device) if out is None else out
