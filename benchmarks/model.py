@@ -93,22 +93,19 @@ def _sync(t):
 
 
 def tune_with_gemmtune(model, runner_inputs, runner) -> float:
-    """gemmtune.optimize, then record one prefill and a few decode steps per batch and tune every
-    GEMM seen; the seconds it took."""
+    """gemmtune.optimize, then one prefill and a few decode steps per batch recorded and every
+    GEMM seen tuned (``gemmtune.nn.tune_calls``); the seconds it took."""
     import gemmtune
+    from gemmtune.nn import tune_calls
 
-    from gemmtune.dispatch import DISPATCHER
-
-    t0 = time.perf_counter()
-    gemmtune.optimize(model)
-    # as optimize does with example inputs: the recorded run is served by cuBLAS, and every
-    # shape it saw is tuned afterwards in one batch
-    with gemmtune.record() as seen, DISPATCHER.deferring(), torch.no_grad():
+    def steps():
         runner.prefill(runner_inputs["prefill"])
         for prompt in runner_inputs["decode"]:
             runner.decode(prompt, 2)
-    if torch.cuda.is_available():
-        gemmtune.tune([problem for problem, _ in seen.problems()])
+
+    t0 = time.perf_counter()
+    gemmtune.optimize(model)
+    tune_calls(steps)
     return time.perf_counter() - t0
 
 

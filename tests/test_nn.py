@@ -60,6 +60,24 @@ def test_example_inputs_tune_every_gemm_seen(monkeypatch):
     ]
 
 
+def test_tune_calls_tunes_what_several_calls_performed_once_each(monkeypatch):
+    """A run of several calls (a prefill, then decode steps at two batch sizes): every GEMM they
+    performed is tuned, each shape once, and none is tuned while the run goes on."""
+    tuned = []
+    monkeypatch.setattr(gnn, "current", lambda: Device("H100", (9, 0), 132, 232448, 50 << 20))
+    monkeypatch.setattr(gnn.api, "tune", lambda problems, options=None: tuned.append(list(problems)) or [])
+    layer = gemmtune.optimize(nn.Sequential(nn.Linear(16, 32)))
+
+    def steps():
+        layer(torch.randn(1, 5, 16))
+        for batch in (1, 4, 4):
+            layer(torch.randn(batch, 1, 16))
+        assert tuned == []
+
+    gnn.tune_calls(steps)
+    assert len(tuned) == 1 and sorted(p.m for p in tuned[0]) == [1, 4, 5]
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="model"):
         gemmtune.optimize(lambda x: x)

@@ -118,6 +118,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     front = call = None
     if not _is_compiling() and recorder.active() is None:
         try:
+            # _needs_grad and _uses_tf32 (in _front_key), written out: a frame each on every call
             if not (_grad_enabled() and (x.requires_grad or weight.requires_grad
                                          or (bias is not None and bias.requires_grad))):
                 px, pw = x.data_ptr(), weight.data_ptr()
@@ -230,7 +231,7 @@ def _falls_back(first: torch.Tensor, n: int) -> bool:
 
 
 def _needs_grad(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    if not torch.is_grad_enabled():  # inference under no_grad: one call, no attribute reads
+    if not _grad_enabled():  # inference under no_grad: one call, no attribute reads
         return False
     return a.requires_grad or b.requires_grad or (bias is not None and bias.requires_grad)
 

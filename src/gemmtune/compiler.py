@@ -17,6 +17,7 @@ runner, which meets it again and classifies it there.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -27,6 +28,8 @@ from gemmtune import backends
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 from gemmtune.results import Status
+
+log = logging.getLogger("gemmtune.compiler")
 
 MAX_WORKERS = 8
 
@@ -59,10 +62,14 @@ def compile_ahead(jobs: Sequence[tuple[Problem, str, dict, tuple]], device: Devi
     workers = default_workers() if workers is None else workers
     if workers < 1 or not jobs or device.interpreter:
         return []
+    started = time.perf_counter()
     with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="gemmtune-compile") as pool:
         futures = [pool.submit(_compile_one, problem, name, config, device, operands)
                    for problem, name, config, operands in jobs]
-        return [future.result() for future in futures]
+        results = [future.result() for future in futures]
+    log.debug("compiled %d candidates of %d problems ahead in %.2f s on up to %d threads", len(results),
+              len({problem for problem, *_ in jobs}), time.perf_counter() - started, workers)
+    return results
 
 
 def _compile_one(problem: Problem, backend_name: str, config: dict, device: Device, operands: tuple) -> Compiled:

@@ -86,16 +86,21 @@ def _fuse_activations(model: nn.Module) -> None:
 
 def tune_model(model: nn.Module, example_inputs: Sequence, *, options: TuneOptions | None = None) -> list:
     """Run ``model(*example_inputs)`` once without gradients, recording its GEMMs, then tune
-    and store each; the TuneResults."""
+    and store each (``tune_calls``); the TuneResults."""
     if not isinstance(example_inputs, (tuple, list)):
         raise TypeError("optimize(example_inputs=...): expected a tuple or list of the model's positional inputs, "
                         f"got {type(example_inputs).__name__}")
+    return tune_calls(lambda: model(*example_inputs), options=options)
+
+
+def tune_calls(run: Callable[[], object], *, options: TuneOptions | None = None) -> list:
+    """Call ``run()`` once without gradients, its GEMMs served by cuBLAS and recorded, then tune
+    and store every one of them, their candidates compiled together; the TuneResults. For runs
+    that one example call does not cover (a model's prefill and its decode steps at each batch)."""
     with recording.record() as seen, DISPATCHER.deferring(), torch.no_grad():
-        model(*example_inputs)  # served by cuBLAS: the shapes are tuned below, in one batch
+        run()
     problems = [problem for problem, _ in seen.problems()]
     if current().interpreter:  # CPU layers fall back to torch: nothing to gain from tuning them
         log.warning("gemmtune.optimize: no CUDA GPU, so the %d GEMMs seen are not tuned", len(problems))
         return []
-    results = api.tune(problems, options=options)
-    DISPATCHER.forget()
-    return results
+    return api.tune(problems, options=options)  # which drops the kernels built before it

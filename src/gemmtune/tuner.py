@@ -83,10 +83,7 @@ def compile_batch(problems: list[Problem], device: Device, options: TuneOptions 
         fitting.append(problem)
         operands = verify.make_operands(problem, "cuda", seed=0)
         jobs += [(problem, name, config, operands) for name, config in _plan(problem, device, options)]
-    started = time.perf_counter()
     results = compiler.compile_ahead(jobs, device)
-    log.debug("compiled %d candidates of %d problems ahead in %.2f s on up to %d threads", len(results),
-              len(fitting), time.perf_counter() - started, compiler.default_workers())
     failed = {problem.key(): {} for problem in fitting}
     for (problem, *_), result in zip(jobs, results):
         failed[problem.key()].update(_compile_failures([result]))
@@ -189,11 +186,7 @@ def _compile_ahead(problem: Problem, device: Device, options: TuneOptions, space
     planned = _plan(problem, device, options, spaces)
     if len(planned) < 2:
         return {}
-    started = time.perf_counter()
-    results = runner.compile(planned)
-    log.debug("compiled %d candidates ahead in %.2f s on up to %d threads", len(results),
-              time.perf_counter() - started, compiler.default_workers())
-    return _compile_failures(results)
+    return _compile_failures(runner.compile(planned))
 
 
 def _plan(problem: Problem, device: Device, options: TuneOptions, spaces: dict[str, list] | None = None) -> list:
