@@ -28,13 +28,14 @@ import gemmtune
 from gemmtune import backends, bench, shapes, verify
 from gemmtune.backends.triton_persistent import PersistentConfig
 from gemmtune.backends.triton_splitk import SplitKConfig
+from gemmtune.backends.triton_stream import StreamConfig
 from gemmtune.backends.triton_tiled import TiledConfig
 from gemmtune.device import current
 from gemmtune.tuner import TuneOptions, tune_problem
 from gemmtune.worker import IsolatedRunner
 from suite import ROOT, bound, copy_tbps, inductor, operands, read_tbps
 
-BACKENDS = ("cublas", "triton_splitk", "triton_tiled", "triton_persistent", "cublas_padded")
+BACKENDS = ("cublas", "triton_splitk", "triton_stream", "triton_tiled", "triton_persistent", "cublas_padded")
 
 
 def sweep(p, device) -> list[tuple[str, dict]]:
@@ -75,7 +76,25 @@ def sweep(p, device) -> list[tuple[str, dict]]:
                                     and c.smem_bytes(p.element_size) <= device.smem_per_block
                                     and device.sm_count <= programs and (split == 1 or programs <= 8 * device.sm_count)):
                                 configs.append(c)
-    return [("triton_splitk", c.as_dict()) for c in configs]
+    return [("triton_splitk", c.as_dict()) for c in configs] + stream_sweep(p, device)
+
+
+def stream_sweep(p, device) -> list[tuple[str, dict]]:
+    """TMA decode programs (Hopper, aligned rows, M from 2): 64- or 128-row weight tiles on the
+    warpgroup MMA's wide side, K steps of 64 to 256, 3 to 8 stages, within shared memory. (The
+    first sweep, stream-sweep-h200-20261122.json, also tried 16- and 32-row tiles, the MMA in
+    the other orientation and 1 to 4 programs per SM: none of those led a row.)"""
+    if not (device.is_hopper and p.rows_aligned and 2 <= p.m <= 64):
+        return []
+    bm = max(16, 1 << (p.m - 1).bit_length())
+    out = []
+    for bn in (64, 128):
+        for bk in (64, 128, 256):
+            for stages in (3, 4, 6, 8):
+                c = StreamConfig(bm, bn, bk, 4, stages)
+                if c.smem_bytes(p.element_size) <= device.smem_per_block and p.k >= bk * (stages - 1):
+                    out.append(("triton_stream", c.as_dict()))
+    return out
 
 
 def tile_sweep(p, device) -> list[tuple[str, dict]]:

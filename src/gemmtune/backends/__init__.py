@@ -11,6 +11,7 @@ _MODULES = {
     "cublas_padded": "gemmtune.backends.cublas_padded",
     "triton_persistent": "gemmtune.backends.triton_persistent",
     "triton_splitk": "gemmtune.backends.triton_splitk",
+    "triton_stream": "gemmtune.backends.triton_stream",
     "triton_tiled": "gemmtune.backends.triton_tiled",
 }
 REFERENCE = "cublas"  # the backend every choice must beat beyond noise

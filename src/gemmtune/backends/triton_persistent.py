@@ -75,7 +75,7 @@ def space(problem: Problem, device: Device) -> list[PersistentConfig]:
     return configs
 
 
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
     """``t`` if a descriptor can address it (unit column stride, 16-byte aligned rows and base),
     else a contiguous copy: right answers for any view, the copy's cost only for odd ones."""
     if t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0:
@@ -102,11 +102,11 @@ class PersistentKernel:
 
     def __call__(self, a, b, bias, out=None):
         c = self._config
-        a, b = _tma_ready(a), _tma_ready(b)
+        a, b = tma_ready(a), tma_ready(b)
         m, k = a.shape
         n = b.shape[0] if self._linear else b.shape[1]
         result = torch.empty((m, n), dtype=a.dtype, device=a.device)
-        if out is not None and _tma_ready(out) is out:
+        if out is not None and tma_ready(out) is out:
             result = out
         a_desc = self._descriptor(a, [m, k], [a.stride(0), 1], [c.block_m, c.block_k])
         if self._linear:

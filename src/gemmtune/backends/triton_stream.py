@@ -1,0 +1,164 @@
+"""``triton_stream``: the Hopper decode GEMM whose weights arrive by TMA (kernels/stream.py).
+
+For 2 <= M <= 64 with 16-byte aligned rows. Persistent programs, their K loops flattened into
+one pipeline, the weight tile on the warpgroup MMA's wide side. On the H200's m=16 decode rows
+it read the weights 1-5% faster than the best split-K tile and cuBLAS (NOTES, step 17); at M = 1
+the split-K backend's GEMV programs read faster still, so M = 1 is left to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from gemmtune import costmodel
+from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_importable
+from gemmtune.backends.triton_persistent import tma_ready
+from gemmtune.device import Device
+from gemmtune.launch import Launcher, gemm_guard
+from gemmtune.problem import Problem
+
+BLOCK_M = (16, 32, 64)  # the rows of A: the MMA's narrow side, M rounded up to a power of two
+BLOCK_N = (16, 64, 128)  # weight rows per tile: the warpgroup MMA's wide side (16 under the interpreter)
+BLOCK_K = (16, 32, 64, 128, 256)
+WARPS = (1, 4)
+STAGES = (1, 2, 3, 4, 5, 6, 7, 8)
+MIN_M, MAX_M = 2, 64
+# (BLOCK_N, BLOCK_K, num_warps, num_stages): the two best of a sweep of 40 tiles on the H200's
+# m=16 and m=32 rows (stream-h200-20261122.json): 64x256 on 4 stages won qkv, o and down,
+# 128x128 on 3 stages gate_up.
+TILES = ((64, 256, 4, 4), (128, 128, 4, 3))
+INTERPRETER_TILES = ((16, 16, 1, 1), (16, 32, 1, 1))
+MAX_RESIDENT = 2  # programs per SM, where shared memory holds two pipelines
+MAX_WEIGHT_DESCRIPTORS = 8  # kept per kernel: a model's layers of one shape share a kernel
+
+
+@dataclass(frozen=True)
+class StreamConfig(FieldConfig):
+    FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "BLOCK_K": "block_k",
+              "num_warps": "num_warps", "num_stages": "num_stages"}  # persisted name -> attribute
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        check_bounds("triton_stream", (
+            ("BLOCK_M", self.block_m, BLOCK_M), ("BLOCK_N", self.block_n, BLOCK_N),
+            ("BLOCK_K", self.block_k, BLOCK_K), ("num_warps", self.num_warps, WARPS),
+            ("num_stages", self.num_stages, STAGES)))
+
+    def smem_bytes(self, element_size: int) -> int:
+        """The operand pipeline: a tile of weights and one of A per stage."""
+        return self.num_stages * (self.block_m + self.block_n) * self.block_k * element_size
+
+    def slots(self, element_size: int, device: Device) -> int:
+        """How many programs fit on the device's SMs at once: the most a persistent grid holds."""
+        resident = max(1, min(MAX_RESIDENT, device.smem_per_block // max(1, self.smem_bytes(element_size))))
+        return resident * device.sm_count
+
+
+def _block_m(m: int) -> int:
+    return max(16, 1 << max(0, (m - 1).bit_length()))
+
+
+def space(problem: Problem, device: Device) -> list[StreamConfig]:
+    """The tiles for this problem on this device: Hopper (or the interpreter), 2 <= M <= 64,
+    pipelines no deeper than K has steps, within shared memory."""
+    if not MIN_M <= problem.m <= MAX_M:
+        return []
+    if device.interpreter:
+        return [StreamConfig(_block_m(problem.m), bn, bk, warps, stages) for bn, bk, warps, stages in INTERPRETER_TILES]
+    if not device.is_hopper:
+        return []
+    configs = []
+    for bn, bk, warps, stages in TILES:
+        stages = max(2, min(stages, -(-problem.k // bk)))
+        config = StreamConfig(_block_m(problem.m), bn, bk, warps, stages)
+        if config.smem_bytes(problem.element_size) <= device.smem_per_block:
+            configs.append(config)
+    return configs
+
+
+class StreamKernel:
+    """Launched through ``launch.Launcher``: after a guard's first call, Triton's launcher is
+    called directly with the descriptors (it encodes their TMA maps), skipping the JIT's
+    dispatch. The weights' descriptor is made once per weight tensor and kept."""
+
+    def __init__(self, problem: Problem, config: StreamConfig, device: Device) -> None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        from gemmtune.kernels.stream import stream_matmul
+
+        self._launch = Launcher(stream_matmul)
+        self._descriptor = TensorDescriptor
+        self._linear = problem.layout == "linear"
+        self._config = config
+        self._slots = config.slots(problem.element_size, device)
+        self._weights: dict[tuple, object] = {}  # (address, shape, strides, dtype) -> descriptor
+        base = dict(
+            B_IS_NK=self._linear, ACTIVATION=problem.activation, PRECISION="tf32" if problem.tf32 else "ieee",
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        self._constexprs = {bias: dict(base, HAS_BIAS=bias) for bias in (False, True)}
+
+    def __call__(self, a, b, bias, out=None):
+        c = self._config
+        a, b = tma_ready(a), tma_ready(b)
+        m, k = a.shape
+        n = b.shape[0] if self._linear else b.shape[1]
+        pa, pb, pbias = a.data_ptr(), b.data_ptr(), bias.data_ptr() if bias is not None else 0
+        guard = gemm_guard(a, b, bias, out, a.stride(), b.stride(), pa, pb, pbias)
+        if out is None:
+            out = a.new_empty((m, n))
+        po = out.data_ptr()
+        a_desc = self._descriptor(a, [m, k], [a.stride(0), 1], [c.block_m, c.block_k])
+        b_desc = self._weight_descriptor(b, pb, n, k)
+        programs = min(self._slots, -(-n // c.block_n) * -(-m // c.block_m))
+        self._launch((programs, 1, 1), guard, (a_desc, b_desc, out, out if bias is None else bias),
+                     (a_desc, b_desc, po, po if bias is None else pbias),
+                     (m, n, k, out.stride(0), out.stride(1), programs), self._constexprs[bias is not None])
+        return out
+
+    def _weight_descriptor(self, b, pb: int, n: int, k: int):
+        key = (pb, b.shape, b.stride(), b.dtype)
+        desc = self._weights.get(key)
+        if desc is None:
+            c = self._config
+            if self._linear:
+                desc = self._descriptor(b, [n, k], [b.stride(0), 1], [c.block_n, c.block_k])
+            else:
+                desc = self._descriptor(b, [k, n], [b.stride(0), 1], [c.block_k, c.block_n])
+            if len(self._weights) >= MAX_WEIGHT_DESCRIPTORS:  # a descriptor keeps its tensor alive
+                self._weights.clear()
+            self._weights[key] = desc
+        return desc
+
+
+class TritonStreamBackend:
+    name = "triton_stream"
+    space_size = len(TILES)
+
+    def is_available(self, device: Device) -> bool:
+        return triton_importable() and (device.interpreter or device.is_hopper)
+
+    def candidates(self, problem: Problem, device: Device) -> list[StreamConfig]:
+        return space(problem, device) if problem.rows_aligned else []
+
+    def predict_ms(self, problem: Problem, device: Device, config) -> float | None:
+        return costmodel.splitk_ms(problem, device, config.block_m, config.block_n, 1, config.block_k,
+                                   config.num_stages, use_dot=True, num_warps=config.num_warps)
+
+    def parse_config(self, data: Mapping) -> StreamConfig:
+        return config_from_mapping(self.name, data, StreamConfig)
+
+    def build(self, problem: Problem, config: StreamConfig, device: Device) -> StreamKernel:
+        return StreamKernel(problem, config, device)
+
+
+BACKEND = TritonStreamBackend()
