@@ -85,6 +85,23 @@ def test_tune_stores_and_reuses(tmp_path):
     assert not retuned[0].from_store
 
 
+def test_a_shape_with_another_epilogue_tries_the_first_ones_best(tmp_path):
+    """The seeds' MLP has one shape twice, with bias + ReLU and with bias alone: the second tries
+    cuBLAS and the first's fastest candidates, nothing else, and is verified like any other."""
+    from gemmtune.tuner import SHORTLIST
+
+    relu = Problem(33, 40, 72, "float32", "linear", bias=True, activation="relu")
+    plain = Problem(33, 40, 72, "float32", "linear", bias=True)
+    first, second = gemmtune.tune([relu, plain], store=tmp_path)
+    ranked = sorted((t for t in first.trials if t.ok and t.backend != "cublas"), key=lambda t: t.median_ms)
+    inherited = {t.label() for t in ranked[:SHORTLIST]}
+    tried = {t.label() for t in second.trials}
+    assert tried == inherited | {"cublas"} and len(first.trials) > len(second.trials)
+    assert all(t.ok for t in second.trials)
+    alone = gemmtune.tune([plain], store=tmp_path / "alone")[0]  # tuned by itself: its whole plan
+    assert len(alone.trials) == len(first.trials)
+
+
 @pytest.mark.parametrize("act, fn", [("relu", torch.relu), ("gelu", F.gelu), ("silu", F.silu),
                                      ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh"))])
 def test_linear_activation_fallback_matches_torch_and_keeps_autograd(act, fn):

@@ -48,6 +48,16 @@ def test_space_is_hopper_only_and_fits():
     assert BACKEND.candidates(Problem(4095, 4097, 4095), H100) == []  # misaligned rows: padded path
 
 
+def test_persistence_needs_more_tiles_than_sms():
+    """The seeds' MLP (256x1024 outputs: 8 to 32 tiles) leaves each of 132 programs one tile at
+    most: no persistent candidates there, some on a GPU with 16 SMs."""
+    mlp = Problem(256, 1024, 1024)
+    assert space(mlp, H100) == []
+    small = Device("NVIDIA H100 under MPS", (9, 0), 16, 232448, 50 << 20)
+    configs = space(mlp, small)
+    assert configs and all(-(-256 // c.block_m) * -(-1024 // c.block_n) > 16 for c in configs)
+
+
 @pytest.mark.parametrize("data", [
     {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3,
      "WARP_SPECIALIZE": 1},

@@ -96,12 +96,13 @@ def test_on_hopper_the_weights_are_the_warpgroup_mma_side():
 
     from gemmtune.kernels.stream import stream_matmul
 
+    kernel_cache = stream_matmul.device_caches[torch.cuda.current_device()][0]
+    kernel_cache.clear()  # so that the one binary left is this test's
     problem = Problem(16, 4096, 4096)
     kernel = BACKEND.build(problem, StreamConfig(16, 64, 256, 4, 4), device)
     inputs = verify.make_inputs(problem, "cuda", seed=0)
     assert verify.rel_err(kernel(inputs.a, inputs.b, None), inputs.reference) < verify.tolerance(problem)
-    kernel_cache = stream_matmul.device_caches[torch.cuda.current_device()][0]
-    (compiled,) = kernel_cache.values()  # this test's one binary
+    (compiled,) = kernel_cache.values()
     assert "wgmma.mma_async.sync.aligned.m64n16k16" in compiled.asm["ptx"]
     assert "HGMMA" in get_sass(compiled.asm["cubin"])
     assert compiled.n_spills == 0

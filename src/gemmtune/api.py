@@ -12,6 +12,7 @@ the dispatcher.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from gemmtune.launch import any_rank, front_entry
 from gemmtune.problem import ACTIVATIONS, Problem
 from gemmtune.results import Trial, TuneResult
 from gemmtune.store import Store
-from gemmtune.tuner import TuneOptions, compile_batch, tune_problem
+from gemmtune.tuner import TuneOptions, compile_batch, shortlist, tune_problem
 from gemmtune.worker import IsolatedRunner
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -57,14 +58,23 @@ def tune(problems: Problem | Iterable[Problem], *, store: Store | str | Path | N
         if isolate else None
     known = {} if retune else {p.key(): store.get(device.fingerprint(), p.key()) for p in problems}
     new = list({p.key(): p for p in problems if known.get(p.key()) is None}.values())
+    # A problem that differs from an earlier new one in its epilogue alone tries that one's best
+    # candidates after it, so only the first of them compiles a whole plan.
+    leads = {}
+    for problem in new:
+        leads.setdefault(problem.without_epilogue(), problem)
     # a model's shapes compile side by side; an isolated runner compiles each in its own process
-    compiled = compile_batch(new, device, options) if runner is None and len(new) > 1 else {}
+    batch = [p for p in new if leads[p.without_epilogue()] is p]
+    compiled = compile_batch(batch, device, options) if runner is None and len(batch) > 1 else {}
     results = []
     try:
         for problem in problems:
             result = known.get(problem.key())
             if result is None:
-                result = tune_problem(problem, device, options=options, on_trial=on_trial, runner=runner,
+                lead = leads[problem.without_epilogue()]
+                own = options if lead is problem else dataclasses.replace(
+                    options, shortlist=shortlist(known[lead.key()]))
+                result = tune_problem(problem, device, options=own, on_trial=on_trial, runner=runner,
                                       compiled=compiled.get(problem.key()))
                 store.put(result)
                 known[problem.key()] = result  # a problem listed twice is tuned once

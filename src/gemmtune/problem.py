@@ -51,6 +51,10 @@ class Problem:
         if self.tf32 and self.dtype != "float32":
             object.__setattr__(self, "tf32", False)
 
+    def without_epilogue(self) -> "Problem":
+        """The same product with no bias and no activation."""
+        return replace(self, bias=False, activation="none")
+
     def key(self) -> str:
         """The persisted identity of this problem; a golden test pins its format."""
         precision = "+tf32" if self.tf32 else ""

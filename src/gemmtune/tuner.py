@@ -25,6 +25,7 @@ from gemmtune.runner import LocalRunner, matmul_precision
 log = logging.getLogger("gemmtune.tuner")
 
 MIN_GAIN = 0.02  # a win smaller than this is not worth leaving cuBLAS for
+SHORTLIST = 3  # candidates a problem inherits from one that differs from it in its epilogue alone
 MIN_ROUNDS_FINAL = 20
 # compile_batch keeps its problems' operands (and, in each thread, an output) on the GPU at once:
 # at most this share of the free memory, so a model that nearly fills a small GPU still tunes
@@ -43,6 +44,9 @@ class TuneOptions:
     backends: tuple[str, ...] | None = None  # None: every registered backend
     seed: int | None = None  # inputs' seed; None draws fresh random inputs
     compile_ahead: bool = True  # compile the planned candidates in parallel first (GPU only)
+    # Labels of the only configs tried from the backends that a cost model ranks (see
+    # ``shortlist``); None tries what the strategy picks. cuBLAS and the padded path stay.
+    shortlist: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in search.STRATEGIES:
@@ -172,9 +176,25 @@ _COMPILE_FAILURES = (Status.OUT_OF_RESOURCES, Status.COMPILE_ERROR)
 
 
 def _spaces(problem: Problem, device: Device, options: TuneOptions) -> dict[str, list]:
-    """Each available backend's pruned configs for ``problem``."""
-    return {name: backends.get(name).candidates(problem, device) for name in options.backends or backends.names()
-            if backends.get(name).is_available(device)}
+    """Each available backend's pruned configs for ``problem`` (those of ``options.shortlist``
+    alone, where it is given, from the backends a cost model ranks)."""
+    spaces = {name: backends.get(name).candidates(problem, device) for name in options.backends or backends.names()
+              if backends.get(name).is_available(device)}
+    if options.shortlist is None:
+        return spaces
+    keep = set(options.shortlist)
+    return {name: [c for c in configs if _label(name, c.as_dict()) in keep]
+            if configs and backends.get(name).predict_ms(problem, device, configs[0]) is not None else configs
+            for name, configs in spaces.items()}
+
+
+def shortlist(result: TuneResult, count: int = SHORTLIST) -> tuple[str, ...]:
+    """The labels of the ``count`` fastest verified candidates of ``result`` besides cuBLAS:
+    what to try on a problem that differs from ``result``'s in its epilogue alone (bias,
+    activation). The epilogue touches each output once, after the K loop, so it does not
+    reorder the tiles; cuBLAS and the padded path are measured on it whatever the list."""
+    ranked = sorted((t for t in result.trials if t.ok and t.backend != backends.REFERENCE), key=lambda t: t.median_ms)
+    return tuple(t.label() for t in ranked[:count])
 
 
 def _compile_ahead(problem: Problem, device: Device, options: TuneOptions, spaces: dict[str, list],

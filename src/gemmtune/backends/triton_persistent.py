@@ -1,7 +1,8 @@
 """``triton_persistent``: the Hopper persistent TMA GEMM, one program per SM walking the tiles,
 optionally warp-specialized (producer warps issuing TMA, consumer warps the matrix ops). Offered
-on Hopper (and the interpreter, for tests) for problems whose rows are 16-byte aligned and whose
-M fills at least one 64-row tile; misaligned shapes go to ``cublas_padded`` instead."""
+on Hopper (and the interpreter, for tests) for problems whose rows are 16-byte aligned, whose
+M fills at least one 64-row tile and whose output has more tiles than the GPU has SMs;
+misaligned shapes go to ``cublas_padded`` instead."""
 
 from __future__ import annotations
 
@@ -59,13 +60,19 @@ class PersistentConfig(FieldConfig):
 
 
 def space(problem: Problem, device: Device) -> list[PersistentConfig]:
-    """Configs for this problem on this device, pruned by shared memory and registers."""
+    """Configs for this problem on this device, pruned by shared memory and registers, and to
+    tiles that give the persistent programs more tiles than there are SMs. With no more, each
+    program computes one tile, as the tiled kernel does; on the H200 suite's rows with so few
+    tiles (the seeds' MLP, odd-1k, the m=128 rows) it never beat cuBLAS (0.99x at best), so
+    compiling it there only lengthened tuning."""
     if device.interpreter:
         return [PersistentConfig(bm, bn, bk, 8, w, 1) for bm, bn, bk, w in INTERPRETER_TILES]
     if not device.is_hopper or problem.m < MIN_M:
         return []
     configs = []
     for bm, bn, bk, warps in TILES:
+        if -(-problem.m // bm) * -(-problem.n // bn) <= device.sm_count:
+            continue
         for stages in STAGE_CHOICES:
             for ws in (False, True):
                 config = PersistentConfig(bm, bn, bk, 8, warps, stages, ws)
