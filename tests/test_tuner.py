@@ -73,6 +73,24 @@ def test_a_cheaper_launch_does_not_win_with_a_slower_kernel():
     assert select("cublas", timings, {"cublas": 0.012, "x": 0.0092}) == "x"
 
 
+def test_a_faster_kernel_with_a_costlier_launch_does_not_win():
+    """Decode at batch 16, eager: a 41 us kernel hides a 20 us launch in a loop of its own calls,
+    but in a model whose other operators keep the host busy, the 20 us are what the step pays.
+    So a candidate whose host time per call is over cuBLAS's by more than HOST_SLACK is not
+    chosen, however fast its kernel; the next cheapest one may be."""
+    from gemmtune.tuner import HOST_SLACK
+
+    timings = {"cublas": timing(0.043, 0.005), "tma": timing(0.040, 0.005), "bound": timing(0.0415, 0.005)}
+    costs = {label: t.median for label, t in timings.items()}
+    slow_launch = {"cublas": 0.015, "tma": 0.015 * (1 + 2 * HOST_SLACK), "bound": 0.008}
+    assert select("cublas", timings, costs, slow_launch) == "bound"
+    del timings["bound"], costs["bound"]
+    assert select("cublas", timings, costs, slow_launch) == "cublas"
+    assert select("cublas", timings, costs, {**slow_launch, "tma": 0.015 * (1 + HOST_SLACK / 2)}) == "tma"
+    assert select("cublas", timings, costs, {"cublas": None, "tma": 0.03}) == "tma"  # not measured: no rule
+    assert select(None, timings, costs, slow_launch) == "tma"  # cuBLAS failed verification
+
+
 def test_tune_problem_verifies_and_records_every_candidate():
     problem = Problem(33, 47, 65, "float32", "linear", bias=True)
     result = tune_problem(problem, current(), options=TuneOptions(seed=1))

@@ -82,8 +82,10 @@ class LocalRunner:
         self._best_ms = min(self._best_ms, timing.median)
         return Trial(backend_name, trial.config, Status.OK, timing=timing, rel_err=trial.rel_err)
 
-    def final(self, candidates: list[tuple[str, dict]], budget_ms: float, min_rounds: int) -> dict[str, tuple[Timing, float]]:
-        """The finalists timed side by side: label -> (timing, cost of a user's call)."""
+    def final(self, candidates: list[tuple[str, dict]], budget_ms: float,
+              min_rounds: int) -> dict[str, tuple[Timing, float, float | None]]:
+        """The finalists timed side by side: label -> (timing, cost of a user's call, the host's
+        own time per call where it was measured, else None)."""
         labels = []
         for backend_name, config in candidates:
             label = Trial(backend_name, config, Status.OK).label()
@@ -91,7 +93,7 @@ class LocalRunner:
                 labels.append(label)
         timings = bench.measure({label: self._bound(label) for label in labels}, self.device,
                                 budget_ms=budget_ms, min_rounds=min_rounds)
-        return {label: (timing, self._cost(label, timing)) for label, timing in timings.items()}
+        return {label: (timing, *self._cost(label, timing)) for label, timing in timings.items()}
 
     def _build_and_verify(self, backend_name: str, config: dict) -> Trial:
         problem, inputs = self._problem, self._inputs
@@ -115,12 +117,14 @@ class LocalRunner:
         a, b, bias = self._inputs.a, self._inputs.b, self._inputs.bias
         return lambda: kernel(a, b, bias)
 
-    def _cost(self, label: str, timing: Timing) -> float:
+    def _cost(self, label: str, timing: Timing) -> tuple[float, float | None]:
         """What a call costs: the kernel's median, or the back-to-back wall time if that is larger
         (for layout linear, of the call linear's front path makes: a bound launch where the
-        kernel has one, which costs the host several microseconds less than its wrapper)."""
+        kernel has one, which costs the host several microseconds less than its wrapper); and
+        the host's own time per call (``bench.host_times``), measured for kernels under
+        HOST_BOUND_MS only."""
         if self.device.interpreter or timing.median >= HOST_BOUND_MS:
-            return timing.median
+            return timing.median, None
         if self._problem.layout == "linear":
             a, b, bias = self._inputs.a, self._inputs.b, self._inputs.bias
             front = front_entry(self._ready[label][0], a, b, bias)
@@ -128,7 +132,8 @@ class LocalRunner:
             call = lambda: front(a, b, bias, pa, pb, pbias)  # noqa: E731
         else:
             call = self._bound(label)
-        return max(timing.median, bench.host_loop_ms(call, self.device))
+        loop, issue = bench.host_times(call, self.device)
+        return max(timing.median, loop), issue
 
 
 def classify(exc: Exception) -> tuple[Status, str]:

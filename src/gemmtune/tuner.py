@@ -26,6 +26,7 @@ log = logging.getLogger("gemmtune.tuner")
 
 MIN_GAIN = 0.02  # a win smaller than this is not worth leaving cuBLAS for
 SHORTLIST = 3  # candidates a problem inherits from one that differs from it in its epilogue alone
+HOST_SLACK = 0.1  # how much more host time per call than cuBLAS's a choice may take (see select)
 MIN_ROUNDS_FINAL = 20
 # compile_batch keeps its problems' operands (and, in each thread, an output) on the GPU at once:
 # at most this share of the free memory, so a model that nearly fills a small GPU still tunes
@@ -134,9 +135,10 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
     others = sorted((t for t in ok if t is not reference), key=lambda t: t.median_ms)
     finalists = ([reference] if reference else []) + others[: options.finalists]
     final = runner.final([(t.backend, t.config) for t in finalists], options.final_budget_ms, MIN_ROUNDS_FINAL)
-    timings = {label: timing for label, (timing, _) in final.items()}
-    costs = {label: cost for label, (_, cost) in final.items()}
-    label = select(reference.label() if reference else None, timings, costs)
+    timings = {label: timing for label, (timing, _, _) in final.items()}
+    costs = {label: cost for label, (_, cost, _) in final.items()}
+    hosts = {label: host for label, (_, _, host) in final.items()}
+    label = select(reference.label() if reference else None, timings, costs, hosts)
     chosen = next(t for t in finalists if t.label() == label)
     trials = [dataclasses.replace(t, timing=timings.get(t.label(), t.timing)) for t in trials]
     return TuneResult(
@@ -147,7 +149,8 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
     )
 
 
-def select(reference: str | None, timings: dict[str, Timing], costs: dict[str, float]) -> str:
+def select(reference: str | None, timings: dict[str, Timing], costs: dict[str, float],
+           hosts: dict[str, float | None] | None = None) -> str:
     """The label of the cheapest candidate if it beats the reference beyond the measured noise
     and its kernel is not slower on the GPU, else the reference's. The finalists are timed in
     the same rounds, so the noise is that of their per-round ratio (adding the two spreads
@@ -158,7 +161,18 @@ def select(reference: str | None, timings: dict[str, Timing], costs: dict[str, f
     win; but inside a CUDA graph only the kernel's time remains, so a candidate whose kernel is
     slower than the reference's would make graph users slower (seen on the H200: a tiled
     kernel that won blog-mlp's host-bound cost ran 18% slower replayed from a graph).
+
+    Likewise the other way: ``hosts``, the host's own time per call where it was measured, and
+    a candidate whose call takes the host more than HOST_SLACK longer than the reference's is
+    not chosen. A kernel longer than its launch hides the launch in a loop of its own calls,
+    but in eager decoding the other operators keep the host busy, and each call's host time is
+    what the step pays (on the H200, with TMA kernels chosen for the GPU time they saved, the
+    Llama's eager decode at batch 16 read 0.95x eager's speed; with this rule, 1.13x).
     """
+    if reference is not None and hosts and hosts.get(reference) is not None:
+        ceiling = hosts[reference] * (1.0 + HOST_SLACK)
+        costs = {label: cost for label, cost in costs.items() if label == reference
+                 or hosts.get(label) is None or hosts[label] <= ceiling}
     best = min(costs, key=costs.get)
     if reference is None or best == reference:
         return best

@@ -71,7 +71,8 @@ class IsolatedRunner:
             self._restart()
             return Trial(backend_name, config, failure.status, reason=failure.reason)
 
-    def final(self, candidates: list[tuple[str, dict]], budget_ms: float, min_rounds: int) -> dict[str, tuple[Timing, float]]:
+    def final(self, candidates: list[tuple[str, dict]], budget_ms: float,
+              min_rounds: int) -> dict[str, tuple[Timing, float, float | None]]:
         request = {"op": "final", "candidates": [list(c) for c in candidates], "budget_ms": budget_ms,
                    "min_rounds": min_rounds}
         try:
@@ -80,7 +81,7 @@ class IsolatedRunner:
             log.warning("gemmtune: the final round failed (%s); keeping %s", failure.reason, candidates[0][0])
             self._restart()
             reply = self._call({**request, "candidates": [list(candidates[0])]})
-        return {label: (Timing(tuple(samples)), cost) for label, (samples, cost) in reply["final"].items()}
+        return {label: (Timing(tuple(samples)), cost, host) for label, (samples, cost, host) in reply["final"].items()}
 
     def close(self) -> None:
         if self._process is not None and self._process.is_alive():
@@ -196,7 +197,7 @@ def _handle(runner, request: dict) -> dict:
         return {"trial": trial.to_dict(), "broken": not trial.ok and not _context_healthy(runner.device)}
     if op == "final":
         final = runner.final([tuple(c) for c in request["candidates"]], request["budget_ms"], request["min_rounds"])
-        return {"final": {label: [list(timing.samples), cost] for label, (timing, cost) in final.items()}}
+        return {"final": {label: [list(timing.samples), cost, host] for label, (timing, cost, host) in final.items()}}
     raise ValueError(f"unknown request {op!r}")
 
 
