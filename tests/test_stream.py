@@ -51,6 +51,18 @@ def test_writes_into_a_strided_out():
     assert got is out and verify.rel_err(out, inputs.reference) <= verify.tolerance(problem)
 
 
+def test_a_model_s_activations_of_any_rank():
+    """x (batch, tokens, K), as a model's layers pass it: one (M, K) operand, the output shaped back."""
+    problem = Problem(6, 24, 32, "float16", "linear", True)
+    kernel = BACKEND.build(problem, _configs(problem)[0], current())
+    inputs = verify.make_inputs(problem, DEVICE)
+    out = kernel(inputs.a.reshape(2, 3, 32), inputs.b, inputs.bias)
+    assert out.shape == (2, 3, 24)
+    assert verify.rel_err(out.reshape(6, 24), inputs.reference) <= verify.tolerance(problem)
+    with pytest.raises(ValueError, match="out= takes a 2-D a"):
+        kernel(inputs.a.reshape(2, 3, 32), inputs.b, inputs.bias, torch.empty(6, 24, dtype=torch.float16))
+
+
 def test_space_serves_decode_on_hopper_only():
     decode = Problem(16, 4096, 4096)
     configs = space(decode, H100)
@@ -117,3 +129,23 @@ def test_later_calls_launch_the_binary_directly():
         out = kernel(inputs.a, inputs.b, inputs.bias)
         assert verify.rel_err(out, inputs.reference) < verify.tolerance(problem)
     assert kernel._launch.binaries() == 1
+
+
+@pytest.mark.gpu
+def test_the_bound_launch_matches_the_call_and_follows_the_weights():
+    """linear's front path: the bound call encodes x's map per call and each weight's once per
+    address; two layers of one shape share the entry, so the same call must serve both."""
+    from gemmtune.launch import front_entry
+
+    problem = Problem(16, 4096, 4096, bias=True, activation="gelu_tanh")
+    kernel = BACKEND.build(problem, StreamConfig(16, 64, 256, 4, 4), current())
+    first, second = (verify.make_inputs(problem, "cuda", seed=s) for s in (2, 3))
+    x = first.a.reshape(4, 4, 4096)  # a model's (batch, tokens, K)
+    kernel(x, first.b, first.bias)
+    call = front_entry(kernel, x, first.b, first.bias)
+    assert call.__name__ == "call"  # bound, not the unbound wrapper
+    for inputs in (first, second, first):
+        x = inputs.a.reshape(4, 4, 4096)
+        out = call(x, inputs.b, inputs.bias, x.data_ptr(), inputs.b.data_ptr(), inputs.bias.data_ptr())
+        assert out.shape == (4, 4, 4096)
+        assert verify.rel_err(out.reshape(16, 4096), inputs.reference) < verify.tolerance(problem)

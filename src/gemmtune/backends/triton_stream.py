@@ -87,7 +87,10 @@ def space(problem: Problem, device: Device) -> list[StreamConfig]:
 class StreamKernel:
     """Launched through ``launch.Launcher``: after a guard's first call, Triton's launcher is
     called directly with the descriptors (it encodes their TMA maps), skipping the JIT's
-    dispatch. The weights' descriptor is made once per weight tensor and kept."""
+    dispatch. The weights' descriptor is made once per weight tensor and kept. ``bind`` goes
+    further for linear's front path (see ``_bound``)."""
+
+    serves_any_rank = True  # x (..., K) in layout linear: its rows are one (M, K) operand
 
     def __init__(self, problem: Problem, config: StreamConfig, device: Device) -> None:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -108,6 +111,11 @@ class StreamKernel:
         self._constexprs = {bias: dict(base, HAS_BIAS=bias) for bias in (False, True)}
 
     def __call__(self, a, b, bias, out=None):
+        if a.dim() != 2:
+            if out is not None:
+                raise ValueError(f"out= takes a 2-D a, got a of shape {tuple(a.shape)}")
+            n = b.shape[0] if self._linear else b.shape[1]
+            return self(a.reshape(-1, a.shape[-1]), b, bias).view(*a.shape[:-1], n)
         c = self._config
         a, b = tma_ready(a), tma_ready(b)
         m, k = a.shape
@@ -119,25 +127,107 @@ class StreamKernel:
         po = out.data_ptr()
         a_desc = self._descriptor(a, [m, k], [a.stride(0), 1], [c.block_m, c.block_k])
         b_desc = self._weight_descriptor(b, pb, n, k)
-        programs = min(self._slots, -(-n // c.block_n) * -(-m // c.block_m))
-        self._launch((programs, 1, 1), guard, (a_desc, b_desc, out, out if bias is None else bias),
-                     (a_desc, b_desc, po, po if bias is None else pbias),
-                     (m, n, k, out.stride(0), out.stride(1), programs), self._constexprs[bias is not None])
+        self._launch((self._programs(m, n), 1, 1), guard, (a_desc, b_desc, out, out if bias is None else bias),
+                     (a_desc, b_desc, po, po if bias is None else pbias), self._scalars(m, n, k, out.stride()),
+                     self._constexprs[bias is not None])
         return out
+
+    def _programs(self, m: int, n: int) -> int:
+        c = self._config
+        return min(self._slots, -(-n // c.block_n) * -(-m // c.block_m))
+
+    def _scalars(self, m: int, n: int, k: int, out_strides: tuple) -> tuple:
+        return m, n, k, out_strides[0], out_strides[1], self._programs(m, n)
 
     def _weight_descriptor(self, b, pb: int, n: int, k: int):
         key = (pb, b.shape, b.stride(), b.dtype)
         desc = self._weights.get(key)
         if desc is None:
-            c = self._config
-            if self._linear:
-                desc = self._descriptor(b, [n, k], [b.stride(0), 1], [c.block_n, c.block_k])
-            else:
-                desc = self._descriptor(b, [k, n], [b.stride(0), 1], [c.block_k, c.block_n])
             if len(self._weights) >= MAX_WEIGHT_DESCRIPTORS:  # a descriptor keeps its tensor alive
                 self._weights.clear()
-            self._weights[key] = desc
+            desc = self._weights[key] = self._descriptor(b, *self._weight_box(b, n, k))
         return desc
+
+    def _weight_box(self, b, n: int, k: int) -> tuple[list, list, list]:
+        """The weights' shape, strides and block as their descriptor takes them."""
+        c = self._config
+        if self._linear:
+            return [n, k], [b.stride(0), 1], [c.block_n, c.block_k]
+        return [k, n], [b.stride(0), 1], [c.block_k, c.block_n]
+
+    def bind(self, a, b, bias):
+        """For linear's front path: a call ``call(x, w, bias, px, pw, pbias)`` for operands laid
+        out as these (contiguous x of any rank), once a call like this one has made the binary;
+        else None. It encodes x's TMA map from its address and calls Triton's C launcher itself,
+        skipping the descriptor objects and the launcher's Python wrapper that the plain call
+        pays: the weights' maps are encoded once per weight address (the front path's key fixes
+        their shape, not which tensor they are)."""
+        k = a.shape[-1]
+        if not a.is_contiguous() or tma_ready(b) is not b or a.data_ptr() % 16 or (k * a.element_size()) % 16:
+            return None
+        a2 = a.reshape(-1, k)
+        m, n = a2.shape[0], (b.shape[0] if self._linear else b.shape[1])
+        out_shape = (*a.shape[:-1], n)
+        pbias = bias.data_ptr() if bias is not None else 0
+        guard = gemm_guard(a2, b, bias, None, (k, 1), b.stride(), a2.data_ptr(), b.data_ptr(), pbias)
+        direct = self._launch.direct(guard, (self._programs(m, n), 1, 1), self._scalars(m, n, k, (n, 1)))
+        encoders = None if direct is None else _tma_encoders(direct[0])
+        if encoders is None:
+            return None
+        return self._bound(direct, encoders, (m, k), self._weight_box(b, n, k), out_shape, bias is not None)
+
+    def _bound(self, direct: tuple, encoders: tuple, a_shape: tuple, w_box: tuple, out_shape: tuple,
+               has_bias: bool):
+        _, (gx, gy, gz), stream, device, function, prefix, rest, _ = direct
+        launch, encode_a, encode_w = encoders
+        a_box = ([a_shape[0], a_shape[1]], [a_shape[1], 1])
+        a_dims = (*a_box[0], *a_box[1])
+        weights: dict[int, list] = {}  # weight address -> its encoded map, shape and strides
+        kernel, hooked = self, self._launch.hooked
+
+        def call(a, b, bias, pa: int, pb: int, pbias: int):
+            if hooked():
+                return kernel(a, b, bias)
+            w_args = weights.get(pb)
+            if w_args is None:
+                if len(weights) >= MAX_WEIGHT_DESCRIPTORS:
+                    weights.clear()
+                w_args = weights[pb] = encode_w(pb, *w_box[:2])
+            out = a.new_empty(out_shape)
+            po = out.data_ptr()
+            launch(gx, gy, gz, stream(device), function, *prefix, encode_a(pa, *a_box), *a_dims, *w_args,
+                   po, pbias if has_bias else po, *rest)
+            return out
+
+        return call
+
+
+def _tma_encoders(launch) -> tuple | None:
+    """(launch, encode for A, encode for B) behind Triton's descriptor wrapper ``launch`` (the
+    binary's launcher as ``launch.Launcher`` keeps it), or None where it is not the wrapper this
+    was written against (triton 3.6: a closure holding the C launcher and each descriptor's
+    metadata). Each encode(address, shape, strides) returns a TMA map and is what the wrapper
+    does per descriptor, per call."""
+    cells = getattr(launch, "__closure__", None)
+    names = getattr(getattr(launch, "__code__", None), "co_freevars", ())
+    if not cells or len(cells) != len(names):
+        return None
+    env = dict(zip(names, (cell.cell_contents for cell in cells)))
+    metas = env.get("tensordesc_meta")
+    if "launcher" not in env or not metas or len(metas) != 2 or any(m is None or m.get("fp4_padded") for m in metas):
+        return None
+    import triton
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    fill = triton.runtime.driver.active.utils.fill_tma_descriptor
+
+    def encoder(meta):
+        args = (meta["swizzle"], meta["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["block_size"])
+        return lambda address, shape, strides: fill(address, *args, shape, strides, 0)
+
+    encode_a, encode_w_map = encoder(metas[0]), encoder(metas[1])
+    return env["launcher"], encode_a, lambda address, shape, strides: [encode_w_map(address, shape, strides),
+                                                                      *shape, *strides]
 
 
 class TritonStreamBackend:
