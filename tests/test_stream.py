@@ -63,6 +63,24 @@ def test_a_model_s_activations_of_any_rank():
         kernel(inputs.a.reshape(2, 3, 32), inputs.b, inputs.bias, torch.empty(6, 24, dtype=torch.float16))
 
 
+def test_a_launcher_that_is_not_triton_s_descriptor_wrapper_is_not_bound():
+    """The bound launch reads the closure of Triton 3.6's descriptor wrapper; anything else (the
+    launcher of a kernel with scratch memory, another Triton) leaves the plain call in place."""
+    from gemmtune.backends.triton_stream import _tma_encoders
+
+    def wrapper_of_another_shape(*args):
+        return args
+
+    launcher = object()
+
+    def wrapper_without_metadata(*args):
+        return launcher(*args)
+
+    assert _tma_encoders(wrapper_of_another_shape) is None
+    assert _tma_encoders(wrapper_without_metadata) is None
+    assert _tma_encoders(object()) is None
+
+
 def test_space_serves_decode_on_hopper_only():
     decode = Problem(16, 4096, 4096)
     configs = space(decode, H100)
