@@ -198,8 +198,13 @@ def _spaces(problem: Problem, device: Device, options: TuneOptions) -> dict[str,
         return spaces
     keep = set(options.shortlist)
     return {name: [c for c in configs if _label(name, c.as_dict()) in keep]
-            if configs and backends.get(name).predict_ms(problem, device, configs[0]) is not None else configs
-            for name, configs in spaces.items()}
+            if _ranked(name, configs, problem, device) else configs for name, configs in spaces.items()}
+
+
+def _ranked(name: str, configs: list, problem: Problem, device: Device) -> bool:
+    """Whether a cost model ranks backend ``name``'s configs; those of the others (cuBLAS, the
+    padded path: a config or two) are all measured."""
+    return bool(configs) and backends.get(name).predict_ms(problem, device, configs[0]) is not None
 
 
 def shortlist(result: TuneResult, count: int = SHORTLIST) -> tuple[str, ...]:
@@ -238,9 +243,9 @@ def _compile_failures(results: list) -> dict[tuple[str, str], Trial]:
 
 def _planned(name: str, configs: list, problem: Problem, device: Device, options: TuneOptions) -> list:
     """The configs of one backend that _search_backend will measure first."""
-    backend = backends.get(name)
-    if not configs or backend.predict_ms(problem, device, configs[0]) is None:
+    if not _ranked(name, configs, problem, device):
         return configs
+    backend = backends.get(name)
     return search.plan(options.strategy, configs, options.budget,
                        predict=lambda config: backend.predict_ms(problem, device, config), seed=options.seed or 0)
 
@@ -253,13 +258,11 @@ def _search_backend(name: str, configs: list, problem: Problem, device: Device, 
                     evaluate) -> None:
     """Measure the configs of one backend that its cost model and the strategy pick. Backends
     without a cost model (cuBLAS, the padded path: a config or two) are measured whole."""
-    backend = backends.get(name)
-    if not configs:
-        return
-    if backend.predict_ms(problem, device, configs[0]) is None:
+    if not _ranked(name, configs, problem, device):
         for config in configs:
             evaluate(name, config)
         return
+    backend = backends.get(name)
     search.run(options.strategy, configs, lambda config: evaluate(name, config), options.budget,
                predict=lambda config: backend.predict_ms(problem, device, config),
                neighbours=search.neighbours_by_fields(configs, lambda config: config.as_dict()),

@@ -32,7 +32,7 @@ MIN_M, MAX_M = 2, 64
 TILES = ((64, 256, 4, 4), (128, 128, 4, 3))
 INTERPRETER_TILES = ((16, 16, 1, 1), (16, 32, 1, 1))
 MAX_RESIDENT = 2  # programs per SM, where shared memory holds two pipelines
-MAX_WEIGHT_DESCRIPTORS = 8  # kept per kernel: a model's layers of one shape share a kernel
+MAX_WEIGHT_MAPS = 8  # weights' TMA maps a bound launch keeps: a model's layers of one shape share it
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,7 @@ def space(problem: Problem, device: Device) -> list[StreamConfig]:
 class StreamKernel:
     """Launched through ``launch.Launcher``: after a guard's first call, Triton's launcher is
     called directly with the descriptors (it encodes their TMA maps), skipping the JIT's
-    dispatch. The weights' descriptor is made once per weight tensor and kept. ``bind`` goes
-    further for linear's front path (see ``_bound``)."""
+    dispatch. ``bind`` goes further for linear's front path (see ``_bound``)."""
 
     serves_any_rank = True  # x (..., K) in layout linear: its rows are one (M, K) operand
 
@@ -102,7 +101,6 @@ class StreamKernel:
         self._linear = problem.layout == "linear"
         self._config = config
         self._slots = config.slots(problem.element_size, device)
-        self._weights: dict[tuple, object] = {}  # (address, shape, strides, dtype) -> descriptor
         base = dict(
             B_IS_NK=self._linear, ACTIVATION=problem.activation, PRECISION="tf32" if problem.tf32 else "ieee",
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
@@ -126,27 +124,17 @@ class StreamKernel:
             out = a.new_empty((m, n))
         po = out.data_ptr()
         a_desc = self._descriptor(a, [m, k], [a.stride(0), 1], [c.block_m, c.block_k])
-        b_desc = self._weight_descriptor(b, pb, n, k)
-        self._launch((self._programs(m, n), 1, 1), guard, (a_desc, b_desc, out, out if bias is None else bias),
-                     (a_desc, b_desc, po, po if bias is None else pbias), self._scalars(m, n, k, out.stride()),
-                     self._constexprs[bias is not None])
+        b_desc = self._descriptor(b, *self._weight_box(b, n, k))
+        grid, scalars = self._grid_and_scalars(m, n, k, out.stride())
+        self._launch(grid, guard, (a_desc, b_desc, out, out if bias is None else bias),
+                     (a_desc, b_desc, po, po if bias is None else pbias), scalars, self._constexprs[bias is not None])
         return out
 
-    def _programs(self, m: int, n: int) -> int:
+    def _grid_and_scalars(self, m: int, n: int, k: int, out_strides: tuple) -> tuple[tuple[int, int, int], tuple]:
+        """The persistent grid (no more programs than tiles) and the scalar arguments."""
         c = self._config
-        return min(self._slots, -(-n // c.block_n) * -(-m // c.block_m))
-
-    def _scalars(self, m: int, n: int, k: int, out_strides: tuple) -> tuple:
-        return m, n, k, out_strides[0], out_strides[1], self._programs(m, n)
-
-    def _weight_descriptor(self, b, pb: int, n: int, k: int):
-        key = (pb, b.shape, b.stride(), b.dtype)
-        desc = self._weights.get(key)
-        if desc is None:
-            if len(self._weights) >= MAX_WEIGHT_DESCRIPTORS:  # a descriptor keeps its tensor alive
-                self._weights.clear()
-            desc = self._weights[key] = self._descriptor(b, *self._weight_box(b, n, k))
-        return desc
+        programs = min(self._slots, -(-n // c.block_n) * -(-m // c.block_m))
+        return (programs, 1, 1), (m, n, k, out_strides[0], out_strides[1], programs)
 
     def _weight_box(self, b, n: int, k: int) -> tuple[list, list, list]:
         """The weights' shape, strides and block as their descriptor takes them."""
@@ -170,7 +158,7 @@ class StreamKernel:
         out_shape = (*a.shape[:-1], n)
         pbias = bias.data_ptr() if bias is not None else 0
         guard = gemm_guard(a2, b, bias, None, (k, 1), b.stride(), a2.data_ptr(), b.data_ptr(), pbias)
-        direct = self._launch.direct(guard, (self._programs(m, n), 1, 1), self._scalars(m, n, k, (n, 1)))
+        direct = self._launch.direct(guard, *self._grid_and_scalars(m, n, k, (n, 1)))
         encoders = None if direct is None else _tma_encoders(direct[0])
         if encoders is None:
             return None
@@ -190,7 +178,7 @@ class StreamKernel:
                 return kernel(a, b, bias)
             w_args = weights.get(pb)
             if w_args is None:
-                if len(weights) >= MAX_WEIGHT_DESCRIPTORS:
+                if len(weights) >= MAX_WEIGHT_MAPS:
                     weights.clear()
                 w_args = weights[pb] = encode_w(pb, *w_box[:2])
             out = a.new_empty(out_shape)
