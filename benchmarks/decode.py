@@ -4,6 +4,7 @@ inductor max-autotune, in one process. The data the decode kernels and their cos
 judged and fitted on.
 
     PYTHONPATH=src python3 benchmarks/decode.py --out decode.json [--only NAME ...] [--inductor] [--sweep]
+        [--inductor-code DIR]
 
 ``--sweep`` also measures a wide grid of configs beyond the tuner's space (``sweep``: split-K
 programs for decode rows, ``tile_sweep``'s tiled, persistent and split-K tiles for the small
@@ -157,7 +158,7 @@ def trial_rows(trials, problem, device) -> list[dict]:
     return rows
 
 
-def run_shape(named, runner, with_inductor: bool, with_sweep: bool) -> dict:
+def run_shape(named, runner, with_inductor: bool, with_sweep: bool, code_dir: Path | None = None) -> dict:
     p, device = named.problem, current()
     options = TuneOptions(strategy="exhaustive", backends=BACKENDS)
     result = tune_problem(p, device, options=options, runner=runner)
@@ -168,7 +169,13 @@ def run_shape(named, runner, with_inductor: bool, with_sweep: bool) -> dict:
     if best_swept is not None:
         fns["swept"] = bound(best_swept, p, inputs)
     inductor_s = None
-    if with_inductor:
+    if with_inductor and code_dir is not None:  # the code inductor generated, kept beside the timings
+        from torch._inductor.utils import run_and_get_code
+
+        (fns["inductor"], inductor_s), sources = run_and_get_code(inductor, fns["cublas"])
+        code_dir.mkdir(parents=True, exist_ok=True)
+        (code_dir / f"{named.name}.py").write_text("\n\n# ---- next module ----\n\n".join(sources))
+    elif with_inductor:
         fns["inductor"], inductor_s = inductor(fns["cublas"])
     timings = bench.measure(fns, device, budget_ms=1000, min_rounds=50)
     weights = p.n * p.k * p.element_size
@@ -186,6 +193,8 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=None, help="names of shapes to run (default: group decode)")
     parser.add_argument("--inductor", action="store_true", help="also torch.compile(mode='max-autotune-no-cudagraphs')")
     parser.add_argument("--sweep", action="store_true", help="also measure the wide grid of split-K configs (sweep)")
+    parser.add_argument("--inductor-code", type=Path, default=None, metavar="DIR",
+                        help="with --inductor: write the code inductor generates for each row to DIR/NAME.py")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -202,7 +211,7 @@ def main() -> int:
     print(f"copy {doc['copy_tbps']:.2f} TB/s (read + written), read {doc['read_tbps']:.2f} TB/s", flush=True)
     with IsolatedRunner(device) as runner, torch.no_grad():
         for item in named:
-            row = run_shape(item, runner, args.inductor, args.sweep)
+            row = run_shape(item, runner, args.inductor, args.sweep, args.inductor_code)
             doc["rows"].append(row)
             args.out.write_text(json.dumps(doc, indent=1))
             ind = f" inductor {row['inductor_ms'] * 1e3:.1f} us" if "inductor_ms" in row else ""

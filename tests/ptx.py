@@ -42,3 +42,23 @@ def sm90_ptx(module: str, scalars: tuple, constexprs: dict) -> str:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def sm90_sass(module: str, scalars: tuple, constexprs: dict) -> list[str]:
+    """``sm90_ptx``'s kernel assembled by the ptxas that ships with Triton, as its SASS
+    instructions (opcode and operands, one per item)."""
+    import re
+    import tempfile
+
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(sm90_ptx(module, scalars, constexprs))
+        subprocess.run([os.path.join(tools, "ptxas"), "-arch=sm_90a", ptx, "-o", cubin], check=True, timeout=300)
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", cubin], capture_output=True,
+                              text=True, check=True, timeout=300).stdout
+    return [line.split("*/", 1)[1].split(";")[0].strip() for line in sass.splitlines()
+            if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]

@@ -4,6 +4,8 @@ stand a recording kernel in), failures come back typed, a batch takes several pr
 and the tuner plans what to compile and records compile failures without building those
 candidates again."""
 
+import dataclasses
+import sys
 import threading
 
 import pytest
@@ -32,18 +34,22 @@ def test_every_candidate_is_built_and_launched_once_in_threads(monkeypatch):
 
     def build(problem, name, config, device):  # Triton's interpreter is not thread-safe: a stand-in kernel
         def kernel(a, b, bias):
-            launched.append((threading.current_thread().name, config["GROUP_M"], a, bias))
+            launched.append((threading.current_thread().name, config["GROUP_M"], a, bias, sys.getswitchinterval()))
         return kernel
 
     monkeypatch.setattr(compiler.backends, "build", build)
     configs = [TILED[0], TILED[1], dict(TILED[1], GROUP_M=4)]
     operands = _operands()
+    before = sys.getswitchinterval()
     done = compiler.compile_ahead([(PROBLEM, "triton_tiled", c, operands) for c in configs], H100, workers=2)
+    # Triton's front ends hold the GIL: while compiling, a thread keeps it longer, then as before
+    assert sys.getswitchinterval() == before
+    assert all(interval == compiler.SWITCH_INTERVAL_S for *_, interval in launched)
     assert [d.config["GROUP_M"] for d in done] == [8, 2, 4]  # in the jobs' order
     assert all(d.status is Status.OK and d.reason == "" and d.seconds > 0 for d in done)
-    assert sorted(g for _, g, _, _ in launched) == [2, 4, 8]
+    assert sorted(g for _, g, *_ in launched) == [2, 4, 8]
     assert all(t.startswith("gemmtune-compile") and a is operands[0] and bias is operands[2]
-               for t, _, a, bias in launched)
+               for t, _, a, bias, _ in launched)
 
 
 def test_a_failure_comes_back_typed_instead_of_raising():
@@ -193,3 +199,22 @@ def test_a_batch_takes_only_the_problems_whose_operands_fit(monkeypatch):
         compiler.Compiled(name, config, Status.OK) for _, name, config, _ in jobs])
     monkeypatch.setattr(tuner, "_free_gpu_bytes", lambda: int(small.min_bytes / tuner.BATCH_MEMORY_SHARE) + 1)
     assert list(tuner.compile_batch([small, large, small], H100)) == [small.key()]  # large: compiled on its own
+
+
+def test_a_follower_compiles_its_leads_plan_in_the_leads_batch(monkeypatch, tmp_path):
+    """The seeds' MLP: one shape with bias + ReLU, then with bias alone. Which of the lead's
+    candidates the second tries is known only after the lead is measured, so both compile in one
+    batch, and the second's plan holds every candidate the lead's holds."""
+    from gemmtune import api
+
+    relu = Problem(256, 1024, 1024, "bfloat16", "linear", bias=True, activation="relu")
+    plain = Problem(256, 1024, 1024, "bfloat16", "linear", bias=True)
+    for m in (1, 16, 256):
+        lead, follower = (dataclasses.replace(p, m=m) for p in (relu, plain))
+        assert tuner._plan(follower, H100, tuner.TuneOptions()) == tuner._plan(lead, H100, tuner.TuneOptions())
+    asked = []
+    monkeypatch.setattr(api, "compile_batch", lambda new, device, options: asked.append(new) or {})
+    small = [Problem(33, 40, 72, "float32", "linear", bias=True, activation="relu"),
+             Problem(33, 40, 72, "float32", "linear", bias=True)]
+    api.tune(small, store=tmp_path)
+    assert asked == [small]

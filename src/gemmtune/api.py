@@ -58,14 +58,15 @@ def tune(problems: Problem | Iterable[Problem], *, store: Store | str | Path | N
         if isolate else None
     known = {} if retune else {p.key(): store.get(device.fingerprint(), p.key()) for p in problems}
     new = list({p.key(): p for p in problems if known.get(p.key()) is None}.values())
-    # A problem that differs from an earlier new one in its epilogue alone tries that one's best
-    # candidates after it, so only the first of them compiles a whole plan.
+    # A problem that differs from an earlier new one in its epilogue alone (a follower) tries
+    # cuBLAS and that lead's best candidates after it, not a whole plan of its own.
     leads = {}
     for problem in new:
         leads.setdefault(problem.without_epilogue(), problem)
-    # a model's shapes compile side by side; an isolated runner compiles each in its own process
-    batch = [p for p in new if leads[p.without_epilogue()] is p]
-    compiled = compile_batch(batch, device, options) if runner is None and len(batch) > 1 else {}
+    # A model's shapes compile side by side (an isolated runner compiles each in its own process),
+    # and so do the followers' versions of their leads' plans: which of them a follower tries is
+    # known only once its lead is measured, and compiling them then would cost a second round.
+    compiled = compile_batch(new, device, options) if runner is None and len(new) > 1 else {}
     results = []
     try:
         for problem in problems:

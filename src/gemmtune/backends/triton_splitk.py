@@ -45,11 +45,12 @@ FMA_TILES = ((16, 512, 4, 1), (32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 1),
              (128, 128, 8, 3), (16, 128, 4, 3), (16, 64, 2, 4),
              (4, 1024, 4, 1), (8, 1024, 4, 1), (4, 2048, 8, 1), (8, 2048, 8, 1), (16, 1024, 8, 1))
 # M = 1 alone: the GEMV tiles (one row of A, no tensor cores), six so that top-k measures all of
-# them. From 126-tile sweeps of each decode row on the H200 (NOTES, step 14): at 132 SMs the
-# register-direct tiles (stage 1) win, within 1% of each row's best; at 38 SMs, where each SM
-# must keep about three times the bytes in flight, the pipelined ones (4 stages in shared
-# memory) win by 15-40% over them.
-GEMV_TILES = ((8, 512, 4, 1), (2, 2048, 4, 1), (1, 2048, 4, 1), (8, 256, 2, 4), (16, 256, 2, 4), (8, 512, 4, 4))
+# them. At 132 SMs the register-direct tiles (stage 1) win: one weight row per program, each
+# thread loading one 16-byte vector per K step, led all four m=1 rows of the Llama when every
+# tile was timed side by side on the H200 (NOTES, step 18); at 38 SMs, where each SM must keep
+# about three times the bytes in flight, the pipelined ones (4 stages in shared memory) win by
+# 15-40% over them (step 14).
+GEMV_TILES = ((1, 2048, 8, 1), (1, 1024, 4, 1), (2, 2048, 2, 1), (8, 256, 2, 4), (16, 256, 2, 4), (8, 512, 4, 4))
 # Tensor-core tiles; the 16- and 32-wide ones on 2 warps won the m=16 rows of the same sweep.
 DOT_TILES = ((32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (128, 64, 4, 4),
              (256, 64, 8, 3), (16, 512, 2, 3), (16, 256, 2, 5), (32, 128, 2, 3))
@@ -190,9 +191,9 @@ class SplitKKernel:
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
-        # (HAS_BIAS, EVEN_K) -> every constexpr of a launch
-        self._constexprs = {(bias, even): dict(base, HAS_BIAS=bias, EVEN_K=even)
-                            for bias in (False, True) for even in (False, True)}
+        # (HAS_BIAS, EVEN_K, EVEN_N) -> every constexpr of a launch
+        self._constexprs = {(bias, even_k, even_n): dict(base, HAS_BIAS=bias, EVEN_K=even_k, EVEN_N=even_n)
+                            for bias in (False, True) for even_k in (False, True) for even_n in (False, True)}
 
     def _workspace(self, device: torch.device, m: int, n: int, tiles: int) -> tuple:
         """The partial sums and tile counters for (m, n) on ``device``, with their addresses."""
@@ -212,7 +213,7 @@ class SplitKKernel:
         else:  # never touched: the SPLIT_K == 1 path is compiled out
             workspace, counters, pw, pcount = out, out, pointers[2], pointers[2]
         self._launch(grid, guard, (*tensors, workspace, counters), (*pointers, pw, pcount), scalars,
-                     self._constexprs[bias is not None, k % (cfg.block_k * cfg.split_k) == 0])
+                     self._constexprs[bias is not None, k % (cfg.block_k * cfg.split_k) == 0, n % cfg.block_n == 0])
         return out
 
     def _grid_and_scalars(self, m: int, n: int, k: int, strides: tuple) -> tuple[tuple[int, int, int], tuple]:

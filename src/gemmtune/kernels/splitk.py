@@ -33,12 +33,13 @@ def splitk_matmul(
     a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, counter_ptr,
     M, N, K, k_per_split,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    PRECISION: tl.constexpr, USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HINTS: tl.constexpr,
 ):
     """``k_per_split`` is a multiple of BLOCK_K with SPLIT_K * k_per_split >= K; EVEN_K says
-    every slice lies wholly inside K, so no load along K needs a mask."""
+    every slice lies wholly inside K, so no load along K needs a mask; EVEN_N that BLOCK_N
+    divides N (read by the GEMV form alone)."""
     # Alignment Triton cannot see (launch.gemm_hints, one per scalar after M): N, K and the
     # strides that step rows are multiples of these many elements, or 1 for nothing more known.
     # (multiple_of must be written here: a hint set inside a called jit function is lost.)
@@ -56,67 +57,98 @@ def splitk_matmul(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     k_start = pid_k * k_per_split
-    # Rows and columns past the edge wrap to valid ones instead of being masked, so the loads
-    # stay unmasked along M and N; the store drops what they produce.
     n_bound = tl.full((BLOCK_N,), N, tl.int32)
     if HINT_N > 1:
         n_bound = tl.multiple_of(n_bound, HINT_N)
-    rm_safe = rm % M
-    rn_safe = rn % n_bound
-    a_rows = rm_safe * stride_am
-    if HINT_AM > 1:
-        a_rows = tl.multiple_of(a_rows, HINT_AM)
-    b_ks = (k_start + rk) * stride_bk
-    if HINT_BK > 1:
-        b_ks = tl.multiple_of(b_ks, HINT_BK)
-    b_ns = rn_safe * stride_bn
-    if HINT_BN > 1:
-        b_ns = tl.multiple_of(b_ns, HINT_BN)
-    a_ptrs = a_ptr + a_rows[:, None] + (k_start + rk)[None, :] * stride_ak
-    if USE_DOT:  # B as (BLOCK_K, BLOCK_N) for tl.dot
-        b_ptrs = b_ptr + b_ks[:, None] + b_ns[None, :]
-    else:  # B as (BLOCK_N, BLOCK_K): each weight row is read along K, its contiguous dimension
-        b_ptrs = b_ptr + b_ns[:, None] + b_ks[None, :]
 
-    if USE_DOT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    elif BLOCK_M == 1:
+    if BLOCK_M == 1 and not USE_DOT:
         # A GEMV: the one row of A broadcast over a (BLOCK_N, BLOCK_K) tile of weights. Kept
         # 2-D: the 3-D form below made Triton move its operands through shared memory, with
-        # six barriers, on every K step.
+        # six barriers, on every K step. Each load's addresses are the rows' starts plus the K
+        # step's offset, and rows past N are masked: the other forms' pointers advanced in place
+        # and their wrapped rows cost a GEMV 5-10% of its reading rate on the H200 (NOTES, step 18).
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    else:
-        # Tiny M: tensor cores would waste most of each 16-row instruction; multiply-add in fp32
-        # on the CUDA cores, each product into its own lane of a 3-D accumulator, and reduce
-        # over K once after the loop (a reduction per K step costs a round of warp shuffles).
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, k_per_split, BLOCK_K, num_stages=STAGES):
-        # The weights are read once: first out of L2, which keeps A and the partials instead.
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs, eviction_policy="evict_first")
+        b_rows = rn * stride_bn
+        if HINT_BN > 1:
+            b_rows = tl.multiple_of(b_rows, HINT_BN)
+        n_in = rn < n_bound
+        k_bound = tl.full((BLOCK_K,), K, tl.int32)
+        if HINT_K > 1:
+            k_bound = tl.multiple_of(k_bound, HINT_K)
+        a_start = pid_m * stride_am  # BLOCK_M is 1: this program's row of A
+        if HINT_AM > 1:
+            a_start = tl.multiple_of(a_start, HINT_AM)
+        a_row = a_ptr + a_start
+        if SPLIT_K == 1:
+            k_first = 0  # a constant, as pid_k is
         else:
-            k_left = tl.full((BLOCK_K,), K - k_start - k0, tl.int32)  # <= 0 in a slice past K: all masked
-            if HINT_K > 1:
-                k_left = tl.multiple_of(k_left, HINT_K)
-            k_in = rk < k_left
-            a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
-            if USE_DOT:
-                b = tl.load(b_ptrs, mask=k_in[:, None], other=0.0, eviction_policy="evict_first")
+            k_first = k_start
+        for k0 in tl.range(k_first, k_first + k_per_split, BLOCK_K, num_stages=STAGES):
+            ks = k0 + rk
+            b_ks = ks * stride_bk
+            if HINT_BK > 1:
+                b_ks = tl.multiple_of(b_ks, HINT_BK)
+            b_ptrs = b_ptr + b_rows[:, None] + b_ks[None, :]
+            # The weights are read once: first out of L2, which keeps A and the partials instead.
+            if EVEN_K and EVEN_N:
+                # x's addresses not built from ks, which the weights' share: with that offset in
+                # common, ptxas multiplied the first K step's values before it issued the next
+                # step's loads, and each program waited on memory twice (7% slower on the H200)
+                a = tl.load(a_row + k0 * stride_ak + rk * stride_ak)
+                b = tl.load(b_ptrs, eviction_policy="evict_first")
             else:
-                b = tl.load(b_ptrs, mask=k_in[None, :], other=0.0, eviction_policy="evict_first")
-        if USE_DOT:
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        elif BLOCK_M == 1:
-            acc += a.to(tl.float32) * b.to(tl.float32)
+                k_in = ks < k_bound
+                a = tl.load(a_row + ks * stride_ak, mask=k_in, other=0.0)
+                b = tl.load(b_ptrs, mask=n_in[:, None] & k_in[None, :], other=0.0, eviction_policy="evict_first")
+            acc += a.to(tl.float32)[None, :] * b.to(tl.float32)
+        acc = tl.sum(acc, axis=1)[None, :]
+    else:
+        # Rows and columns past the edge wrap to valid ones instead of being masked, so the
+        # loads stay unmasked along M and N; the store drops what they produce.
+        rm_safe = rm % M
+        rn_safe = rn % n_bound
+        a_rows = rm_safe * stride_am
+        if HINT_AM > 1:
+            a_rows = tl.multiple_of(a_rows, HINT_AM)
+        b_ks = (k_start + rk) * stride_bk
+        if HINT_BK > 1:
+            b_ks = tl.multiple_of(b_ks, HINT_BK)
+        b_ns = rn_safe * stride_bn
+        if HINT_BN > 1:
+            b_ns = tl.multiple_of(b_ns, HINT_BN)
+        a_ptrs = a_ptr + a_rows[:, None] + (k_start + rk)[None, :] * stride_ak
+        if USE_DOT:  # B as (BLOCK_K, BLOCK_N) for tl.dot
+            b_ptrs = b_ptr + b_ks[:, None] + b_ns[None, :]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
-            acc += a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :]
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-    if not USE_DOT:
-        if BLOCK_M == 1:
-            acc = tl.sum(acc, axis=1)[None, :]
-        else:
+            # Tiny M: tensor cores would waste most of each 16-row instruction; multiply-add in
+            # fp32 on the CUDA cores, each product into its own lane of a 3-D accumulator, and
+            # reduce over K once after the loop (a reduction per K step costs a round of warp
+            # shuffles). B as (BLOCK_N, BLOCK_K): each weight row is read along K, its
+            # contiguous dimension.
+            b_ptrs = b_ptr + b_ns[:, None] + b_ks[None, :]
+            acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in tl.range(0, k_per_split, BLOCK_K, num_stages=STAGES):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs, eviction_policy="evict_first")
+            else:
+                k_left = tl.full((BLOCK_K,), K - k_start - k0, tl.int32)  # <= 0 in a slice past K: all masked
+                if HINT_K > 1:
+                    k_left = tl.multiple_of(k_left, HINT_K)
+                k_in = rk < k_left
+                a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
+                if USE_DOT:
+                    b = tl.load(b_ptrs, mask=k_in[:, None], other=0.0, eviction_policy="evict_first")
+                else:
+                    b = tl.load(b_ptrs, mask=k_in[None, :], other=0.0, eviction_policy="evict_first")
+            if USE_DOT:
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            else:
+                acc += a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :]
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        if not USE_DOT:
             acc = tl.sum(acc, axis=2)
 
     c_rows = rm * stride_cm
