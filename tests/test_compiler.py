@@ -182,7 +182,7 @@ def test_tune_hands_each_problem_its_part_of_the_batch(monkeypatch, tmp_path):
     gemmtune_tune = api.tune
     gemmtune_tune(problems[0], store=tmp_path)  # stored: not compiled again
     asked, handed = [], {}
-    monkeypatch.setattr(api, "compile_batch", lambda new, device, options: asked.append(new) or {
+    monkeypatch.setattr(api, "compile_batch", lambda new, device, options, followers: asked.append(new) or {
         p.key(): {"marker": p.key()} for p in new})
     real = api.tune_problem
     monkeypatch.setattr(api, "tune_problem", lambda problem, device, compiled=None, **kw: handed.update(
@@ -201,20 +201,36 @@ def test_a_batch_takes_only_the_problems_whose_operands_fit(monkeypatch):
     assert list(tuner.compile_batch([small, large, small], H100)) == [small.key()]  # large: compiled on its own
 
 
-def test_a_follower_compiles_its_leads_plan_in_the_leads_batch(monkeypatch, tmp_path):
+def test_a_follower_compiles_its_leads_best_predicted_candidates_in_the_leads_batch(monkeypatch, tmp_path):
     """The seeds' MLP: one shape with bias + ReLU, then with bias alone. Which of the lead's
     candidates the second tries is known only after the lead is measured, so both compile in one
-    batch, and the second's plan holds every candidate the lead's holds."""
+    batch: the second the lead's best-predicted few of each ranked backend, which it then tries
+    in the order the lead measured them."""
     from gemmtune import api
 
     relu = Problem(256, 1024, 1024, "bfloat16", "linear", bias=True, activation="relu")
     plain = Problem(256, 1024, 1024, "bfloat16", "linear", bias=True)
+    options = tuner.TuneOptions()
     for m in (1, 16, 256):
         lead, follower = (dataclasses.replace(p, m=m) for p in (relu, plain))
-        assert tuner._plan(follower, H100, tuner.TuneOptions()) == tuner._plan(lead, H100, tuner.TuneOptions())
-    asked = []
-    monkeypatch.setattr(api, "compile_batch", lambda new, device, options: asked.append(new) or {})
+        planned = tuner._plan(lead, H100, options)
+        trimmed = tuner.follower_plan(follower, H100, options)
+        assert trimmed and set(tuner.labels(trimmed)) <= set(tuner.labels(planned)) and len(trimmed) < len(planned)
+        for name in {name for name, _ in planned}:
+            ours = [config for n, config in trimmed if n == name]
+            assert ours == [config for n, config in planned if n == name][:len(ours)]  # each backend's first
+            assert len(ours) == min(tuner.SHORTLIST, sum(n == name for n, _ in planned)) or name == "cublas_padded"
+    asked, handed = [], {}
     small = [Problem(33, 40, 72, "float32", "linear", bias=True, activation="relu"),
              Problem(33, 40, 72, "float32", "linear", bias=True)]
-    api.tune(small, store=tmp_path)
-    assert asked == [small]
+    monkeypatch.setattr(api, "compile_batch", lambda new, device, options, followers: asked.append(
+        (new, followers)) or {p.key(): {} for p in new})
+    real = api.tune_problem
+    monkeypatch.setattr(api, "tune_problem", lambda problem, device, options, **kw: handed.update(
+        {problem.key(): options.shortlist}) or real(problem, device, options=options, **kw))
+    first, second = api.tune(small, store=tmp_path)
+    assert asked == [(small, frozenset({small[1].key()}))]
+    compiled = tuner.labels(tuner.follower_plan(small[1], current(), tuner.TuneOptions()))
+    assert handed[small[0].key()] is None
+    assert handed[small[1].key()] == tuner.shortlist(first, among=compiled)
+    assert {t.label() for t in second.trials} <= compiled | {"cublas"}

@@ -27,7 +27,7 @@ from gemmtune.launch import any_rank, front_entry
 from gemmtune.problem import ACTIVATIONS, Problem
 from gemmtune.results import Trial, TuneResult
 from gemmtune.store import Store
-from gemmtune.tuner import TuneOptions, compile_batch, shortlist, tune_problem
+from gemmtune.tuner import TuneOptions, compile_batch, follower_plan, labels, shortlist, tune_problem
 from gemmtune.worker import IsolatedRunner
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -64,17 +64,21 @@ def tune(problems: Problem | Iterable[Problem], *, store: Store | str | Path | N
     for problem in new:
         leads.setdefault(problem.without_epilogue(), problem)
     # A model's shapes compile side by side (an isolated runner compiles each in its own process),
-    # and so do the followers' versions of their leads' plans: which of them a follower tries is
-    # known only once its lead is measured, and compiling them then would cost a second round.
-    compiled = compile_batch(new, device, options) if runner is None and len(new) > 1 else {}
+    # and so do the followers, each its lead's best-predicted candidates (follower_plan): which of
+    # the lead's a follower tries is known only once the lead is measured, and compiling them
+    # then would cost a second round.
+    followers = frozenset(p.key() for p in new if leads[p.without_epilogue()] is not p)
+    compiled = compile_batch(new, device, options, followers) if runner is None and len(new) > 1 else {}
     results = []
     try:
         for problem in problems:
             result = known.get(problem.key())
             if result is None:
                 lead = leads[problem.without_epilogue()]
-                own = options if lead is problem else dataclasses.replace(
-                    options, shortlist=shortlist(known[lead.key()]))
+                own = options
+                if lead is not problem:  # a follower compiled in the batch tries what it compiled there
+                    among = labels(follower_plan(problem, device, options)) if problem.key() in compiled else None
+                    own = dataclasses.replace(options, shortlist=shortlist(known[lead.key()], among=among))
                 result = tune_problem(problem, device, options=own, on_trial=on_trial, runner=runner,
                                       compiled=compiled.get(problem.key()))
                 store.put(result)

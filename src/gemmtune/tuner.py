@@ -68,14 +68,15 @@ def tune_problem(problem: Problem, device: Device, *, options: TuneOptions = Tun
         return _tune(problem, device, options, on_trial, runner, compiled)
 
 
-def compile_batch(problems: list[Problem], device: Device, options: TuneOptions = TuneOptions()) -> dict[str, dict]:
+def compile_batch(problems: list[Problem], device: Device, options: TuneOptions = TuneOptions(),
+                  followers: frozenset = frozenset()) -> dict[str, dict]:
     """The planned candidates of every problem compiled in one batch of threads of this process
     (each on operands shaped as its runner's), so a model's shapes compile side by side rather
     than one shape after another; per problem key, the compile failures as ``tune_problem``'s
-    ``compiled``. Every problem's operands are alive at once, so the batch takes problems in
-    order while they fit in BATCH_MEMORY_SHARE of the GPU's free memory; the rest are left out
-    (``tune_problem`` compiles each of them on its own). Empty where compiling ahead is off or
-    nothing would run on a GPU."""
+    ``compiled``. The problems keyed in ``followers`` compile ``follower_plan`` only. Every
+    problem's operands are alive at once, so the batch takes problems in order while they fit in
+    BATCH_MEMORY_SHARE of the GPU's free memory; the rest are left out (``tune_problem`` compiles
+    each of them on its own). Empty where compiling ahead is off or nothing would run on a GPU."""
     if not options.compile_ahead or device.interpreter or not problems:
         return {}
     from gemmtune import verify
@@ -87,7 +88,8 @@ def compile_batch(problems: list[Problem], device: Device, options: TuneOptions 
             break
         fitting.append(problem)
         operands = verify.make_operands(problem, "cuda", seed=0)
-        jobs += [(problem, name, config, operands) for name, config in _plan(problem, device, options)]
+        plan = follower_plan(problem, device, options) if problem.key() in followers else _plan(problem, device, options)
+        jobs += [(problem, name, config, operands) for name, config in plan]
     results = compiler.compile_ahead(jobs, device)
     failed = {problem.key(): {} for problem in fitting}
     for (problem, *_), result in zip(jobs, results):
@@ -207,13 +209,33 @@ def _ranked(name: str, configs: list, problem: Problem, device: Device) -> bool:
     return bool(configs) and backends.get(name).predict_ms(problem, device, configs[0]) is not None
 
 
-def shortlist(result: TuneResult, count: int = SHORTLIST) -> tuple[str, ...]:
-    """The labels of the ``count`` fastest verified candidates of ``result`` besides cuBLAS:
-    what to try on a problem that differs from ``result``'s in its epilogue alone (bias,
-    activation). The epilogue touches each output once, after the K loop, so it does not
-    reorder the tiles; cuBLAS and the padded path are measured on it whatever the list."""
-    ranked = sorted((t for t in result.trials if t.ok and t.backend != backends.REFERENCE), key=lambda t: t.median_ms)
+def shortlist(result: TuneResult, count: int = SHORTLIST, among: set[str] | None = None) -> tuple[str, ...]:
+    """The labels of the ``count`` fastest verified candidates of ``result`` besides cuBLAS (of
+    those labelled in ``among``, where given): what to try on a problem that differs from
+    ``result``'s in its epilogue alone (bias, activation). The epilogue touches each output
+    once, after the K loop, so it does not reorder the tiles; cuBLAS and the padded path are
+    measured on it whatever the list."""
+    ranked = sorted((t for t in result.trials if t.ok and t.backend != backends.REFERENCE
+                     and (among is None or t.label() in among)), key=lambda t: t.median_ms)
     return tuple(t.label() for t in ranked[:count])
+
+
+def follower_plan(problem: Problem, device: Device, options: TuneOptions) -> list:
+    """What a follower (a problem differing from another, its lead, in the epilogue alone)
+    compiles in its lead's batch, before the lead is measured: of each backend a cost model
+    ranks, the SHORTLIST configs predicted fastest; of the others, every config. It then tries
+    the lead's fastest among them (``shortlist(..., among=...)``). Triton's front end holds the
+    GIL for about 85 ms a compile, so the lead's whole plan again would cost the batch that much
+    per config (NOTES, step 18)."""
+    spaces = _spaces(problem, device, options)
+    return [(name, config.as_dict()) for name, configs in spaces.items() if name != backends.REFERENCE
+            for config in _planned(name, configs, problem, device, options)[:SHORTLIST if _ranked(
+                name, configs, problem, device) else None]]
+
+
+def labels(plan: list) -> set[str]:
+    """The labels of a plan's (backend name, config dict) pairs."""
+    return {_label(name, config) for name, config in plan}
 
 
 def _compile_ahead(problem: Problem, device: Device, options: TuneOptions, spaces: dict[str, list],
