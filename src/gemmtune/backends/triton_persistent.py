@@ -1,8 +1,8 @@
 """``triton_persistent``: the Hopper persistent TMA GEMM, one program per SM walking the tiles,
 optionally warp-specialized (producer warps issuing TMA, consumer warps the matrix ops). Offered
-on Hopper (and the interpreter, for tests) for problems whose rows are 16-byte aligned, whose
-M fills at least one 64-row tile and whose output has more tiles than the GPU has SMs;
-misaligned shapes go to ``cublas_padded`` instead."""
+on Hopper (and the interpreter, for tests) for half-precision problems whose rows are 16-byte
+aligned, whose M fills at least one 64-row tile and whose output's tiles keep the GPU's SMs busy
+(see ``space``); misaligned shapes go to ``cublas_padded`` instead."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ WARPS = (1, 4, 8)
 STAGES = (1, 2, 3, 4, 5, 6)
 MAX_ACC_REGS = 128
 MIN_M = 64  # a warpgroup's matrix instruction covers 64 rows; decode shapes belong to split-K
+MIN_WAVE_FILL = 0.9  # the share of the programs that the last round of tiles must keep busy
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps), each tried with the stages and both schedules below.
 TILES = ((128, 256, 64, 8), (256, 128, 64, 8), (128, 128, 64, 8), (128, 128, 64, 4),
@@ -61,17 +62,22 @@ class PersistentConfig(FieldConfig):
 
 def space(problem: Problem, device: Device) -> list[PersistentConfig]:
     """Configs for this problem on this device, pruned by shared memory and registers, and to
-    tiles that give the persistent programs more tiles than there are SMs. With no more, each
-    program computes one tile, as the tiled kernel does; on the H200 suite's rows with so few
-    tiles (the seeds' MLP, odd-1k, the m=128 rows) it never beat cuBLAS (0.99x at best), so
-    compiling it there only lengthened tuning."""
+    tiles of which the persistent programs get more than one each and fill their last round to
+    at least MIN_WAVE_FILL. With one tile a program it computes as the tiled kernel does; on the
+    H200 suite's rows with so few tiles (the seeds' MLP, odd-1k, the m=128 rows) it never beat
+    cuBLAS (0.99x at best). With a last round half empty it ran at about the fill's share of
+    cuBLAS's speed (the m=128 rows at 38 SMs: 48 tiles of 128x128 on 38 programs, 0.63x). And none
+    for float32: on the suite's one TF32 row (square-4k.tf32, five runs at 38 to 132 SMs) it ran
+    at 0.28-0.29x of cuBLAS. Compiling it there only lengthened tuning."""
     if device.interpreter:
         return [PersistentConfig(bm, bn, bk, 8, w, 1) for bm, bn, bk, w in INTERPRETER_TILES]
-    if not device.is_hopper or problem.m < MIN_M:
+    if not device.is_hopper or problem.m < MIN_M or problem.dtype == "float32":
         return []
     configs = []
     for bm, bn, bk, warps in TILES:
-        if -(-problem.m // bm) * -(-problem.n // bn) <= device.sm_count:
+        tiles = -(-problem.m // bm) * -(-problem.n // bn)
+        rounds = -(-tiles // device.sm_count)
+        if tiles <= device.sm_count or tiles < MIN_WAVE_FILL * rounds * device.sm_count:
             continue
         for stages in STAGE_CHOICES:
             for ws in (False, True):
