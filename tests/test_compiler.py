@@ -234,3 +234,25 @@ def test_a_follower_compiles_its_leads_best_predicted_candidates_in_the_leads_ba
     assert handed[small[0].key()] is None
     assert handed[small[1].key()] == tuner.shortlist(first, among=compiled)
     assert {t.label() for t in second.trials} <= compiled | {"cublas"}
+
+
+def test_concurrent_batches_restore_the_switch_interval_when_the_last_ends():
+    """Two threads tuning at once: the first batch to end leaves the long interval to the other,
+    the last one restores what was set before either began."""
+    before = sys.getswitchinterval()
+    inner_started, release = threading.Event(), threading.Event()
+    seen = []
+
+    def inner():
+        with compiler._long_switch_interval():
+            inner_started.set()
+            release.wait(10)
+
+    with compiler._long_switch_interval():
+        worker = threading.Thread(target=inner)
+        worker.start()
+        inner_started.wait(10)
+    seen.append(sys.getswitchinterval())  # the outer one ended first
+    release.set()
+    worker.join(10)
+    assert seen == [compiler.SWITCH_INTERVAL_S] and sys.getswitchinterval() == before

@@ -20,8 +20,9 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -72,18 +73,39 @@ def compile_ahead(jobs: Sequence[tuple[Problem, str, dict, tuple]], device: Devi
     if workers < 1 or not jobs or device.interpreter:
         return []
     started = time.perf_counter()
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    try:
-        with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="gemmtune-compile") as pool:
-            futures = [pool.submit(_compile_one, problem, name, config, device, operands)
-                       for problem, name, config, operands in jobs]
-            results = [future.result() for future in futures]
-    finally:
-        sys.setswitchinterval(switch)
+    with _long_switch_interval(), ThreadPoolExecutor(min(workers, len(jobs)),
+                                                     thread_name_prefix="gemmtune-compile") as pool:
+        futures = [pool.submit(_compile_one, problem, name, config, device, operands)
+                   for problem, name, config, operands in jobs]
+        results = [future.result() for future in futures]
     log.debug("compiled %d candidates of %d problems ahead in %.2f s on up to %d threads", len(results),
               len({problem for problem, *_ in jobs}), time.perf_counter() - started, workers)
     return results
+
+
+_switch_lock = threading.Lock()
+_switch_users = 0  # compile_ahead calls under way (tuning in several threads of one process)
+_switch_before = 0.0  # the interval to restore when the last of them ends
+
+
+@contextlib.contextmanager
+def _long_switch_interval() -> Iterator[None]:
+    """SWITCH_INTERVAL_S while any compile_ahead of this process runs, the interval from before
+    once the last one ends. Other Python threads of the process wait up to that long for the
+    GIL meanwhile (a second or two of compiling)."""
+    global _switch_users, _switch_before
+    with _switch_lock:
+        if _switch_users == 0:
+            _switch_before = sys.getswitchinterval()
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
+        _switch_users += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_users -= 1
+            if _switch_users == 0:
+                sys.setswitchinterval(_switch_before)
 
 
 def _compile_one(problem: Problem, backend_name: str, config: dict, device: Device, operands: tuple) -> Compiled:

@@ -227,10 +227,15 @@ def follower_plan(problem: Problem, device: Device, options: TuneOptions) -> lis
     the lead's fastest among them (``shortlist(..., among=...)``). Triton's front end holds the
     GIL for about 85 ms a compile, so the lead's whole plan again would cost the batch that much
     per config (NOTES, step 18)."""
-    spaces = _spaces(problem, device, options)
-    return [(name, config.as_dict()) for name, configs in spaces.items() if name != backends.REFERENCE
-            for config in _planned(name, configs, problem, device, options)[:SHORTLIST if _ranked(
-                name, configs, problem, device) else None]]
+    plan = []
+    for name, configs in _spaces(problem, device, options).items():
+        if name == backends.REFERENCE:
+            continue
+        planned = _planned(name, configs, problem, device, options)
+        if _ranked(name, configs, problem, device):
+            planned = planned[:SHORTLIST]
+        plan += [(name, config.as_dict()) for config in planned]
+    return plan
 
 
 def labels(plan: list) -> set[str]:
