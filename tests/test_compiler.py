@@ -173,6 +173,12 @@ def test_a_batch_compiles_every_new_problem_together_and_sorts_failures_back(mon
     assert jobs[-1][0] == second and trial.status is Status.COMPILE_ERROR and key == (trial.backend, trial.label())
     assert tuner.compile_batch([first], Device("cpu", (0, 0), 1, 0, 0, interpreter=True)) == {}
     assert tuner.compile_batch([first], H100, tuner.TuneOptions(compile_ahead=False)) == {}
+    # a plan given for a problem (a follower's) is what it compiles; the others compile their own
+    given = tuner.follower_plan(second, H100, tuner.TuneOptions())
+    tuner.compile_batch([first, second], H100, plans={second.key(): given})
+    jobs = batches[-1]
+    assert [(name, config) for p, name, config, _ in jobs if p == second] == given
+    assert [(name, config) for p, name, config, _ in jobs if p == first] == tuner._plan(first, H100, tuner.TuneOptions())
 
 
 def test_tune_hands_each_problem_its_part_of_the_batch(monkeypatch, tmp_path):
@@ -182,7 +188,7 @@ def test_tune_hands_each_problem_its_part_of_the_batch(monkeypatch, tmp_path):
     gemmtune_tune = api.tune
     gemmtune_tune(problems[0], store=tmp_path)  # stored: not compiled again
     asked, handed = [], {}
-    monkeypatch.setattr(api, "compile_batch", lambda new, device, options, followers: asked.append(new) or {
+    monkeypatch.setattr(api, "compile_batch", lambda new, device, options, plans: asked.append(new) or {
         p.key(): {"marker": p.key()} for p in new})
     real = api.tune_problem
     monkeypatch.setattr(api, "tune_problem", lambda problem, device, compiled=None, **kw: handed.update(
@@ -223,14 +229,15 @@ def test_a_follower_compiles_its_leads_best_predicted_candidates_in_the_leads_ba
     asked, handed = [], {}
     small = [Problem(33, 40, 72, "float32", "linear", bias=True, activation="relu"),
              Problem(33, 40, 72, "float32", "linear", bias=True)]
-    monkeypatch.setattr(api, "compile_batch", lambda new, device, options, followers: asked.append(
-        (new, followers)) or {p.key(): {} for p in new})
+    monkeypatch.setattr(api, "compile_batch", lambda new, device, options, plans: asked.append(
+        (new, plans)) or {p.key(): {} for p in new})
     real = api.tune_problem
     monkeypatch.setattr(api, "tune_problem", lambda problem, device, options, **kw: handed.update(
         {problem.key(): options.shortlist}) or real(problem, device, options=options, **kw))
     first, second = api.tune(small, store=tmp_path)
-    assert asked == [(small, frozenset({small[1].key()}))]
-    compiled = tuner.labels(tuner.follower_plan(small[1], current(), tuner.TuneOptions()))
+    trimmed = tuner.follower_plan(small[1], current(), tuner.TuneOptions())
+    assert asked == [(small, {small[1].key(): trimmed})]
+    compiled = tuner.labels(trimmed)
     assert handed[small[0].key()] is None
     assert handed[small[1].key()] == tuner.shortlist(first, among=compiled)
     assert {t.label() for t in second.trials} <= compiled | {"cublas"}

@@ -67,7 +67,7 @@ def tune(problems: Problem | Iterable[Problem], *, store: Store | str | Path | N
     # and so do the followers, each its lead's best-predicted candidates (follower_plan): which of
     # the lead's a follower tries is known only once the lead is measured, and compiling them
     # then would cost a second round.
-    followers = frozenset(p.key() for p in new if leads[p.without_epilogue()] is not p)
+    followers = {p.key(): follower_plan(p, device, options) for p in new if leads[p.without_epilogue()] is not p}
     compiled = compile_batch(new, device, options, followers) if runner is None and len(new) > 1 else {}
     results = []
     try:
@@ -77,7 +77,7 @@ def tune(problems: Problem | Iterable[Problem], *, store: Store | str | Path | N
                 lead = leads[problem.without_epilogue()]
                 own = options
                 if lead is not problem:  # a follower compiled in the batch tries what it compiled there
-                    among = labels(follower_plan(problem, device, options)) if problem.key() in compiled else None
+                    among = labels(followers[problem.key()]) if problem.key() in compiled else None
                     own = dataclasses.replace(options, shortlist=shortlist(known[lead.key()], among=among))
                 result = tune_problem(problem, device, options=own, on_trial=on_trial, runner=runner,
                                       compiled=compiled.get(problem.key()))

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from gemmtune import backends, compiler, search
@@ -69,11 +69,11 @@ def tune_problem(problem: Problem, device: Device, *, options: TuneOptions = Tun
 
 
 def compile_batch(problems: list[Problem], device: Device, options: TuneOptions = TuneOptions(),
-                  followers: frozenset = frozenset()) -> dict[str, dict]:
+                  plans: Mapping[str, list] | None = None) -> dict[str, dict]:
     """The planned candidates of every problem compiled in one batch of threads of this process
     (each on operands shaped as its runner's), so a model's shapes compile side by side rather
     than one shape after another; per problem key, the compile failures as ``tune_problem``'s
-    ``compiled``. The problems keyed in ``followers`` compile ``follower_plan`` only. Every
+    ``compiled``. A problem keyed in ``plans`` compiles that plan instead (a follower's). Every
     problem's operands are alive at once, so the batch takes problems in order while they fit in
     BATCH_MEMORY_SHARE of the GPU's free memory; the rest are left out (``tune_problem`` compiles
     each of them on its own). Empty where compiling ahead is off or nothing would run on a GPU."""
@@ -88,7 +88,7 @@ def compile_batch(problems: list[Problem], device: Device, options: TuneOptions 
             break
         fitting.append(problem)
         operands = verify.make_operands(problem, "cuda", seed=0)
-        plan = follower_plan(problem, device, options) if problem.key() in followers else _plan(problem, device, options)
+        plan = plans[problem.key()] if plans and problem.key() in plans else _plan(problem, device, options)
         jobs += [(problem, name, config, operands) for name, config in plan]
     results = compiler.compile_ahead(jobs, device)
     failed = {problem.key(): {} for problem in fitting}
@@ -227,15 +227,7 @@ def follower_plan(problem: Problem, device: Device, options: TuneOptions) -> lis
     the lead's fastest among them (``shortlist(..., among=...)``). Triton's front end holds the
     GIL for about 85 ms a compile, so the lead's whole plan again would cost the batch that much
     per config (NOTES, step 18)."""
-    plan = []
-    for name, configs in _spaces(problem, device, options).items():
-        if name == backends.REFERENCE:
-            continue
-        planned = _planned(name, configs, problem, device, options)
-        if _ranked(name, configs, problem, device):
-            planned = planned[:SHORTLIST]
-        plan += [(name, config.as_dict()) for config in planned]
-    return plan
+    return _plan(problem, device, options, ranked_first=SHORTLIST)
 
 
 def labels(plan: list) -> set[str]:
@@ -255,11 +247,20 @@ def _compile_ahead(problem: Problem, device: Device, options: TuneOptions, space
     return _compile_failures(runner.compile(planned))
 
 
-def _plan(problem: Problem, device: Device, options: TuneOptions, spaces: dict[str, list] | None = None) -> list:
-    """(backend name, config dict) of every Triton candidate the strategy plans to measure."""
+def _plan(problem: Problem, device: Device, options: TuneOptions, spaces: dict[str, list] | None = None,
+          ranked_first: int | None = None) -> list:
+    """(backend name, config dict) of every Triton candidate the strategy plans to measure; of
+    each backend a cost model ranks, only the ``ranked_first`` first where that is given."""
     spaces = _spaces(problem, device, options) if spaces is None else spaces
-    return [(name, config.as_dict()) for name, configs in spaces.items() if name != backends.REFERENCE
-            for config in _planned(name, configs, problem, device, options)]
+    plan = []
+    for name, configs in spaces.items():
+        if name == backends.REFERENCE:
+            continue
+        planned = _planned(name, configs, problem, device, options)
+        if ranked_first is not None and _ranked(name, configs, problem, device):
+            planned = planned[:ranked_first]
+        plan += [(name, config.as_dict()) for config in planned]
+    return plan
 
 
 def _compile_failures(results: list) -> dict[tuple[str, str], Trial]:
