@@ -100,9 +100,11 @@ class Runner:
         t0 = time.perf_counter()
         for i in range(steps):
             position = torch.tensor([length + i], device=prompt.device) if loop == "host-synced" else later[i:i + 1]
-            out = self.forward(input_ids=forced[:, i:i + 1], past_key_values=cache, cache_position=position,
-                               use_cache=True).logits
-            logits.append(out[:, -1].float().clone())
+            # Nothing of the step's output outlives the step: a graph's outputs live in its memory
+            # pool, and one still held when cudagraph trees record a new graph (a new batch size)
+            # stops the run ("tensors in the cudagraph pool not tracked as outputs").
+            logits.append(self.forward(input_ids=forced[:, i:i + 1], past_key_values=cache, cache_position=position,
+                                       use_cache=True).logits[:, -1].float().clone())
         _sync(prompt)
         return torch.stack(logits, 1), time.perf_counter() - t0
 
