@@ -114,9 +114,10 @@ def _sync(t):
         torch.cuda.synchronize()
 
 
-def tune_with_gemmtune(model, runner_inputs, runner) -> float:
+def tune_with_gemmtune(model, runner_inputs, runner, siblings: bool = False) -> float:
     """gemmtune.optimize, then one prefill and a few decode steps per batch recorded and every
-    GEMM seen tuned (``gemmtune.nn.tune_calls``); the seconds it took."""
+    GEMM seen tuned (``gemmtune.nn.tune_calls``; ``siblings``: q, k and v, and gate and up,
+    joined first); the seconds it took."""
     import gemmtune
     from gemmtune.nn import tune_calls
 
@@ -127,7 +128,7 @@ def tune_with_gemmtune(model, runner_inputs, runner) -> float:
 
     t0 = time.perf_counter()
     gemmtune.optimize(model)
-    tune_calls(steps)
+    tune_calls(steps, siblings=siblings)
     return time.perf_counter() - t0
 
 
@@ -204,6 +205,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per pair of modes")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model: a smoke run")
+    parser.add_argument("--siblings", action="store_true",
+                        help="gemmtune joins the layers called on one input (q, k, v; gate, up): optimize(siblings=True)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
@@ -225,8 +228,8 @@ def main() -> int:
            "torch": torch.__version__, "date": datetime.date.today().isoformat(),
            "model": f"llama (random weights, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
                     f"intermediate {config.intermediate_size}, vocab {config.vocab_size})",
-           "gpu_timings": device == "cuda", "rounds": args.rounds, "rows": []}
-    setup_s = tune_with_gemmtune(tuned, inputs, Runner(tuned, config, "eager", max_len))
+           "gpu_timings": device == "cuda", "rounds": args.rounds, "siblings": args.siblings, "rows": []}
+    setup_s = tune_with_gemmtune(tuned, inputs, Runner(tuned, config, "eager", max_len), args.siblings)
     reference: dict = {}
     with torch.no_grad():
         eager_logits = Runner(model, config, "eager", max_len)

@@ -4,11 +4,14 @@ example inputs tunes every GEMM the model performs before it returns.
 
 A replaced layer keeps its identity: the module object, its parameters, hooks and state_dict keys
 stay; only its class becomes ``gemmtune.nn.Linear`` (an ``nn.Linear`` whose forward calls
-``gemmtune.linear``). A fused activation module is replaced by ``nn.Identity``.
+``gemmtune.linear``). A fused activation module is replaced by ``nn.Identity``. With
+``siblings=True`` layers called one after another on one input share one GEMM
+(``gemmtune.siblings``): their parameters stay too, as views of the joined weight.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
@@ -16,6 +19,7 @@ import torch
 from torch import nn
 
 from gemmtune import api, recording
+from gemmtune import siblings as sibling_layers
 from gemmtune.device import current
 from gemmtune.dispatch import DISPATCHER
 from gemmtune.tuner import TuneOptions
@@ -27,8 +31,15 @@ class Linear(nn.Linear):
     """``nn.Linear`` through gemmtune, with an optional fused activation."""
 
     activation: str = "none"
+    siblings: sibling_layers.Siblings | None = None  # the joined group this layer belongs to
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if sibling_layers._CALLS is not None:
+            sibling_layers.seen(self, x)
+        if self.siblings is not None:
+            out = self.siblings.output(self, x)
+            if out is not None:
+                return out
         return api.linear(x, self.weight, self.bias, None if self.activation == "none" else self.activation)
 
     def extra_repr(self) -> str:
@@ -48,7 +59,7 @@ def _fusable(module: nn.Module) -> str | None:
 
 def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
              filter: Callable[[str, nn.Linear], bool] | None = None, fuse: bool = True,
-             options: TuneOptions | None = None) -> nn.Module:
+             siblings: bool = False, options: TuneOptions | None = None) -> nn.Module:
     """Run ``model``'s ``nn.Linear`` layers (those ``filter(name, layer)`` accepts; all by
     default) through gemmtune, in place, and return the model.
 
@@ -58,16 +69,24 @@ def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
     tuned, their candidates compiled together, and stored, so the next calls find their kernels;
     without them, each GEMM is tuned when first seen (or served
     by cuBLAS in ``GEMMTUNE_MODE=lookup``).
+
+    ``siblings`` (off by default; needs ``example_inputs``): layers that the example run calls
+    one after another on the same input (a Llama's q, k and v projections; its gate and up)
+    are joined, and one GEMM over their weights serves them (``gemmtune.siblings`` says when a
+    call runs alone instead, and what torch.compile cannot check). Each returns a view of the
+    joined output, whose rows are the joined width apart.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize(model=...): expected a torch.nn.Module, got {type(model).__name__}")
+    if siblings and example_inputs is None:
+        raise ValueError("optimize(siblings=True) needs example_inputs: siblings are found in the example run")
     for name, module in model.named_modules():
         if type(module) is nn.Linear and (filter is None or filter(name, module)):
             module.__class__ = Linear
     if fuse:
         _fuse_activations(model)
     if example_inputs is not None:
-        tune_model(model, example_inputs, options=options)
+        tune_model(model, example_inputs, options=options, siblings=siblings)
     return model
 
 
@@ -84,21 +103,31 @@ def _fuse_activations(model: nn.Module) -> None:
                 module._modules[second] = nn.Identity()
 
 
-def tune_model(model: nn.Module, example_inputs: Sequence, *, options: TuneOptions | None = None) -> list:
+def tune_model(model: nn.Module, example_inputs: Sequence, *, options: TuneOptions | None = None,
+               siblings: bool = False) -> list:
     """Run ``model(*example_inputs)`` once without gradients, recording its GEMMs, then tune
     and store each (``tune_calls``); the TuneResults."""
     if not isinstance(example_inputs, (tuple, list)):
         raise TypeError("optimize(example_inputs=...): expected a tuple or list of the model's positional inputs, "
                         f"got {type(example_inputs).__name__}")
-    return tune_calls(lambda: model(*example_inputs), options=options)
+    return tune_calls(lambda: model(*example_inputs), options=options, siblings=siblings)
 
 
-def tune_calls(run: Callable[[], object], *, options: TuneOptions | None = None) -> list:
+def tune_calls(run: Callable[[], object], *, options: TuneOptions | None = None, siblings: bool = False) -> list:
     """Call ``run()`` once without gradients, its GEMMs served by cuBLAS and recorded, then tune
     and store every one of them, their candidates compiled together; the TuneResults. For runs
-    that one example call does not cover (a model's prefill and its decode steps at each batch)."""
-    with recording.record() as seen, DISPATCHER.deferring(), torch.no_grad():
+    that one example call does not cover (a model's prefill and its decode steps at each batch).
+    ``siblings``: join the sibling layers the run shows (see ``optimize``), then run it once more
+    so that what is recorded and tuned is the joined GEMMs."""
+    watch = sibling_layers.watching() if siblings else contextlib.nullcontext([])
+    with recording.record() as seen, DISPATCHER.deferring(), torch.no_grad(), watch as calls:
         run()
+    joined = [sibling_layers.Siblings(group) for group in sibling_layers.groups(calls)]
+    if joined:
+        log.info("gemmtune.optimize: %d groups of sibling layers joined (%d layers)", len(joined),
+                 sum(len(group.layers) for group in joined))
+        with recording.record() as seen, DISPATCHER.deferring(), torch.no_grad():
+            run()
     problems = [problem for problem, _ in seen.problems()]
     if current().interpreter:  # CPU layers fall back to torch: nothing to gain from tuning them
         log.warning("gemmtune.optimize: no CUDA GPU, so the %d GEMMs seen are not tuned", len(problems))

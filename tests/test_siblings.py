@@ -1,0 +1,150 @@
+"""Sibling layers (gemmtune.siblings): which layers the example run joins, outputs unchanged,
+parameters kept, and every call that the joined GEMM cannot serve running alone."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gemmtune
+from gemmtune import api
+from gemmtune import nn as gnn
+from gemmtune import siblings
+
+
+class Block(nn.Module):
+    """A Llama layer's GEMMs in miniature: q, k and v on one input, gate and up on another."""
+
+    def __init__(self, bias: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v = nn.Linear(16, 16, bias=bias), nn.Linear(16, 8, bias=bias), nn.Linear(16, 8, bias=bias)
+        self.gate, self.up, self.down = nn.Linear(16, 32, bias=bias), nn.Linear(16, 32, bias=bias), nn.Linear(32, 16)
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        h = x + q + torch.cat([k, v], -1) * q.sigmoid()
+        return self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+def counted_linear(monkeypatch) -> list:
+    calls = []
+    real = api.linear
+    monkeypatch.setattr(api, "linear", lambda x, w, b=None, act=None: calls.append(tuple(w.shape)) or real(x, w, b, act))
+    return calls
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_example_run_joins_siblings_and_outputs_stay(bias, monkeypatch):
+    reference, model = Block(bias), Block(bias)
+    params = list(model.parameters())
+    gemmtune.optimize(model, (torch.randn(2, 3, 16),), siblings=True)
+    assert model.q.siblings is model.k.siblings is model.v.siblings and model.q.siblings.layers == (model.q, model.k,
+                                                                                                      model.v)
+    assert model.gate.siblings is model.up.siblings and model.down.siblings is None
+    assert list(model.parameters()) == params and list(model.state_dict()) == list(reference.state_dict())
+    joined = model.q.siblings.weight
+    assert joined.shape == (32, 16) and model.k.weight.data_ptr() == joined.data_ptr() + 16 * 16 * 4
+    calls = counted_linear(monkeypatch)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        assert torch.allclose(model(x), reference(x), rtol=1e-5, atol=1e-6)
+    assert calls == [(32, 16), (64, 16), (16, 32)]  # q|k|v, gate|up, down: three GEMMs, not six
+
+
+def test_calls_on_many_rows_run_each_layer_alone(monkeypatch):
+    model = Block()
+    gemmtune.optimize(model, (torch.randn(4, 16),), siblings=True)
+    calls = counted_linear(monkeypatch)
+    x = torch.randn(siblings.MAX_ROWS + 1, 16)
+    with torch.no_grad():
+        assert torch.allclose(model(x), Block()(x), rtol=1e-5, atol=1e-6)
+    assert len(calls) == 6
+
+
+def test_a_weight_updated_in_place_updates_the_joined_one():
+    model = Block()
+    gemmtune.optimize(model, (torch.randn(4, 16),), siblings=True)
+    with torch.no_grad():
+        model.k.weight.mul_(2)
+        x = torch.randn(3, 16)
+        assert torch.allclose(model.k(x), F.linear(x, model.k.weight))
+        assert torch.allclose(model.q.siblings.weight[16:24], model.k.weight)
+
+
+def test_calls_the_joined_gemm_cannot_serve_run_alone():
+    model = Block()
+    gemmtune.optimize(model, (torch.randn(4, 16),), siblings=True)
+    q, k, v = model.q, model.k, model.v
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        q(x)
+        x.add_(1)  # changed in place since q's call: k must not take q's stale result
+        assert torch.allclose(k(x), F.linear(x, k.weight))
+        q(x)
+        other = torch.randn(3, 16)
+        assert torch.allclose(v(other), F.linear(other, v.weight))  # another input
+        q(x)
+        k.weight.mul_(3)  # in place, between q's call and k's
+        assert torch.allclose(k(x), F.linear(x, k.weight))
+        k.weight.data = k.weight.data.clone()  # no longer a view of the joined weight
+        k.weight.mul_(3)
+        q(x)
+        assert torch.allclose(k(x), F.linear(x, k.weight))
+        assert torch.allclose(q(x), F.linear(x, q.weight)) and torch.allclose(v(x), F.linear(x, v.weight))
+
+
+def test_gradients_go_to_each_layer_as_without_siblings():
+    reference, model = Block(), Block()
+    gemmtune.optimize(model, (torch.randn(4, 16),), siblings=True)
+    x = torch.randn(6, 16)
+    reference(x).square().sum().backward()
+    model(x).square().sum().backward()
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_only_layers_always_called_together_are_joined():
+    a, b, c = (gnn.Linear(8, 8) for _ in range(3))
+    assert siblings.groups([(a, False), (b, True), (c, True), (a, False), (b, True), (c, True)]) == [(a, b, c)]
+    assert siblings.groups([(a, False), (b, True), (c, False)]) == [(a, b)]
+    assert siblings.groups([(a, False), (b, True), (b, False)]) == []  # b also called alone
+    assert siblings.groups([(a, False), (b, True), (b, True)]) == []  # and b twice on one input
+    wide = gnn.Linear(4, 8)
+    assert siblings.groups([(a, False), (wide, True)]) == []  # another K: nothing to join
+
+
+def test_siblings_need_example_inputs():
+    with pytest.raises(ValueError, match="example_inputs"):
+        gemmtune.optimize(Block(), siblings=True)
+
+
+def test_torch_compile_traces_the_joined_layers(monkeypatch):
+    reference, model = Block(), Block()
+    gemmtune.optimize(model, (torch.randn(4, 16),), siblings=True)
+    ran = []
+    real = api.linear_forward
+    monkeypatch.setattr(api, "linear_forward", lambda x, w, b, act: ran.append(tuple(w.shape)) or real(x, w, b, act))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        assert torch.allclose(compiled(x), reference(x), rtol=1e-5, atol=1e-6)
+    assert ran == [(32, 16), (64, 16), (16, 32)]
+    assert model.q.siblings._pending is None  # the last sibling let the joined output go
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_joined_siblings_match_the_original_eager_and_compiled():
+    from gemmtune import verify
+
+    reference = Block().to("cuda", torch.bfloat16)
+    model = Block().to("cuda", torch.bfloat16)
+    x = torch.randn(2, 7, 16, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = reference.double()(x.double())
+        gemmtune.optimize(model, (x,), siblings=True)
+        assert model.q.siblings is not None and model.gate.siblings is not None
+        assert verify.rel_err(model(x), expected) < 2e-2
+        compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+        for _ in range(3):  # recorded as a CUDA graph, then replayed
+            assert verify.rel_err(compiled(x), expected) < 2e-2
