@@ -14,10 +14,12 @@ and so does every call on more than MAX_ROWS rows: joining pays where the GEMMs 
 weights (decoding), while a prefill's GEMMs are compute-bound already and the joined output's
 strided columns cost the operators after them (the Llama's prefill read 0.96x with them joined).
 
-Under torch.compile the input is matched by identity alone: a model that changes the shared
-input in place between two sibling calls of one compiled graph must not be optimized with
-siblings (outside torch.compile such a change is seen, as is a weight changed in place, and the
-layer runs alone).
+Under torch.compile the input is matched by identity alone and the weights are not checked:
+a model that changes the shared input in place between two sibling calls of one compiled graph
+must not be optimized with siblings, and one whose parameters are replaced after joining (rather
+than updated in place: ``model.to(...)``, ``load_state_dict(..., assign=True)``) must be
+optimized again before it is compiled. Outside torch.compile each of these is seen, and the layer
+runs alone.
 """
 
 from __future__ import annotations
