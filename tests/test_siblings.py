@@ -148,3 +148,23 @@ def test_on_the_gpu_joined_siblings_match_the_original_eager_and_compiled():
         compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
         for _ in range(3):  # recorded as a CUDA graph, then replayed
             assert verify.rel_err(compiled(x), expected) < 2e-2
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_parameters_replaced_or_converted_after_joining_run_alone(compiled):
+    """load_state_dict(assign=True) puts new parameters in place, .to() converts them: the joined
+    tensors are stale then, and neither eager calls nor a compiled graph may use them."""
+    model = Block()
+    gemmtune.optimize(model, (torch.randn(4, 16),), siblings=True)
+    fresh = Block()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.mul_(-2)
+    model.load_state_dict(fresh.state_dict(), assign=True)
+    run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        assert torch.allclose(run(x), fresh(x), rtol=1e-5, atol=1e-6)
+        model.to(torch.float64)
+        run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+        assert torch.allclose(run(x.double()), fresh.double()(x.double()), rtol=1e-6, atol=1e-8)

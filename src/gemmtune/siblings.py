@@ -14,12 +14,12 @@ and so does every call on more than MAX_ROWS rows: joining pays where the GEMMs 
 weights (decoding), while a prefill's GEMMs are compute-bound already and the joined output's
 strided columns cost the operators after them (the Llama's prefill read 0.96x with them joined).
 
-Under torch.compile the input is matched by identity alone and the weights are not checked:
-a model that changes the shared input in place between two sibling calls of one compiled graph
-must not be optimized with siblings, and one whose parameters are replaced after joining (rather
-than updated in place: ``model.to(...)``, ``load_state_dict(..., assign=True)``) must be
-optimized again before it is compiled. Outside torch.compile each of these is seen, and the layer
-runs alone.
+The joined group checks that its layers still hold the parameters it joined, of its dtype and
+device (``load_state_dict(..., assign=True)`` and ``model.to(...)`` are seen, and the layers run
+alone: optimize again to join them anew). Under torch.compile two things are not seen: an input
+changed in place between two sibling calls of one compiled graph, and a parameter whose ``.data``
+is assigned a tensor of the same dtype and device; a model that does either must not be optimized
+with siblings. Outside torch.compile both are seen, and the layer runs alone.
 """
 
 from __future__ import annotations
@@ -97,6 +97,7 @@ class Siblings:
             self.weight = torch.cat([layer.weight for layer in layers])
             self.bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
         self.columns: dict[nn.Module, tuple[int, int]] = {}
+        self._params = {layer: (layer.weight, layer.bias) for layer in layers}  # the objects joined
         start = 0
         for layer in layers:
             stop = start + layer.out_features
@@ -117,7 +118,7 @@ class Siblings:
         compiling = torch.compiler.is_compiling()
         if layer is self.layers[0]:
             self._pending = None
-            if not compiling and not self._intact():
+            if not self._joined() or not compiling and not self._in_place():
                 return None
             out = api.linear(x, self.weight, self.bias, self.activation)
             self._pending = (x, None if compiling else self._versions(x), out)
@@ -137,9 +138,17 @@ class Siblings:
         return (x._version, *(layer.weight._version for layer in self.layers),
                 *(() if self.bias is None else (layer.bias._version for layer in self.layers)))
 
-    def _intact(self) -> bool:
-        """Whether every layer's weight and bias still view the fused tensors where they were put
-        (``model.to(...)`` or an assignment to ``.data`` gives them storage of their own)."""
+    def _joined(self) -> bool:
+        """Whether every layer still holds the parameters that were joined, of the joined
+        tensors' dtype and device (``load_state_dict(..., assign=True)`` puts new ones in their
+        place, ``model.to(...)`` converts them): checks that torch.compile can trace too."""
+        w = self.weight
+        return all(layer.weight is weight and layer.bias is bias and weight.dtype == w.dtype
+                   and weight.device == w.device for layer, (weight, bias) in self._params.items())
+
+    def _in_place(self) -> bool:
+        """Whether every layer's weight and bias still view the joined tensors where they were put
+        (an assignment to ``.data`` gives them storage of their own)."""
         row = self.weight.stride(0) * self.weight.element_size()
         for layer, (start, _) in self.columns.items():
             if layer.weight.dtype != self.weight.dtype or layer.weight.data_ptr() != self.weight.data_ptr() + start * row:
