@@ -41,7 +41,8 @@ def test_the_example_run_joins_siblings_and_outputs_stay(bias, monkeypatch):
     gemmtune.optimize(model, (torch.randn(2, 3, 16),), siblings=True)
     assert model.q.siblings is model.k.siblings is model.v.siblings and model.q.siblings.layers == (model.q, model.k,
                                                                                                       model.v)
-    assert model.gate.siblings is model.up.siblings and model.down.siblings is None
+    assert model.gate.siblings is model.up.siblings and type(model.down) is gnn.Linear
+    assert {type(layer) for layer in (model.q, model.k, model.v, model.gate, model.up)} == {gnn.JoinedLinear}
     assert list(model.parameters()) == params and list(model.state_dict()) == list(reference.state_dict())
     joined = model.q.siblings.weight
     assert joined.shape == (32, 16) and model.k.weight.data_ptr() == joined.data_ptr() + 16 * 16 * 4

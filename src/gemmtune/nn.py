@@ -6,7 +6,8 @@ A replaced layer keeps its identity: the module object, its parameters, hooks an
 stay; only its class becomes ``gemmtune.nn.Linear`` (an ``nn.Linear`` whose forward calls
 ``gemmtune.linear``). A fused activation module is replaced by ``nn.Identity``. With
 ``siblings=True`` layers called one after another on one input share one GEMM
-(``gemmtune.siblings``): their parameters stay too, as views of the joined weight.
+(``gemmtune.siblings``): their class becomes ``JoinedLinear``, and their parameters stay, as views
+of the joined weight.
 """
 
 from __future__ import annotations
@@ -31,19 +32,24 @@ class Linear(nn.Linear):
     """``nn.Linear`` through gemmtune, with an optional fused activation."""
 
     activation: str = "none"
-    siblings: sibling_layers.Siblings | None = None  # the joined group this layer belongs to
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if sibling_layers._CALLS is not None:
-            sibling_layers.seen(self, x)
-        if self.siblings is not None:
-            out = self.siblings.output(self, x)
-            if out is not None:
-                return out
         return api.linear(x, self.weight, self.bias, None if self.activation == "none" else self.activation)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.activation == "none" else f", activation={self.activation}")
+
+
+class JoinedLinear(Linear):
+    """A ``Linear`` joined with its siblings (``gemmtune.siblings``): served from their one GEMM
+    where it can be, else as a ``Linear``. A class of its own, so that the other layers' calls
+    check nothing more."""
+
+    siblings: sibling_layers.Siblings
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.siblings.output(self, x)
+        return super().forward(x) if out is None else out
 
 
 def _fusable(module: nn.Module) -> str | None:
@@ -119,13 +125,17 @@ def tune_calls(run: Callable[[], object], *, options: TuneOptions | None = None,
     that one example call does not cover (a model's prefill and its decode steps at each batch).
     ``siblings``: join the sibling layers the run shows (see ``optimize``), then run it once more
     so that what is recorded and tuned is the joined GEMMs."""
-    watch = sibling_layers.watching() if siblings else contextlib.nullcontext([])
+    watch = sibling_layers.watching(Linear) if siblings else contextlib.nullcontext([])
     with recording.record() as seen, DISPATCHER.deferring(), torch.no_grad(), watch as calls:
         run()
-    joined = [sibling_layers.Siblings(group) for group in sibling_layers.groups(calls)]
+    joined = sibling_layers.groups(calls)
+    for group in joined:
+        sibling_layers.Siblings(group)
+        for layer in group:
+            layer.__class__ = JoinedLinear
     if joined:
         log.info("gemmtune.optimize: %d groups of sibling layers joined (%d layers)", len(joined),
-                 sum(len(group.layers) for group in joined))
+                 sum(map(len, joined)))
         with recording.record() as seen, DISPATCHER.deferring(), torch.no_grad():
             run()
     problems = [problem for problem, _ in seen.problems()]

@@ -33,30 +33,29 @@ from torch import nn
 from gemmtune import api
 
 MAX_ROWS = 64  # rows of the input above which each layer runs alone (the decode GEMMs' M <= 64)
-# While ``watching``: (layer, whether its input is the previous call's, unchanged) per call of a
-# gemmtune layer, and the previous call's input and its version (the one input kept alive)
-_CALLS: list | None = None
-_PREVIOUS: tuple | None = None
-
-
-def seen(layer: nn.Module, x: torch.Tensor) -> None:
-    """Called by each gemmtune layer's forward while ``watching``: note the call."""
-    global _PREVIOUS
-    if _CALLS is not None:
-        _CALLS.append((layer, _PREVIOUS is not None and _PREVIOUS[0] is x and _PREVIOUS[1] == x._version))
-        _PREVIOUS = (x, x._version)
 
 
 @contextlib.contextmanager
-def watching() -> Iterator[list]:
-    """The calls of gemmtune layers made while the block runs, in order (for ``groups``)."""
-    global _CALLS, _PREVIOUS
+def watching(layer_type: type) -> Iterator[list]:
+    """While the block runs, each call of a module of exactly ``layer_type`` (in order): the
+    layer, and whether its input is the previous such call's, unchanged (for ``groups``). A
+    global forward pre-hook for the block alone: the layers' own forward is not touched, and only
+    the previous input is kept alive."""
     calls: list = []
-    _CALLS = calls
+    previous: list = [None, None]  # the previous call's input and its version
+
+    def note(module: nn.Module, args: tuple) -> None:
+        if type(module) is not layer_type or not args or not isinstance(args[0], torch.Tensor):
+            return
+        x = args[0]
+        calls.append((module, previous[0] is x and previous[1] == x._version))
+        previous[:] = [x, x._version]
+
+    handle = nn.modules.module.register_module_forward_pre_hook(note)
     try:
         yield calls
     finally:
-        _CALLS = _PREVIOUS = None
+        handle.remove()
 
 
 def groups(calls: list) -> list[tuple[nn.Module, ...]]:
@@ -83,12 +82,11 @@ def groups(calls: list) -> list[tuple[nn.Module, ...]]:
 def _joinable(first: nn.Module, other: nn.Module) -> bool:
     w, v = first.weight, other.weight
     return (w.shape[1] == v.shape[1] and w.dtype == v.dtype and w.device == v.device
-            and (first.bias is None) == (other.bias is None) and first.activation == other.activation
-            and first.siblings is None and other.siblings is None)
+            and (first.bias is None) == (other.bias is None) and first.activation == other.activation)
 
 
 class Siblings:
-    """A joined group; each of its layers holds it as ``layer.siblings``."""
+    """A joined group; each of its layers holds it as ``layer.siblings`` (``gemmtune.nn.JoinedLinear``)."""
 
     def __init__(self, layers: tuple[nn.Module, ...]) -> None:
         self.layers = layers
