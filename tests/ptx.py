@@ -1,5 +1,6 @@
 """A gemmtune kernel compiled for an H100 on a machine without one, for tests that check the
-code Triton generates (PTX): in a child process, outside Triton's interpreter."""
+code Triton generates (PTX) or how it is compiled: in a child process, outside Triton's
+interpreter."""
 
 import json
 import os
@@ -7,41 +8,59 @@ import subprocess
 import sys
 
 PROBE = """
-import importlib, json, sys
+import json, sys
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import ptx
 
-module, scalars, constexprs = json.loads(sys.argv[1])
-fn = getattr(importlib.import_module("gemmtune.kernels." + module), module + "_matmul")
-options = {name: constexprs.pop(name) for name in ("num_warps", "num_stages")}
-constexprs = {name: tuple(v) if isinstance(v, list) else v for name, v in constexprs.items()}
-params = [name for name in fn.arg_names if not name.endswith("_ptr") and name not in constexprs]
-values = dict(zip(params, scalars))
-signature, fixed, attrs = {}, {}, {}
-for i, name in enumerate(fn.arg_names):
-    if name.endswith("_ptr"):
-        signature[name], attrs[(i,)] = "*bf16", [["tt.divisibility", 16]]
-    elif name in constexprs or values[name] == 1:  # the JIT turns integers equal to 1 into constants
-        signature[name], fixed[(i,)] = "constexpr", constexprs.get(name, 1)
-    else:
-        signature[name] = "i32"
-        if values[name] % 16 == 0:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-compiled = triton.compile(ASTSource(fn, signature, fixed, attrs), target=GPUTarget("cuda", 90, 32), options=options)
-print(compiled.asm["ptx"])
+source, target, options = ptx.sm90_source(*json.loads(sys.argv[1]))
+print(triton.compile(source, target=target, options=options).asm["ptx"])
 """
 
 
-def sm90_ptx(module: str, scalars: tuple, constexprs: dict) -> str:
-    """``gemmtune.kernels.<module>.<module>_matmul`` compiled for sm_90 with bf16 operands on
-    16-byte boundaries, its integer arguments ``scalars`` specialized as the JIT would, and
-    ``constexprs`` (num_warps and num_stages among them)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", PROBE, json.dumps([module, scalars, constexprs])], env=env,
-                          capture_output=True, text=True, timeout=300)
+def sm90_source(module: str, scalars: tuple, constexprs: dict) -> tuple:
+    """``gemmtune.kernels.<module>.<module>_matmul`` as ``triton.compile`` takes it (source,
+    target, options) for sm_90, with bf16 operands on 16-byte boundaries, its integer arguments
+    ``scalars`` specialized as the JIT would, and ``constexprs`` (num_warps and num_stages among
+    them). Outside Triton's interpreter only."""
+    import importlib
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module("gemmtune.kernels." + module), module + "_matmul")
+    constexprs = dict(constexprs)
+    options = {name: constexprs.pop(name) for name in ("num_warps", "num_stages")}
+    constexprs = {name: tuple(v) if isinstance(v, list) else v for name, v in constexprs.items()}
+    params = [name for name in fn.arg_names if not name.endswith("_ptr") and name not in constexprs]
+    values = dict(zip(params, scalars))
+    signature, fixed, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name.endswith("_ptr"):
+            signature[name], attrs[(i,)] = "*bf16", [["tt.divisibility", 16]]
+        elif name in constexprs or values[name] == 1:  # the JIT turns integers equal to 1 into constants
+            signature[name], fixed[(i,)] = "constexpr", constexprs.get(name, 1)
+        else:
+            signature[name] = "i32"
+            if values[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn, signature, fixed, attrs), GPUTarget("cuda", 90, 32), options
+
+
+def outside_interpreter(script: str, *args: str, env: dict | None = None) -> str:
+    """``script`` run by this Python in a child process without Triton's interpreter, this
+    directory importable; its standard output. Fails the test on a non-zero exit."""
+    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "TRITON_INTERPRET"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def sm90_ptx(module: str, scalars: tuple, constexprs: dict) -> str:
+    """``sm90_source``'s kernel compiled to PTX."""
+    return outside_interpreter(PROBE, json.dumps([module, scalars, constexprs]))
 
 
 def sm90_sass(module: str, scalars: tuple, constexprs: dict) -> list[str]:

@@ -30,6 +30,7 @@ def _operands(problem=PROBLEM):
 
 
 def test_every_candidate_is_built_and_launched_once_in_threads(monkeypatch):
+    monkeypatch.setenv("GEMMTUNE_COMPILE_FORK", "0")  # on a GPU the stand-in would also run while capturing
     launched = []
 
     def build(problem, name, config, device):  # Triton's interpreter is not thread-safe: a stand-in kernel
@@ -41,7 +42,9 @@ def test_every_candidate_is_built_and_launched_once_in_threads(monkeypatch):
     configs = [TILED[0], TILED[1], dict(TILED[1], GROUP_M=4)]
     operands = _operands()
     before = sys.getswitchinterval()
-    done = compiler.compile_ahead([(PROBLEM, "triton_tiled", c, operands) for c in configs], H100, workers=2)
+    done = compiler.compile_ahead([(PROBLEM, "triton_tiled", c, operands) for c in configs], H100, workers=2,
+                                  meanwhile=lambda: launched.append("meanwhile"))
+    assert launched.pop(0) == "meanwhile"  # before any thread's launch
     # Triton's front ends hold the GIL: while compiling, a thread keeps it longer, then as before
     assert sys.getswitchinterval() == before
     assert all(interval == compiler.SWITCH_INTERVAL_S for *_, interval in launched)
@@ -155,10 +158,11 @@ def test_the_runner_finds_what_was_compiled_ahead(monkeypatch):
 def test_a_batch_compiles_every_new_problem_together_and_sorts_failures_back(monkeypatch):
     first, second = Problem(64, 4096, 4096, "bfloat16"), Problem(256, 1024, 1024, "bfloat16", bias=True, activation="relu")
     monkeypatch.setattr(verify, "make_operands", lambda problem, device, seed: (problem,))
-    batches = []
+    batches, warmed = [], []
 
-    def compile_ahead(jobs, device):
+    def compile_ahead(jobs, device, meanwhile):
         batches.append(jobs)
+        warmed.append(meanwhile)
         return [compiler.Compiled(name, config, Status.COMPILE_ERROR if i == len(jobs) - 1 else Status.OK)
                 for i, (_, name, config, _) in enumerate(jobs)]
 
@@ -166,6 +170,10 @@ def test_a_batch_compiles_every_new_problem_together_and_sorts_failures_back(mon
     monkeypatch.setattr(tuner, "_free_gpu_bytes", lambda: 1 << 40)
     failed = tuner.compile_batch([first, second], H100)
     (jobs,) = batches  # one batch for both
+    checked = []  # while the children compile: verification's kernels loaded, once per kind of problem
+    monkeypatch.setattr(verify, "warm_up", lambda problem, *operands: checked.append((problem, operands)))
+    warmed[0]()
+    assert checked == [(first, (first,)), (second, (second,))]
     assert {p for p, *_ in jobs} == {first, second} and all(ops == (p,) for p, _, _, ops in jobs)
     assert all(name != "cublas" for _, name, _, _ in jobs)
     assert failed[first.key()] == {}
@@ -201,7 +209,7 @@ def test_tune_hands_each_problem_its_part_of_the_batch(monkeypatch, tmp_path):
 def test_a_batch_takes_only_the_problems_whose_operands_fit(monkeypatch):
     small, large = Problem(16, 1024, 1024, "bfloat16"), Problem(8192, 8192, 8192, "bfloat16")
     monkeypatch.setattr(verify, "make_operands", lambda problem, device, seed: (problem,))
-    monkeypatch.setattr(compiler, "compile_ahead", lambda jobs, device: [
+    monkeypatch.setattr(compiler, "compile_ahead", lambda jobs, device, meanwhile: [
         compiler.Compiled(name, config, Status.OK) for _, name, config, _ in jobs])
     monkeypatch.setattr(tuner, "_free_gpu_bytes", lambda: int(small.min_bytes / tuner.BATCH_MEMORY_SHARE) + 1)
     assert list(tuner.compile_batch([small, large, small], H100)) == [small.key()]  # large: compiled on its own
@@ -263,3 +271,9 @@ def test_concurrent_batches_restore_the_switch_interval_when_the_last_ends():
     release.set()
     worker.join(10)
     assert seen == [compiler.SWITCH_INTERVAL_S] and sys.getswitchinterval() == before
+
+
+def test_warming_up_runs_the_reference_and_error_measure_of_each_kind():
+    for dtype in ("bfloat16", "float16", "float32"):
+        problem = Problem(7, 33, 65, dtype, "linear", bias=True, activation="gelu")
+        assert verify.warm_up(problem, *verify.make_operands(problem, "cpu", seed=1)) is None

@@ -4,10 +4,14 @@ for exactly the argument specialization the runner uses and keeps the binary in 
 its on-disk cache. The runner that verifies and times the candidate then finds it compiled: a
 shape's compiles cost the longest of them, not their sum.
 
-Threads, not processes. Triton releases the GIL in its compiler passes and while ptxas runs, so
-compiles in threads run side by side. And a thread starts for free, where each process of a pool
-imported torch and created a CUDA context first: on the H200's host a pool of 8 took 3.4 s to
-start, then 1.6-2.4 s per process before its first compile finished (benchmarks/cold_start.py).
+Threads, and forked children for Triton's front end. Triton releases the GIL in its compiler
+passes and while ptxas runs, but its front end (about 85 ms a compile on the H200's host) is
+Python that holds it; so each job's kernels are first compiled by a child forked for it
+(``fork_compile``), which starts in milliseconds with everything imported and touches no CUDA,
+and the job's thread then loads them from Triton's cache. A pool of spawned processes was no
+answer: each imported torch and created a CUDA context first, and on the H200's host a pool of 8
+took 3.4 s to start, then 1.6-2.4 s per process before its first compile finished
+(benchmarks/cold_start.py).
 
 A compile failure (shared memory, registers, a compiler error) comes back as a typed failure
 that the tuner records without building the candidate again; anything else is left to the
@@ -22,11 +26,11 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from gemmtune import backends
+from gemmtune import backends, fork_compile
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 from gemmtune.results import Status
@@ -64,23 +68,58 @@ class Compiled:
 
 
 def compile_ahead(jobs: Sequence[tuple[Problem, str, dict, tuple]], device: Device,
-                  workers: int | None = None) -> list[Compiled]:
+                  workers: int | None = None, meanwhile: Callable[[], None] | None = None) -> list[Compiled]:
     """Each job (problem, backend name, config dict, operands: a, b and bias shaped as the
     runner's) built and launched once, in up to ``workers`` threads; the results in the jobs'
-    order. Nothing under Triton's interpreter, which runs a kernel instead of compiling it and is
+    order. ``meanwhile``, if given, runs while the compile children work, before the threads
+    start. Nothing under Triton's interpreter, which runs a kernel instead of compiling it and is
     not safe to run in several threads."""
     workers = default_workers() if workers is None else workers
     if workers < 1 or not jobs or device.interpreter:
         return []
     started = time.perf_counter()
+    waits = _fork_children(jobs, device)
+    if meanwhile is not None:
+        meanwhile()
     with _long_switch_interval(), ThreadPoolExecutor(min(workers, len(jobs)),
                                                      thread_name_prefix="gemmtune-compile") as pool:
-        futures = [pool.submit(_compile_one, problem, name, config, device, operands)
-                   for problem, name, config, operands in jobs]
+        futures = [pool.submit(_compile_one, problem, name, config, device, operands, children)
+                   for (problem, name, config, operands), children in zip(jobs, waits)]
         results = [future.result() for future in futures]
-    log.debug("compiled %d candidates of %d problems ahead in %.2f s on up to %d threads", len(results),
-              len({problem for problem, *_ in jobs}), time.perf_counter() - started, workers)
+    log.debug("compiled %d candidates of %d problems ahead in %.2f s on up to %d threads and %d children",
+              len(results), len({problem for problem, *_ in jobs}), time.perf_counter() - started, workers,
+              len({child for children in waits for child in children}))
     return results
+
+
+def _fork_children(jobs: Sequence[tuple[Problem, str, dict, tuple]], device: Device) -> list[list]:
+    """Per job, the compile children (``fork_compile.Child``) its thread waits for before it
+    builds the candidate: the one compiling the job's kernels (none where Triton has them, the
+    operands are not on a GPU, forking is off, or the candidate fails before any compile: its
+    thread meets that again), and those building its kernels' launchers. A launcher depends on the kernel's signature
+    alone, which most candidates share, so the first child to meet a signature builds it."""
+    if not fork_compile.usable():
+        return [[] for _ in jobs]
+    builders: dict[tuple, fork_compile.Child] = {}
+    waits = []
+    for problem, name, config, operands in jobs:
+        sources = []
+        if operands[0].is_cuda:
+            try:
+                with _on_device(operands[0].device.index):
+                    sources = fork_compile.capture(lambda: backends.build(problem, name, config, device)(*operands))
+            except Exception as exc:  # noqa: BLE001 - the job's thread builds it again and reports
+                log.debug("%s %s: nothing compiled in a child (%s)", name, config, exc)
+        if not sources:
+            waits.append([])
+            continue
+        keys = {fork_compile.launcher_key(source): source for source in sources}
+        keys.pop(None, None)
+        early = {key: source for key, source in keys.items() if key not in builders}
+        child = fork_compile.Child(sources, early=list(early.values()))
+        builders.update(dict.fromkeys(early, child))
+        waits.append([child, *{builders[key] for key in keys if builders[key] is not child}])
+    return waits
 
 
 _switch_lock = threading.Lock()
@@ -108,11 +147,16 @@ def _long_switch_interval() -> Iterator[None]:
                 sys.setswitchinterval(_switch_before)
 
 
-def _compile_one(problem: Problem, backend_name: str, config: dict, device: Device, operands: tuple) -> Compiled:
+def _compile_one(problem: Problem, backend_name: str, config: dict, device: Device, operands: tuple,
+                 children: Sequence[fork_compile.Child] = ()) -> Compiled:
     from gemmtune.runner import classify
 
-    index = operands[0].device.index if operands[0].is_cuda else None
     started = time.perf_counter()
+    for child in children:
+        if (outcome := child.wait()) != "ok":
+            log.debug("%s %s: a compile child reported %s; compiling here what it did not", backend_name, config,
+                      outcome)
+    index = operands[0].device.index if operands[0].is_cuda else None
     try:
         with _on_device(index):  # a new thread's current device is the first GPU, not the runner's
             backends.build(problem, backend_name, config, device)(*operands)

@@ -32,13 +32,16 @@ BUCKET = Knob("GEMMTUNE_BUCKET", "exact",
 
 COMPILE_WORKERS = Knob("GEMMTUNE_COMPILE_WORKERS", "",
                        "threads compiling candidates ahead of timing: a count, 0 for none "
-                       "(default: one per CPU core but one, at most 8)")
+                       "(default: one per CPU core but one, at most 16)")
+COMPILE_FORK = Knob("GEMMTUNE_COMPILE_FORK", "1",
+                    "1: run Triton's front end of each candidate compiled ahead in a forked child, "
+                    "side by side; 0: in the compile threads only (they share the GIL)")
 
 MISSES = Knob("GEMMTUNE_MISSES", "",
                "in lookup mode, append each shape missing from the store to this file (JSON Lines), "
                "for `gemmtune tune --from FILE`")
 
-KNOBS = (CACHE_DIR, MODE, LOG_LEVEL, BUCKET, COMPILE_WORKERS, MISSES)
+KNOBS = (CACHE_DIR, MODE, LOG_LEVEL, BUCKET, COMPILE_WORKERS, COMPILE_FORK, MISSES)
 
 
 def cache_dir() -> Path:
@@ -85,6 +88,13 @@ def compile_workers() -> int | None:
     if not value.isdigit():
         raise ValueError(f"{COMPILE_WORKERS.env}={value!r} is not a count; accepted: 0 (none) or a whole number")
     return int(value)
+
+
+def compile_fork() -> bool:
+    value = COMPILE_FORK.raw().strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{COMPILE_FORK.env}={value!r} is not accepted; accepted: 1 (fork) or 0 (threads only)")
+    return value == "1"
 
 
 def misses_file() -> Path | None:

@@ -81,16 +81,20 @@ def compile_batch(problems: list[Problem], device: Device, options: TuneOptions 
         return {}
     from gemmtune import verify
 
-    jobs, room, fitting = [], BATCH_MEMORY_SHARE * _free_gpu_bytes(), []
+    jobs, room, fitting, kinds = [], BATCH_MEMORY_SHARE * _free_gpu_bytes(), [], {}
     for problem in problems:
         room -= problem.min_bytes  # its a, b and output
         if room < 0:
             break
         fitting.append(problem)
         operands = verify.make_operands(problem, "cuda", seed=0)
+        kinds.setdefault((problem.dtype, problem.layout, problem.bias, problem.activation), (problem, operands))
         plan = plans[problem.key()] if plans and problem.key() in plans else _plan(problem, device, options)
         jobs += [(problem, name, config, operands) for name, config in plan]
-    results = compiler.compile_ahead(jobs, device)
+    # While the compile children work, verification's kernels are loaded (CUDA loads each on its
+    # first use): about 0.1 s of the seeds' MLP's first tuning in a process (NOTES, step 20).
+    results = compiler.compile_ahead(jobs, device, meanwhile=lambda: [
+        verify.warm_up(problem, *operands) for problem, operands in kinds.values()])
     failed = {problem.key(): {} for problem in fitting}
     for (problem, *_), result in zip(jobs, results):
         failed[problem.key()].update(_compile_failures([result]))

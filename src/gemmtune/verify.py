@@ -70,6 +70,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(diff)) / denom if denom > 0 else float(torch.linalg.vector_norm(diff))
 
 
+def warm_up(problem: Problem, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """The reference and the error measure run once on ``problem``'s operands, for the kernels
+    they load on first use (cuBLAS's float64 GEMM among them), while something else waits."""
+    ref = reference(problem, a, b, bias)
+    rel_err(ref.to(a.dtype), ref)
+
+
 def check(kernel, problem: Problem, inputs: Inputs) -> float:
     """Run ``kernel`` once into a NaN-poisoned output; its relative error (inf if unwritten)."""
     out = torch.full((problem.m, problem.n), float("nan"), dtype=inputs.a.dtype, device=inputs.a.device)

@@ -1,0 +1,144 @@
+"""Compiling in forked children: a child fills Triton's on-disk cache and the parent's compile of
+the same kernel then loads it without running the front end; a failing child says why; the
+options survive the JSON trip from the JIT's hook; outside a capture the hook defers to the one
+it replaced. Compiled for sm_90 on this machine, outside Triton's interpreter (``ptx``); the
+parent side (capture, launch) is a GPU test."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from ptx import outside_interpreter
+
+from gemmtune import compiler, fork_compile, settings
+
+TILE = dict(HAS_BIAS=True, ACTIVATION="relu", EVEN_K=True, PRECISION="ieee", BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
+            GROUP_M=8, HINTS=(1,) * 8, num_warps=4, num_stages=3)
+SCALARS = (256, 1024, 1024, 1024, 1, 1, 1024, 1024, 1)
+
+CHILD = """
+import json, sys
+import triton
+import ptx
+from triton.compiler import ASTSource
+from gemmtune import fork_compile
+
+target_tile, broken_tile, scalars = json.loads(sys.argv[1])
+source = fork_compile.Source(*ptx.sm90_source("tiled", scalars, target_tile))
+before = fork_compile.on_disk(source)
+child = fork_compile.Child([source])
+outcome = child.wait()
+after = fork_compile.on_disk(source)
+
+def no_front_end(*args, **kwargs):
+    raise AssertionError("the front end ran in the parent")
+
+ASTSource.make_ir = no_front_end
+kernel = triton.compile(source.src, target=source.target, options=source.options)
+broken = fork_compile.Source(*ptx.sm90_source("tiled", scalars, broken_tile))
+failed = fork_compile.Child([broken]).wait()
+print(json.dumps({"before": before, "outcome": outcome, "after": after, "wait_again": child.wait(),
+                  "ptx": "ld.global" in kernel.asm["ptx"] or "cp.async" in kernel.asm["ptx"], "failed": failed}))
+"""
+
+
+def test_a_child_fills_the_cache_the_parent_then_loads_from(tmp_path):
+    broken = dict(TILE, num_warps=3)  # not a power of two: Triton refuses the options
+    out = outside_interpreter(CHILD, json.dumps([TILE, broken, SCALARS]), env={"TRITON_CACHE_DIR": str(tmp_path)})
+    report = json.loads(out.splitlines()[-1])
+    assert report["before"] is False and report["outcome"] == "ok" and report["after"] is True
+    assert report["wait_again"] == "ok" and report["ptx"] is True
+    assert report["failed"] != "ok" and "num_warps" in report["failed"]
+
+
+ROUND_TRIP = """
+import json
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import serialize_specialization_data
+
+backend = make_backend(GPUTarget("cuda", 90, 32))
+options = backend.parse_options({"num_warps": 8, "num_stages": 4})
+data = serialize_specialization_data("k", {"a": "*bf16"}, {}, {}, options, "key")
+back = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(data)["options"].items()}
+print(json.dumps(backend.parse_options(back).hash() == options.hash()))
+"""
+
+
+def test_options_keep_their_cache_key_through_the_hooks_json():
+    """The hook gets the JIT's options as JSON only; read back they must key the same binary."""
+    assert outside_interpreter(ROUND_TRIP).split() == ["true"]
+
+
+KEYS = """
+import json, sys
+import ptx
+from gemmtune import fork_compile
+
+tiles, scalars = json.loads(sys.argv[1])
+keys = [fork_compile.launcher_key(fork_compile.Source(*ptx.sm90_source("tiled", scalars, t))) for t in tiles]
+print(json.dumps([keys[0] is not None, len(set(keys))]))
+"""
+
+
+def test_candidates_of_one_kernel_share_a_launcher_built_once():
+    """A launcher's C build (0.3 s) depends on the signature alone: one per kernel, not per tile."""
+    other = dict(TILE, BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=4)
+    assert json.loads(outside_interpreter(KEYS, json.dumps([[TILE, other], SCALARS])).splitlines()[-1]) == [True, 1]
+    described = fork_compile.Source(SimpleNamespace(signature={"a_desc": "tensordesc<bf16[64, 64]>", "M": "i32"}),
+                                    None, {})
+    assert fork_compile.launcher_key(described) is None  # its launcher waits for the compiled kernel
+
+
+def test_outside_a_capture_the_hook_defers_to_the_one_it_replaced():
+    seen = []
+    hook = fork_compile._Hook(lambda **kwargs: seen.append(kwargs) or "theirs")
+    assert hook(key=1, fn=None, compile={}) == "theirs" and seen == [{"key": 1, "fn": None, "compile": {}}]
+    assert fork_compile._Hook(None)(key=1, fn=None, compile={}) is None
+
+
+def test_forking_follows_the_setting(monkeypatch):
+    monkeypatch.setenv("GEMMTUNE_COMPILE_FORK", "0")
+    assert not fork_compile.usable()
+    monkeypatch.setenv("GEMMTUNE_COMPILE_FORK", "1")
+    assert fork_compile.usable() == hasattr(__import__("os"), "fork")
+    monkeypatch.setenv("GEMMTUNE_COMPILE_FORK", "yes")
+    with pytest.raises(ValueError, match="GEMMTUNE_COMPILE_FORK"):
+        settings.compile_fork()
+
+
+def test_no_child_for_operands_off_the_gpu():
+    cpu_operands = (__import__("torch").ones(2, 2),)
+    assert compiler._fork_children([(None, "triton_tiled", {}, cpu_operands)], None) == [[]]
+
+
+@pytest.mark.gpu
+def test_compiling_ahead_loads_what_children_compiled(monkeypatch, tmp_path):
+    """On a fresh Triton cache, every candidate compiled ahead is compiled by a child and loaded
+    from the cache by its thread, and each launches."""
+    from triton import knobs
+
+    from gemmtune import verify
+    from gemmtune.device import current
+    from gemmtune.problem import Problem
+    from gemmtune.results import Status
+
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path))
+    problem = Problem(300, 520, 264, "bfloat16", "linear", bias=True, activation="gelu_tanh")
+    operands = verify.make_operands(problem, "cuda", seed=0)
+    configs = [{"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
+               {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 4, "num_warps": 4, "num_stages": 4}]
+    jobs = [(problem, "triton_tiled", c, operands) for c in configs]
+    jobs.append((problem, "triton_splitk", {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 4, "USE_DOT": True,
+                                            "num_warps": 4, "num_stages": 3}, operands))
+    jobs.append((problem, "triton_persistent", {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
+                                                "num_warps": 8, "num_stages": 3, "WARP_SPECIALIZE": False}, operands))
+    forked, hits = [], []
+    real_child = fork_compile.Child
+    monkeypatch.setattr(fork_compile, "Child", lambda *a, **kw: forked.append(real_child(*a, **kw)) or forked[-1])
+    monkeypatch.setattr(knobs.compilation, "listener", lambda **kw: hits.append(kw["cache_hit"]))
+    done = compiler.compile_ahead(jobs, current())
+    assert [d.status for d in done] == [Status.OK] * len(jobs), [d.reason for d in done]
+    assert len(forked) == len(jobs) and all(child.outcome == "ok" for child in forked)
+    assert hits and all(hits)  # every compile in this process found its binary on disk
+    assert compiler._fork_children(jobs, current()) == [[]] * len(jobs)  # all on disk now: no child
