@@ -109,7 +109,7 @@ def test_forking_follows_the_setting(monkeypatch):
 
 def test_no_child_for_operands_off_the_gpu():
     cpu_operands = (__import__("torch").ones(2, 2),)
-    assert compiler._fork_children([(None, "triton_tiled", {}, cpu_operands)], None) == [[]]
+    assert compiler._fork_children([(None, "triton_tiled", {}, cpu_operands)], None, 4) == [[]]
 
 
 @pytest.mark.gpu
@@ -141,4 +141,28 @@ def test_compiling_ahead_loads_what_children_compiled(monkeypatch, tmp_path):
     assert [d.status for d in done] == [Status.OK] * len(jobs), [d.reason for d in done]
     assert len(forked) == len(jobs) and all(child.outcome == "ok" for child in forked)
     assert hits and all(hits)  # every compile in this process found its binary on disk
-    assert compiler._fork_children(jobs, current()) == [[]] * len(jobs)  # all on disk now: no child
+    assert compiler._fork_children(jobs, current(), 4) == [[]] * len(jobs)  # all on disk now: no child
+
+
+def test_jobs_share_at_most_workers_children_and_wait_for_their_launchers_builder(monkeypatch):
+    def source(name, kind="*bf16"):
+        return fork_compile.Source(SimpleNamespace(signature={"a_ptr": kind}, name=name), None, {})
+
+    tiled, other, described = source("t"), source("o", "*fp32"), source("d", "tensordesc<bf16[64, 64]>")
+    captured = {0: [tiled], 1: [], 2: [tiled, other], 3: [described], 4: [tiled]}
+    made = []
+
+    class Child:
+        def __init__(self, sources, early=()):
+            self.sources, self.early = sources, list(early)
+            made.append(self)
+
+    monkeypatch.setattr(fork_compile, "usable", lambda: True)
+    monkeypatch.setattr(fork_compile, "Child", Child)
+    monkeypatch.setattr(compiler, "_capture", lambda job, device: captured[job[0]])
+    waits = compiler._fork_children([(i, "x", {}, ()) for i in range(5)], None, 2)
+    first, second = made  # two workers: two children, the jobs with kernels dealt out in turn
+    assert first.sources == [tiled, described] and second.sources == [tiled, other, tiled]
+    assert first.early == [tiled] and second.early == [other]  # one launcher build per signature
+    assert waits[1] == [] and waits[0] == [first] and waits[3] == [first]
+    assert all(sorted(map(id, waits[j])) == sorted([id(first), id(second)]) for j in (2, 4))

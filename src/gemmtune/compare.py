@@ -63,11 +63,12 @@ def load_model(spec: str, features: int = 1024) -> nn.Module:
     return model
 
 
-def run(model: nn.Module, x: torch.Tensor, modes=MODES, *, calls: int = 200, rounds: int = 5,
+def run(model: nn.Module, x: torch.Tensor, modes=MODES, *, calls: int = 200, rounds: int = 15,
         on_row: Callable[[Row], None] | None = None) -> list[Row]:
     """Each mode's Row, in order; a model copy per mode, so no mode sees another's changes.
     Host time is timed in ``rounds`` alternating with eager's (a GPU machine's host speed
-    drifts by tens of percent within a run: only a ratio timed side by side compares)."""
+    drifts by tens of percent within a run: only a ratio timed side by side compares; with five
+    rounds the median ratio of one fp32 run read 1.01 while the two medians read 59 and 70 us)."""
     on_gpu = x.device.type == "cuda"
     for mode in modes:
         if mode not in MODES:

@@ -78,7 +78,7 @@ def compile_ahead(jobs: Sequence[tuple[Problem, str, dict, tuple]], device: Devi
     if workers < 1 or not jobs or device.interpreter:
         return []
     started = time.perf_counter()
-    waits = _fork_children(jobs, device)
+    waits = _fork_children(jobs, device, workers)
     if meanwhile is not None:
         meanwhile()
     with _long_switch_interval(), ThreadPoolExecutor(min(workers, len(jobs)),
@@ -92,34 +92,52 @@ def compile_ahead(jobs: Sequence[tuple[Problem, str, dict, tuple]], device: Devi
     return results
 
 
-def _fork_children(jobs: Sequence[tuple[Problem, str, dict, tuple]], device: Device) -> list[list]:
+def _fork_children(jobs: Sequence[tuple[Problem, str, dict, tuple]], device: Device, workers: int) -> list[list]:
     """Per job, the compile children (``fork_compile.Child``) its thread waits for before it
-    builds the candidate: the one compiling the job's kernels (none where Triton has them, the
-    operands are not on a GPU, forking is off, or the candidate fails before any compile: its
-    thread meets that again), and those building its kernels' launchers. A launcher depends on the kernel's signature
-    alone, which most candidates share, so the first child to meet a signature builds it."""
+    builds the candidate: the one compiling the job's kernels, and those building its kernels'
+    launchers. None for a job whose kernels Triton has, whose operands are not on a GPU, or whose
+    candidate fails before any compile (its thread meets that again); none at all where forking
+    is off. At most ``workers`` children, each taking every so many jobs (a child's copied pages
+    cost memory). A launcher depends on the kernel's signature alone, which most candidates
+    share, so the first child to meet a signature builds it."""
     if not fork_compile.usable():
         return [[] for _ in jobs]
-    builders: dict[tuple, fork_compile.Child] = {}
+    captured = [_capture(job, device) for job in jobs]
+    count = min(workers, sum(map(bool, captured)))
+    shares: list[list] = [[] for _ in range(count)]
+    owners = []  # per job, the index of the child compiling its kernels, or None
+    for sources in captured:
+        owners.append(sum(owner is not None for owner in owners) % count if sources else None)
+        if sources:
+            shares[owners[-1]] += sources
+    builders: dict[tuple, int] = {}  # launcher key -> the child building it
+    early: list[list] = [[] for _ in range(count)]
+    for index, share in enumerate(shares):
+        for source in share:
+            key = fork_compile.launcher_key(source)
+            if key is not None and key not in builders:
+                builders[key] = index
+                early[index].append(source)
+    children = [fork_compile.Child(share, early=first) for share, first in zip(shares, early)]
     waits = []
-    for problem, name, config, operands in jobs:
-        sources = []
-        if operands[0].is_cuda:
-            try:
-                with _on_device(operands[0].device.index):
-                    sources = fork_compile.capture(lambda: backends.build(problem, name, config, device)(*operands))
-            except Exception as exc:  # noqa: BLE001 - the job's thread builds it again and reports
-                log.debug("%s %s: nothing compiled in a child (%s)", name, config, exc)
-        if not sources:
-            waits.append([])
-            continue
-        keys = {fork_compile.launcher_key(source): source for source in sources}
-        keys.pop(None, None)
-        early = {key: source for key, source in keys.items() if key not in builders}
-        child = fork_compile.Child(sources, early=list(early.values()))
-        builders.update(dict.fromkeys(early, child))
-        waits.append([child, *{builders[key] for key in keys if builders[key] is not child}])
+    for sources, owner in zip(captured, owners):
+        keys = {fork_compile.launcher_key(source) for source in sources} - {None}
+        waits.append([] if owner is None else [children[i] for i in {owner} | {builders[key] for key in keys}])
     return waits
+
+
+def _capture(job: tuple[Problem, str, dict, tuple], device: Device) -> list:
+    """The kernels job's candidate has Triton compile, that Triton's cache lacks
+    (``fork_compile.capture``); none where its operands are not on a GPU or it fails first."""
+    problem, name, config, operands = job
+    if not operands[0].is_cuda:
+        return []
+    try:
+        with _on_device(operands[0].device.index):
+            return fork_compile.capture(lambda: backends.build(problem, name, config, device)(*operands))
+    except Exception as exc:  # noqa: BLE001 - the job's thread builds it again and reports
+        log.debug("%s %s: nothing compiled in a child (%s)", name, config, exc)
+        return []
 
 
 _switch_lock = threading.Lock()
