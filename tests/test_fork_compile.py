@@ -5,6 +5,7 @@ it replaced. Compiled for sm_90 on this machine, outside Triton's interpreter (`
 parent side (capture, launch) is a GPU test."""
 
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -53,6 +54,7 @@ def test_a_child_fills_the_cache_the_parent_then_loads_from(tmp_path):
 
 ROUND_TRIP = """
 import json
+import os
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import make_backend
 from triton.runtime.jit import serialize_specialization_data
@@ -101,7 +103,7 @@ def test_forking_follows_the_setting(monkeypatch):
     monkeypatch.setenv("GEMMTUNE_COMPILE_FORK", "0")
     assert not fork_compile.usable()
     monkeypatch.setenv("GEMMTUNE_COMPILE_FORK", "1")
-    assert fork_compile.usable() == hasattr(__import__("os"), "fork")
+    assert fork_compile.usable() == hasattr(os, "fork")
     monkeypatch.setenv("GEMMTUNE_COMPILE_FORK", "yes")
     with pytest.raises(ValueError, match="GEMMTUNE_COMPILE_FORK"):
         settings.compile_fork()
@@ -165,4 +167,27 @@ def test_jobs_share_at_most_workers_children_and_wait_for_their_launchers_builde
     assert first.sources == [tiled, described] and second.sources == [tiled, other, tiled]
     assert first.early == [tiled] and second.early == [other]  # one launcher build per signature
     assert waits[1] == [] and waits[0] == [first] and waits[3] == [first]
-    assert all(sorted(map(id, waits[j])) == sorted([id(first), id(second)]) for j in (2, 4))
+    assert waits[2] == [first, second] and waits[4] == [first, second]
+    # no second child to be had (no memory, no processes left): its jobs compile in their threads
+    made.clear()
+
+    def fork_once(sources, early=()):
+        if made:
+            raise OSError(11, "Resource temporarily unavailable")
+        return Child(sources, early)
+
+    monkeypatch.setattr(fork_compile, "Child", fork_once)
+    waits = compiler._fork_children([(i, "x", {}, ()) for i in range(5)], None, 2)
+    (first,) = made
+    assert waits == [[first], [], [first], [first], [first]]
+
+
+def test_a_failed_fork_raises_and_leaves_no_pipe_open(monkeypatch):
+    def no_fork():
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(fork_compile.os, "fork", no_fork)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="memory"):
+        fork_compile.Child([])
+    assert len(os.listdir("/proc/self/fd")) == before

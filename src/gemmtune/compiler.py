@@ -118,11 +118,18 @@ def _fork_children(jobs: Sequence[tuple[Problem, str, dict, tuple]], device: Dev
             if key is not None and key not in builders:
                 builders[key] = index
                 early[index].append(source)
-    children = [fork_compile.Child(share, early=first) for share, first in zip(shares, early)]
+    children = []
+    for share, first in zip(shares, early):
+        try:
+            children.append(fork_compile.Child(share, early=first))
+        except OSError as exc:  # the threads compile what the missing children would have
+            log.warning("gemmtune: could not fork a compile child (%s); compiling the rest in this process", exc)
+            break
     waits = []
     for sources, owner in zip(captured, owners):
         keys = {fork_compile.launcher_key(source) for source in sources} - {None}
-        waits.append([] if owner is None else [children[i] for i in {owner} | {builders[key] for key in keys}])
+        needed = set() if owner is None else {owner} | {builders[key] for key in keys}
+        waits.append([children[i] for i in sorted(needed) if i < len(children)])
     return waits
 
 

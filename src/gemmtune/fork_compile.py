@@ -144,9 +144,14 @@ class Child:
 
     def __init__(self, sources: list[Source], early: list[Source] = ()) -> None:
         read, write = os.pipe()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12: fork with threads alive
-            pid = os.fork()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12: fork with threads alive
+                pid = os.fork()
+        except OSError:  # no memory or processes left for a child: the caller compiles in-process
+            os.close(read)
+            os.close(write)
+            raise
         if pid == 0:
             os.close(read)
             _child(sources, list(early), write)
