@@ -30,16 +30,18 @@ before = fork_compile.on_disk(source)
 child = fork_compile.Child([source])
 outcome = child.wait()
 after = fork_compile.on_disk(source)
+broken = fork_compile.Source(*ptx.sm90_source("tiled", scalars, broken_tile))
+other = fork_compile.Source(*ptx.sm90_source("tiled", scalars, dict(target_tile, BLOCK_N=32)))
+failed = fork_compile.Child([broken, other]).wait()
 
 def no_front_end(*args, **kwargs):
     raise AssertionError("the front end ran in the parent")
 
 ASTSource.make_ir = no_front_end
 kernel = triton.compile(source.src, target=source.target, options=source.options)
-broken = fork_compile.Source(*ptx.sm90_source("tiled", scalars, broken_tile))
-failed = fork_compile.Child([broken]).wait()
 print(json.dumps({"before": before, "outcome": outcome, "after": after, "wait_again": child.wait(),
-                  "ptx": "ld.global" in kernel.asm["ptx"] or "cp.async" in kernel.asm["ptx"], "failed": failed}))
+                  "ptx": "ld.global" in kernel.asm["ptx"] or "cp.async" in kernel.asm["ptx"], "failed": failed,
+                  "other": fork_compile.on_disk(other)}))
 """
 
 
@@ -50,6 +52,7 @@ def test_a_child_fills_the_cache_the_parent_then_loads_from(tmp_path):
     assert report["before"] is False and report["outcome"] == "ok" and report["after"] is True
     assert report["wait_again"] == "ok" and report["ptx"] is True
     assert report["failed"] != "ok" and "num_warps" in report["failed"]
+    assert report["other"] is True  # the kernel after the broken one was compiled all the same
 
 
 ROUND_TRIP = """

@@ -204,13 +204,18 @@ def _child(sources: list[Source], early: list[Source], report: int) -> None:
         threads = [threading.Thread(target=_launcher, args=(source.src, _NO_METADATA)) for source in early]
         for thread in threads:
             thread.start()
-        for source in sources:
-            kernel = triton.compile(source.src, target=source.target, options=source.options)
+        failures = []
+        for source in sources:  # one kernel's failure (its job's thread meets it again) stops no other
+            try:
+                kernel = triton.compile(source.src, target=source.target, options=source.options)
+            except Exception as exc:  # noqa: BLE001
+                failures.append(f"{type(exc).__name__}: {exc}")
+                continue
             if launcher_key(source) is None:
                 _launcher(kernel.src, kernel.metadata)
         for thread in threads:
             thread.join()
-        status, message = 0, "ok"
+        status, message = (1, failures[0]) if failures else (0, "ok")
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which compiles again
         message = f"{type(exc).__name__}: {exc}"
     finally:
