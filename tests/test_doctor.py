@@ -182,5 +182,9 @@ def test_compile_cache_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("GEMMTUNE_COMPILE_WORKERS", "3")
     check = next(c for c in doctor.collect() if c.name == "compile cache")
     assert check.status == "ok" and "4" in check.value and "3 threads compile ahead" in check.value
+    assert "forked children" in check.value
+    monkeypatch.setenv("GEMMTUNE_COMPILE_FORK", "0")
+    check = next(c for c in doctor.collect() if c.name == "compile cache")
+    assert "without children (GEMMTUNE_COMPILE_FORK=0)" in check.value
     monkeypatch.setenv("GEMMTUNE_COMPILE_WORKERS", "0")
     assert "compiling ahead is off" in next(c for c in doctor.collect() if c.name == "compile cache").value

@@ -341,11 +341,14 @@ def store_check(store_path: Path | None = None) -> Check:
 
 def compile_cache_check() -> Check:
     """Triton's on-disk kernel cache as gemmtune's workers use it: a warm one makes tuning fast."""
+    from gemmtune import fork_compile
     from gemmtune.compiler import default_workers
 
     path = settings.triton_cache_dir()
     workers = default_workers()
-    compiling = (f"{workers} thread{'s' if workers != 1 else ''} compile ahead on a GPU" if workers
+    children = ("with up to as many forked children" if fork_compile.usable()
+                else "without children (GEMMTUNE_COMPILE_FORK=0)")
+    compiling = (f"{workers} thread{'s' if workers != 1 else ''} compile ahead on a GPU, {children}" if workers
                  else "compiling ahead is off")
     if not path.exists():
         return Check("compile cache", f"{path} (empty: the first tuning compiles every candidate; "
