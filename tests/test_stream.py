@@ -93,6 +93,10 @@ def test_space_serves_decode_on_hopper_only():
     assert BACKEND.candidates(Problem(16, 4097, 4096), H100) == []  # misaligned rows: no descriptors
     shallow = space(Problem(16, 4096, 256), H100)
     assert all(c.num_stages <= 2 for c in shallow)  # no deeper than K has steps
+    assert len(shallow) == len(set(shallow))  # tiles that differ only in stages K cannot use: tried once
+    assert {c.num_stages for c in configs if c.block_n == 64} == {4, 5}
+    wider = space(Problem(32, 4096, 4096), H100)  # a fifth stage of 64x256 no longer fits beside 32 rows
+    assert {(c.block_n, c.num_stages) for c in wider} == {(64, 4), (128, 3)}
 
 
 def test_persistent_grid_follows_the_sms():
