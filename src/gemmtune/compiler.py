@@ -103,21 +103,23 @@ def _fork_children(jobs: Sequence[tuple[Problem, str, dict, tuple]], device: Dev
     if not fork_compile.usable():
         return [[] for _ in jobs]
     captured = [_capture(job, device) for job in jobs]
+    keys = [{fork_compile.launcher_key(source) for source in sources} - {None} for sources in captured]
     count = min(workers, sum(map(bool, captured)))
     shares: list[list] = [[] for _ in range(count)]
-    owners = []  # per job, the index of the child compiling its kernels, or None
-    for sources in captured:
-        owners.append(sum(owner is not None for owner in owners) % count if sources else None)
-        if sources:
-            shares[owners[-1]] += sources
+    early: list[list] = [[] for _ in range(count)]  # per child, the sources whose launchers it builds
+    owners: list[int | None] = []  # per job, the child compiling its kernels
     builders: dict[tuple, int] = {}  # launcher key -> the child building it
-    early: list[list] = [[] for _ in range(count)]
-    for index, share in enumerate(shares):
-        for source in share:
+    dealt = 0  # jobs with kernels so far: each goes to the next child in turn
+    for sources in captured:
+        owner = dealt % count if sources else None
+        dealt += bool(sources)
+        owners.append(owner)
+        for source in sources:
+            shares[owner].append(source)
             key = fork_compile.launcher_key(source)
             if key is not None and key not in builders:
-                builders[key] = index
-                early[index].append(source)
+                builders[key] = owner
+                early[owner].append(source)
     children = []
     for share, first in zip(shares, early):
         try:
@@ -125,12 +127,9 @@ def _fork_children(jobs: Sequence[tuple[Problem, str, dict, tuple]], device: Dev
         except OSError as exc:  # the threads compile what the missing children would have
             log.warning("gemmtune: could not fork a compile child (%s); compiling the rest in this process", exc)
             break
-    waits = []
-    for sources, owner in zip(captured, owners):
-        keys = {fork_compile.launcher_key(source) for source in sources} - {None}
-        needed = set() if owner is None else {owner} | {builders[key] for key in keys}
-        waits.append([children[i] for i in sorted(needed) if i < len(children)])
-    return waits
+    needed = [set() if owner is None else {owner} | {builders[key] for key in job_keys}
+              for owner, job_keys in zip(owners, keys)]
+    return [[children[i] for i in sorted(indices) if i < len(children)] for indices in needed]
 
 
 def _capture(job: tuple[Problem, str, dict, tuple], device: Device) -> list:

@@ -348,8 +348,8 @@ def compile_cache_check() -> Check:
     workers = default_workers()
     children = ("with up to as many forked children" if fork_compile.usable()
                 else "without children (GEMMTUNE_COMPILE_FORK=0)")
-    compiling = (f"{workers} thread{'s compile' if workers != 1 else ' compiles'} ahead on a GPU, {children}" if workers
-                 else "compiling ahead is off")
+    threads = f"{workers} thread{'s compile' if workers != 1 else ' compiles'}"
+    compiling = f"{threads} ahead on a GPU, {children}" if workers else "compiling ahead is off"
     if not path.exists():
         return Check("compile cache", f"{path} (empty: the first tuning compiles every candidate; "
                      f"{compiling})", "info")
