@@ -7,7 +7,9 @@ stay; only its class becomes ``gemmtune.nn.Linear`` (an ``nn.Linear`` whose forw
 ``gemmtune.linear``). A fused activation module is replaced by ``nn.Identity``. With
 ``siblings=True`` layers called one after another on one input share one GEMM
 (``gemmtune.siblings``): their class becomes ``JoinedLinear``, and their parameters stay, as views
-of the joined weight.
+of the joined weight. A layer whose K or N leaves cuBLAS's fast path (``gemmtune.aligned``) keeps
+its weight zero-padded to aligned sizes: its class becomes ``AlignedLinear``, and its parameters
+stay, as views of the padded buffers.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from gemmtune import aligned as aligned_layers
 from gemmtune import api, recording
 from gemmtune import siblings as sibling_layers
 from gemmtune.device import current
@@ -52,6 +55,21 @@ class JoinedLinear(Linear):
         return super().forward(x) if out is None else out
 
 
+class AlignedLinear(Linear):
+    """A ``Linear`` whose weight is stored zero-padded to aligned sizes (``gemmtune.aligned``):
+    served by the aligned GEMM where it can be, else as a ``Linear``."""
+
+    aligned: aligned_layers.Aligned
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.aligned.output(self, x)
+        return super().forward(x) if out is None else out
+
+    def extra_repr(self) -> str:
+        rows, cols = self.aligned.weight.shape
+        return super().extra_repr() + f", stored padded to ({rows}, {cols})"
+
+
 def _fusable(module: nn.Module) -> str | None:
     """The epilogue name of an activation module gemmtune can fuse, or None."""
     if type(module) is nn.ReLU:
@@ -65,7 +83,7 @@ def _fusable(module: nn.Module) -> str | None:
 
 def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
              filter: Callable[[str, nn.Linear], bool] | None = None, fuse: bool = True,
-             siblings: bool = False, options: TuneOptions | None = None) -> nn.Module:
+             siblings: bool = False, align: bool = True, options: TuneOptions | None = None) -> nn.Module:
     """Run ``model``'s ``nn.Linear`` layers (those ``filter(name, layer)`` accepts; all by
     default) through gemmtune, in place, and return the model.
 
@@ -81,6 +99,11 @@ def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
     are joined, and one GEMM over their weights serves them (``gemmtune.siblings`` says when a
     call runs alone instead, and what torch.compile cannot check). Each returns a view of the
     joined output, whose rows are the joined width apart.
+
+    ``align`` (on by default): a CUDA layer whose in_features or out_features is not a multiple
+    of 16 bytes keeps its weight and bias zero-padded to aligned sizes, the parameters becoming
+    views of the padded buffers (no memory added), so that a call copies only its input and
+    runs the aligned GEMM (``gemmtune.aligned``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize(model=...): expected a torch.nn.Module, got {type(model).__name__}")
@@ -91,6 +114,11 @@ def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
             module.__class__ = Linear
     if fuse:
         _fuse_activations(model)
+    if align:
+        for module in model.modules():
+            if type(module) is Linear and aligned_layers.misaligned(module):
+                module.aligned = aligned_layers.Aligned(module)
+                module.__class__ = AlignedLinear
     if example_inputs is not None:
         tune_model(model, example_inputs, options=options, siblings=siblings)
     return model
