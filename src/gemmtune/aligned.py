@@ -11,13 +11,15 @@ parameters become views of those buffers. No memory is added, and an in-place up
 parameter writes the buffer, so the padded weight is never stale. A call then copies only x into
 K's padding, runs the aligned GEMM (tuned like any other), and cuts N's padding off the result.
 
-Where K is odd this pays from MIN_ROWS_K_ODD rows: on the H200 at 16 rows 1.03x over the layer
-with its weight as given at 132 SMs and 1.95x at 38 (where that layer copied the weight every
-call), at 2048 rows 1.15x and 1.07x (``aligned-layers-h200-20261123b.json``, ``-sm38-``). A single
-row runs as a plain layer on the parameter as it is: gemmtune's GEMV reads odd rows at full
-speed, and the copy of x cost a launch, 0.87x at 132 SMs (1.20x at 38). Where only N is odd the
-layer's weight needs no copy as given, and the padded GEMM pays from MIN_ROWS rows (1.01-1.27x
-at 2048 rows; 0.89-1.15x on 1-16 rows, where the cut of the result costs a launch).
+Where K is odd this pays from MIN_ROWS_K_ODD rows: on the H200 at 16 rows 0.97-1.03x of the layer
+with its weight as given at 132 SMs and 1.92-1.95x at 38 (where that layer copied the weight every
+call), at 2048 rows 1.14-1.15x and 1.07x (``aligned-layers-h200-20261123b.json`` and ``c``, each
+also at ``-sm38-``). A single row runs as a plain layer on the parameter as it is: at 132 SMs the
+copy of x cost a launch (the padded GEMM 0.87x, the plain layer 0.98x); at 38 SMs the padded GEMM
+would have been 1.19x and the plain layer reads 0.86x (noted in benchmarks/NOTES.md, step 21).
+Where only N is odd the layer's weight needs no copy as given, and the padded GEMM pays from
+MIN_ROWS rows (1.01-1.26x at 2048 rows but 0.98x for a GPT-2 head at 38 SMs; 0.87-0.96x on 1-16
+rows at 132 SMs, where the cut of the result costs a launch).
 
 A call also runs as a plain layer where gradients are wanted (the padded buffer is not what autograd
 tracks), and where the layer no longer holds the parameters padded, of the buffer's dtype and
