@@ -7,7 +7,7 @@ alone: on the H200, cuBLAS on rows re-strided to 16-byte multiples but with K le
 slowly as on the raw operands, and so did one writing an odd N into a padded output
 (``padded-paths-h200-20261123.json``). But a layer's weight is a parameter, so its copy can be
 made once: ``optimize`` stores the weight (and bias) zero-padded to aligned sizes, and the
-parameters become views of those buffers. No memory is added, and an in-place update of a
+parameters become views of those buffers. Only the padding is added, and an in-place update of a
 parameter writes the buffer, so the padded weight is never stale. A call then copies only x into
 K's padding, runs the aligned GEMM (tuned like any other), and cuts N's padding off the result.
 

@@ -102,8 +102,8 @@ def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
 
     ``align`` (on by default): a CUDA layer whose in_features or out_features is not a multiple
     of 16 bytes keeps its weight and bias zero-padded to aligned sizes, the parameters becoming
-    views of the padded buffers (no memory added), so that a call copies only its input and
-    runs the aligned GEMM (``gemmtune.aligned``).
+    views of the padded buffers (only the padding is added), so that a call of enough rows copies
+    its input, not the weight, and runs the aligned GEMM (``gemmtune.aligned`` says when).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize(model=...): expected a torch.nn.Module, got {type(model).__name__}")
