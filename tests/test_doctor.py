@@ -188,3 +188,20 @@ def test_compile_cache_is_reported(tmp_path, monkeypatch):
     assert "without children (GEMMTUNE_COMPILE_FORK=0)" in check.value
     monkeypatch.setenv("GEMMTUNE_COMPILE_WORKERS", "0")
     assert "compiling ahead is off" in next(c for c in doctor.collect() if c.name == "compile cache").value
+
+
+def test_cublas_products_right_and_wrong():
+    def torch_product(p, a, b):
+        return torch.mm(a, b.t() if p.layout == "linear" else b)
+
+    def wrong_on_1000(p, a, b):
+        out = torch_product(p, a, b)
+        if p.m == 1000:
+            out[::7] = 0  # a seventh of the rows never written, as a broken kernel might leave them
+        return out
+
+    right = doctor.cublas_check(torch_product, device="cpu")
+    assert right.status == "ok" and f"right on {len(doctor.CUBLAS_PROBES)}" in right.value
+    wrong = doctor.cublas_check(wrong_on_1000, device="cpu")
+    assert wrong.status == "warn" and wrong.value.startswith("WRONG on 1 of")
+    assert "1000x1000x1000 nn" in wrong.advice and "MPS" in wrong.advice and "float64 reference" in wrong.advice

@@ -79,6 +79,8 @@ def collect(store_path: Path | None = None, device: Device | None = None) -> lis
     if not device.interpreter:
         checks += [sm_check(device), smem_check(device), l2_check(device)]
         checks += _guard_many(("clocks", "throttle"), lambda: nvml_checks(live))
+        if live:
+            checks.append(_guard("cuBLAS products", cublas_check))
     checks += _software_checks()
     checks.append(_guard("inductor max_autotune_gemm gate", lambda: gate_check(device)))
     checks.append(_guard("store", lambda: store_check(store_path)))
@@ -169,6 +171,43 @@ def _gate_advice(sms: int) -> str:
         "- gemmtune does not use this gate: it scales its search space to the SM count, so its "
         "Triton kernels stay available on this GPU.",
     ))
+
+
+# bf16 products cuBLAS got wrong on an H200 split to 38 SMs by CUDA MPS, beside two it got right
+# (cublas-poison-h200-sm38-20261123.json): (m, n, k, layout).
+CUBLAS_PROBES = ((1000, 1000, 1000, "nn"), (16, 4104, 4096, "linear"), (1, 4104, 4096, "linear"),
+                 (1, 4096, 4096, "linear"), (256, 1024, 1024, "nn"))
+
+
+def cublas_check(product: Callable | None = None, device: str = "cuda") -> Check:
+    """cuBLAS's bf16 products on a few shapes against a float64 reference, on this GPU as this
+    process sees it. ``product(problem, a, b)`` is torch's own by default (tests pass another,
+    and the CPU for ``device``)."""
+    import torch
+
+    from gemmtune import verify
+    from gemmtune.problem import Problem
+
+    if product is None:
+        product = lambda p, a, b: torch.mm(a, b.t() if p.layout == "linear" else b)  # noqa: E731
+    wrong = []
+    for m, n, k, layout in CUBLAS_PROBES:
+        problem = Problem(m, n, k, "bfloat16", layout)
+        inputs = verify.make_inputs(problem, device, seed=0)
+        err = verify.rel_err(product(problem, inputs.a, inputs.b), inputs.reference)
+        if not err <= verify.tolerance(problem):
+            wrong.append(f"{m}x{n}x{k} {layout} (relative error {err:.1e})")
+    if not wrong:
+        return Check("cuBLAS products", f"right on {len(CUBLAS_PROBES)} bf16 shapes", "ok")
+    return Check(
+        "cuBLAS products", f"WRONG on {len(wrong)} of {len(CUBLAS_PROBES)} bf16 shapes", "warn",
+        "cuBLAS, as torch.mm, F.linear and torch.compile call it, returned wrong products here:\n"
+        + "\n".join(f"- {shape}" for shape in wrong)
+        + "\nSeen on an H200 split to 38 SMs by CUDA MPS (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30). gemmtune "
+        "checks every candidate, cuBLAS too, against a float64 reference before timing it, and does not "
+        "choose one that is wrong; torch's own calls are not checked. On the whole GPU (132 SMs) the "
+        "same products were right.",
+    )
 
 
 # --- clocks and throttle reasons, live from NVML ---------------------------------------------
