@@ -1,8 +1,8 @@
 """Misaligned nn.Linear layers, side by side: torch's layer (cuBLAS on the raw operands),
 gemmtune's layer with its weight as given (``align=False``), and gemmtune's layer with the weight
-stored padded (``gemmtune.aligned``) three ways: as the layer calls it (``rule``: the padded GEMM
-from MIN_ROWS rows), always through the padded GEMM (only x copied), and always as a plain layer
-on the padded parameter (its rows 16-byte aligned, K and N as they are). Each gemmtune layer is
+stored padded (``gemmtune.aligned``) three ways: as the layer calls it (``layer``: the way its
+first call of that many rows measured faster), always through the padded GEMM (only x copied),
+and always as a plain layer on the padded parameter (its rows 16-byte aligned, K and N as they are). Each gemmtune layer is
 tuned from an example first; each output is checked against float64.
 
     PYTHONPATH=src python3 benchmarks/aligned_layers.py OUT.json
@@ -45,7 +45,7 @@ def main() -> None:
                 tune_calls(lambda: (as_given(x), padded.aligned.padded(padded, x), gnn.Linear.forward(padded, x)))
                 expected = reference(x.double())
                 fns = {"torch": lambda: plain(x), "gemmtune_as_given": lambda: as_given(x),
-                       "gemmtune_rule": lambda: padded(x),
+                       "gemmtune_layer": lambda: padded(x),
                        "gemmtune_padded": lambda: padded.aligned.padded(padded, x),
                        "gemmtune_view": lambda: gnn.Linear.forward(padded, x)}
                 errs = {label: verify.rel_err(fn(), expected) for label, fn in fns.items()}
@@ -54,10 +54,10 @@ def main() -> None:
             row = {"layer": name, "m": m, "ms": ms, "spread": {label: v.spread for label, v in t.items()},
                    "rel_err": errs, "padded_vs_torch": ms["torch"] / ms["gemmtune_padded"],
                    "padded_vs_as_given": ms["gemmtune_as_given"] / ms["gemmtune_padded"],
-                   "rule_vs_as_given": ms["gemmtune_as_given"] / ms["gemmtune_rule"]}
+                   "layer_vs_as_given": ms["gemmtune_as_given"] / ms["gemmtune_layer"]}
             rows_out.append(row)
             print(f"{name:22s} m={m:5d}", {label: round(v * 1e3, 1) for label, v in ms.items()},
-                  f"padded/as-given {row['padded_vs_as_given']:.2f}x, rule/as-given {row['rule_vs_as_given']:.2f}x",
+                  f"padded/as-given {row['padded_vs_as_given']:.2f}x, layer/as-given {row['layer_vs_as_given']:.2f}x",
                   {label: f"{e:.1e}" for label, e in errs.items()}, flush=True)
     json.dump({"kind": "aligned-layers", "device": torch.cuda.get_device_name(), "sm_count": dev.sm_count,
                "torch": torch.__version__, "note": "ms per call: medians of CUDA-event timings", "rows": rows_out},

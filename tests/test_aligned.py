@@ -12,15 +12,19 @@ from gemmtune import aligned
 from gemmtune import nn as gnn
 from gemmtune.device import Device
 from gemmtune.problem import Problem
+from gemmtune.results import Timing
 
 
 @pytest.fixture
 def on_cpu(monkeypatch):
-    """Padding applies to CUDA layers only, and to calls of MIN_ROWS rows or more; these tests
-    take the CPU for one, and any number of rows."""
+    """Padding applies to CUDA layers only, and where measured faster (or by the rule, from
+    MIN_ROWS rows); these tests take the CPU for one, and the padded GEMM at any number of rows."""
     monkeypatch.setattr(aligned, "DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(aligned, "MIN_ROWS", 1)
     monkeypatch.setattr(aligned, "MIN_ROWS_K_ODD", 1)
+    monkeypatch.setattr(aligned, "current", lambda: Device("H100", (9, 0), 132, 232448, 50 << 20))
+    monkeypatch.setattr(aligned.bench, "measure", lambda ways, device, **kwargs: {
+        "plain": Timing((2.0,) * 10), "padded": Timing((1.0,) * 10)})
 
 
 def model(bias=True):
@@ -64,7 +68,7 @@ def test_the_padded_gemm_is_what_gets_tuned(on_cpu, monkeypatch):
     ]
 
 
-def test_few_rows_run_the_plain_layer_on_the_padded_parameters(on_cpu, monkeypatch):
+def test_where_nothing_is_measured_the_rule_serves(on_cpu, monkeypatch):
     monkeypatch.setattr(aligned, "MIN_ROWS", 65)
     monkeypatch.setattr(aligned, "MIN_ROWS_K_ODD", 2)
     torch.manual_seed(0)
@@ -76,6 +80,29 @@ def test_few_rows_run_the_plain_layer_on_the_padded_parameters(on_cpu, monkeypat
             assert torch.allclose(optimized(x), reference(x), rtol=1e-5, atol=1e-6)
     assert sorted((p.m, p.n, p.k) for p, _ in seen.problems()) == [
         (1, 7, 16), (1, 16, 13), (2, 7, 16), (2, 16, 16), (64, 7, 16), (64, 16, 16), (65, 8, 16), (65, 16, 16)]
+
+
+def test_the_first_call_of_each_row_count_measures_both_ways(on_cpu, monkeypatch):
+    measured, verdict = [], {"padded_ms": 1.0}
+
+    def measure(ways, device, **kwargs):
+        measured.append(sorted(ways))
+        samples = {"plain": (2.0,) * 10, "padded": (verdict["padded_ms"],) * 10}
+        return {way: Timing(samples[way]) for way in ways}
+
+    monkeypatch.setattr(aligned.bench, "measure", measure)
+    torch.manual_seed(0)
+    reference = nn.Linear(13, 7, bias=False)
+    optimized = gemmtune.optimize(copy.deepcopy(reference))
+    with torch.no_grad():
+        for rows, padded_ms in ((4, 1.0), (4, 3.0), (9, 3.0), (9, 1.0)):
+            verdict["padded_ms"] = padded_ms  # what a later measurement would say: none is taken
+            x = torch.randn(rows, 13)
+            assert torch.allclose(optimized(x), reference(x), rtol=1e-5, atol=1e-6)
+    assert optimized.aligned.padded_for == {4: True, 9: False} and measured == [["padded", "plain"]] * 2
+    with gemmtune.record() as seen, torch.no_grad():  # nothing measured while recording: the rule
+        optimized(torch.randn(70, 13))
+    assert 70 not in optimized.aligned.padded_for and [(p.m, p.n, p.k) for p, _ in seen.problems()] == [(70, 8, 16)]
 
 
 def test_in_place_updates_reach_the_padded_weight(on_cpu):

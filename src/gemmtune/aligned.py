@@ -11,15 +11,20 @@ parameters become views of those buffers. Only the padding is added, and an in-p
 parameter writes the buffer, so the padded weight is never stale. A call then copies only x into
 K's padding, runs the aligned GEMM (tuned like any other), and cuts N's padding off the result.
 
-Where K is odd this pays from MIN_ROWS_K_ODD rows: on the H200 at 16 rows 0.97-1.03x of the layer
-with its weight as given at 132 SMs and 1.92-1.95x at 38 (where that layer copied the weight every
-call), at 2048 rows 1.14-1.15x and 1.07x (``aligned-layers-h200-20261123b.json`` and ``c``, each
-also at ``-sm38-``). A single row runs as a plain layer on the parameter as it is: at 132 SMs the
-copy of x cost a launch (the padded GEMM 0.87x, the plain layer 0.98x); at 38 SMs the padded GEMM
-would have been 1.19x and the plain layer reads 0.86x (noted in benchmarks/NOTES.md, step 21).
-Where only N is odd the layer's weight needs no copy as given, and the padded GEMM pays from
-MIN_ROWS rows (1.01-1.26x at 2048 rows but 0.98x for a GPT-2 head at 38 SMs; 0.87-0.96x on 1-16
-rows at 132 SMs, where the cut of the result costs a launch).
+Whether that pays depends on the rows and the GPU. On the H200, against the layer with its weight
+as given (``aligned-layers-h200-20261123b.json`` and ``c``, each also at ``-sm38-``): at 2048 rows
+1.14-1.26x with K or N odd (a GPT-2 head 0.98-1.02x); at 16 rows with K odd 0.97-1.03x at 132 SMs
+and 1.92-1.95x at 38, where that layer copied the weight every call; at one row with K odd 0.87x
+at 132 SMs (the copy of x costs a launch; the plain layer on the padded parameter 0.98x) but 1.19x
+at 38 (the plain layer 0.86x). So the first call of each row count measures both ways, the padded
+GEMM and the plain layer on the parameter as it is (its rows now 16-byte aligned), and keeps the
+faster; the plain layer stays unless the padded GEMM beats it beyond the noise (measured so, each
+row count of those three layers was within 1% of the faster way at both SM counts:
+``aligned-layers-h200-20261123d.json``, ``-sm38-``). Where nothing can be
+measured (under torch.compile, inside CUDA graph capture, in ``GEMMTUNE_MODE=lookup``, while
+gemmtune records or a model's example run defers its GEMMs to cuBLAS), the rule the H200 showed
+serves, without being kept: the padded GEMM from MIN_ROWS_K_ODD rows with K odd, from MIN_ROWS
+rows with only N odd.
 
 A call also runs as a plain layer where gradients are wanted (the padded buffer is not what autograd
 tracks), and where the layer no longer holds the parameters padded, of the buffer's dtype and
@@ -35,11 +40,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemmtune import api
+from gemmtune import api, bench, recording, settings
 from gemmtune.backends.cublas_padded import copy_padded
+from gemmtune.device import current
+from gemmtune.dispatch import DISPATCHER
 
-MIN_ROWS_K_ODD = 2  # rows of the input from which a call goes through the padded GEMM, K odd
+MIN_ROWS_K_ODD = 2  # rows from which a call takes the padded GEMM with K odd, where none is measured
 MIN_ROWS = 65  # and with K aligned (only N odd): past the decode GEMMs' 64
+MEASURE_MS = 20.0  # the time a first call of a row count spends timing the two ways
 DEVICE_TYPES = ("cuda",)  # where padding pays: cuBLAS's fast path
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -73,20 +81,42 @@ class Aligned:
                 layer.bias.data = self.bias[:self.n]
         self._params = (layer.weight, layer.bias)  # the objects padded
         self._k_odd = k_padded != self.k
+        self.padded_for: dict[int, bool] = {}  # rows -> whether the padded GEMM measured faster
 
     def output(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
         """``layer``'s output on ``x`` through the padded GEMM, or None where the layer must run
         as a plain one (see the module's docstring)."""
-        least = MIN_ROWS_K_ODD if self._k_odd else MIN_ROWS
-        if x.dim() == 0 or x.shape[-1] != self.k or x.numel() < least * self.k:
-            return None  # few rows; or a wrong shape, which the plain layer's error names
+        if x.dim() == 0 or x.shape[-1] != self.k:
+            return None  # the plain layer's error names what is wrong
         if torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad
                                         or layer.bias is not None and layer.bias.requires_grad):
             return None
         compiling = torch.compiler.is_compiling()
         if not self._held(layer) or not compiling and not self._in_place(layer):
             return None
-        return self.padded(layer, x)
+        rows = x.numel() // self.k
+        padded = self.padded_for.get(rows)
+        if padded is None:
+            padded = self._choose(layer, x, rows, compiling)
+        return self.padded(layer, x) if padded else None
+
+    def _choose(self, layer: nn.Linear, x: torch.Tensor, rows: int, compiling: bool) -> bool:
+        """Whether calls of ``rows`` rows take the padded GEMM: measured and kept where it can be
+        (see the module's docstring), else the rule."""
+        rule = rows >= (MIN_ROWS_K_ODD if self._k_odd else MIN_ROWS)
+        if compiling:  # before the checks below, which dynamo does not trace
+            return rule
+        if (x.device.type not in DEVICE_TYPES or x.is_cuda and torch.cuda.is_current_stream_capturing()
+                or settings.mode() == "lookup" or recording.active() is not None or DISPATCHER.is_deferring()):
+            return rule
+        act = None if layer.activation == "none" else layer.activation
+        ways = {"plain": lambda: api.linear(x, layer.weight, layer.bias, act), "padded": lambda: self.padded(layer, x)}
+        for way in ways.values():
+            way()  # the first call of each tunes its GEMM
+        t = bench.measure(ways, current(), budget_ms=MEASURE_MS, graphs=False)
+        noise = t["padded"].spread_against(t["plain"])
+        self.padded_for[rows] = t["padded"].median < t["plain"].median * (1.0 - noise)
+        return self.padded_for[rows]
 
     def padded(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """``layer``'s output on ``x`` (..., K) through the padded GEMM, unconditionally."""

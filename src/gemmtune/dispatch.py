@@ -69,6 +69,10 @@ class Dispatcher:
             self._local.deferring = False
             self.forget()
 
+    def is_deferring(self) -> bool:
+        """Whether this thread is inside ``deferring()``."""
+        return getattr(self._local, "deferring", False)
+
     def forget(self) -> None:
         """Drop built kernels (after the store changed, or in tests)."""
         with self._lock:
@@ -81,7 +85,7 @@ class Dispatcher:
             stored = self.store.get(device.fingerprint(), candidate.key())
             if stored is not None and _serves(stored.backend, problem, device):
                 return backends.build(problem, stored.backend, stored.config, device)
-        if getattr(self._local, "deferring", False):
+        if self.is_deferring():
             return backends.build(problem, backends.REFERENCE, {}, device)
         if settings.mode() == "lookup":  # logged once: the fallback is cached like any kernel
             log.info("gemmtune: no tuned kernel for %s on this device; using cuBLAS (GEMMTUNE_MODE=lookup)",
