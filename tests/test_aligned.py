@@ -56,30 +56,29 @@ def test_no_alignment_when_asked(on_cpu):
     assert type(gemmtune.optimize(model(), align=False)[0]) is gnn.Linear
 
 
-def test_the_padded_gemm_is_what_gets_tuned(on_cpu, monkeypatch):
+def test_both_ways_of_a_misaligned_layer_are_tuned(on_cpu, monkeypatch):
     tuned = []
     monkeypatch.setattr(gnn, "current", lambda: Device("H100", (9, 0), 132, 232448, 50 << 20))
     monkeypatch.setattr(gnn.api, "tune", lambda problems, options=None: tuned.extend(problems) or [])
     gemmtune.optimize(model(bias=False), (torch.randn(4, 13),))
     assert sorted(tuned, key=lambda p: (p.n, p.k)) == [
-        Problem(4, 8, 16, "float32", "linear", False, False, "relu"),  # 13 -> 7: both padded
-        Problem(4, 12, 16, "float32", "linear", True, False, "none"),
-        Problem(4, 16, 8, "float32", "linear", True, False, "none"),   # 7 -> 16: its K padded
+        Problem(4, 7, 13, "float32", "linear", False, False, "relu"),  # 13 -> 7 as it is, and padded
+        Problem(4, 8, 16, "float32", "linear", False, False, "relu"),
+        Problem(4, 12, 16, "float32", "linear", True, False, "none"),  # 16 -> 12: aligned
+        Problem(4, 16, 7, "float32", "linear", True, False, "none"),   # 7 -> 16 as it is, K padded
+        Problem(4, 16, 8, "float32", "linear", True, False, "none"),
     ]
 
 
-def test_where_nothing_is_measured_the_rule_serves(on_cpu, monkeypatch):
+def test_where_nothing_can_be_measured_the_rule_serves(on_cpu, monkeypatch):
     monkeypatch.setattr(aligned, "MIN_ROWS", 65)
     monkeypatch.setattr(aligned, "MIN_ROWS_K_ODD", 2)
     torch.manual_seed(0)
-    reference = nn.Sequential(nn.Linear(13, 16, bias=False), nn.Linear(16, 7, bias=False))  # K odd, then N odd
-    optimized = gemmtune.optimize(copy.deepcopy(reference))
-    with gemmtune.record() as seen, torch.no_grad():
-        for rows in (1, 2, 64, 65):
-            x = torch.randn(rows, 13)
-            assert torch.allclose(optimized(x), reference(x), rtol=1e-5, atol=1e-6)
-    assert sorted((p.m, p.n, p.k) for p, _ in seen.problems()) == [
-        (1, 7, 16), (1, 16, 13), (2, 7, 16), (2, 16, 16), (64, 7, 16), (64, 16, 16), (65, 8, 16), (65, 16, 16)]
+    optimized = gemmtune.optimize(nn.Sequential(nn.Linear(13, 16), nn.Linear(16, 7)))  # K odd, then N odd
+    for layer, padded in zip(optimized, ([False, True, True, True], [False, False, False, True])):
+        rule = [layer.aligned._choose(layer, torch.randn(rows, layer.in_features), rows, compiling=True)
+                for rows in (1, 2, 64, 65)]
+        assert rule == padded and layer.aligned.padded_for == {}
 
 
 def test_the_first_call_of_each_row_count_measures_both_ways(on_cpu, monkeypatch):
@@ -91,6 +90,7 @@ def test_the_first_call_of_each_row_count_measures_both_ways(on_cpu, monkeypatch
         return {way: Timing(samples[way]) for way in ways}
 
     monkeypatch.setattr(aligned.bench, "measure", measure)
+    monkeypatch.setenv("GEMMTUNE_MODE", "lookup")  # serving measures too: it never tunes, but may time
     torch.manual_seed(0)
     reference = nn.Linear(13, 7, bias=False)
     optimized = gemmtune.optimize(copy.deepcopy(reference))
@@ -100,9 +100,11 @@ def test_the_first_call_of_each_row_count_measures_both_ways(on_cpu, monkeypatch
             x = torch.randn(rows, 13)
             assert torch.allclose(optimized(x), reference(x), rtol=1e-5, atol=1e-6)
     assert optimized.aligned.padded_for == {4: True, 9: False} and measured == [["padded", "plain"]] * 2
-    with gemmtune.record() as seen, torch.no_grad():  # nothing measured while recording: the rule
-        optimized(torch.randn(70, 13))
-    assert 70 not in optimized.aligned.padded_for and [(p.m, p.n, p.k) for p, _ in seen.problems()] == [(70, 8, 16)]
+    with gemmtune.record() as seen, torch.no_grad():  # nothing measured while recording: the rule, and
+        x = torch.randn(70, 13)                       # the other way recorded too
+        assert torch.allclose(optimized(x), reference(x), rtol=1e-5, atol=1e-6)
+    assert 70 not in optimized.aligned.padded_for
+    assert sorted((p.m, p.n, p.k) for p, _ in seen.problems()) == [(70, 7, 13), (70, 8, 16)]
 
 
 def test_in_place_updates_reach_the_padded_weight(on_cpu):

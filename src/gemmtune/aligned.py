@@ -20,11 +20,12 @@ at 38 (the plain layer 0.86x). So the first call of each row count measures both
 GEMM and the plain layer on the parameter as it is (its rows now 16-byte aligned), and keeps the
 faster; the plain layer stays unless the padded GEMM beats it beyond the noise (measured so, each
 row count of those three layers was within 1% of the faster way at both SM counts:
-``aligned-layers-h200-20261123d.json``, ``-sm38-``). Where nothing can be
-measured (under torch.compile, inside CUDA graph capture, in ``GEMMTUNE_MODE=lookup``, while
-gemmtune records or a model's example run defers its GEMMs to cuBLAS), the rule the H200 showed
-serves, without being kept: the padded GEMM from MIN_ROWS_K_ODD rows with K odd, from MIN_ROWS
-rows with only N odd.
+``aligned-layers-h200-20261123d.json``, ``-sm38-``). In ``GEMMTUNE_MODE=lookup`` the
+two ways are measured as the store serves them (a miss by cuBLAS). Where nothing can be measured
+(under torch.compile, inside CUDA graph capture), the rule the H200 showed serves, without being
+kept: the padded GEMM from MIN_ROWS_K_ODD rows with K odd, from MIN_ROWS rows with only N odd.
+While gemmtune records (``gemmtune.record``, optimize's example run), the rule's way serves and
+the other runs too, so that both GEMMs are recorded and tuned.
 
 A call also runs as a plain layer where gradients are wanted (the padded buffer is not what autograd
 tracks), and where the layer no longer holds the parameters padded, of the buffer's dtype and
@@ -106,13 +107,15 @@ class Aligned:
         rule = rows >= (MIN_ROWS_K_ODD if self._k_odd else MIN_ROWS)
         if compiling:  # before the checks below, which dynamo does not trace
             return rule
-        if (x.device.type not in DEVICE_TYPES or x.is_cuda and torch.cuda.is_current_stream_capturing()
-                or settings.mode() == "lookup" or recording.active() is not None or DISPATCHER.is_deferring()):
+        if x.device.type not in DEVICE_TYPES or x.is_cuda and torch.cuda.is_current_stream_capturing():
             return rule
         act = None if layer.activation == "none" else layer.activation
         ways = {"plain": lambda: api.linear(x, layer.weight, layer.bias, act), "padded": lambda: self.padded(layer, x)}
+        if recording.active() is not None or DISPATCHER.is_deferring():
+            ways["padded" if not rule else "plain"]()  # recorded too: a tuning of the recording covers both
+            return rule
         for way in ways.values():
-            way()  # the first call of each tunes its GEMM
+            way()  # the first call of each tunes its GEMM (in lookup mode: the store's kernel, or cuBLAS)
         t = bench.measure(ways, current(), budget_ms=MEASURE_MS, graphs=False)
         noise = t["padded"].spread_against(t["plain"])
         self.padded_for[rows] = t["padded"].median < t["plain"].median * (1.0 - noise)
