@@ -12,20 +12,19 @@ parameter writes the buffer, so the padded weight is never stale. A call then co
 K's padding, runs the aligned GEMM (tuned like any other), and cuts N's padding off the result.
 
 Whether that pays depends on the rows and the GPU. On the H200, against the layer with its weight
-as given (``aligned-layers-h200-20261123b.json`` and ``c``, each also at ``-sm38-``): at 2048 rows
-1.14-1.26x with K or N odd (a GPT-2 head 0.98-1.02x); at 16 rows with K odd 0.97-1.03x at 132 SMs
-and 1.92-1.95x at 38, where that layer copied the weight every call; at one row with K odd 0.87x
-at 132 SMs (the copy of x costs a launch; the plain layer on the padded parameter 0.98x) but 1.19x
-at 38 (the plain layer 0.86x). So the first call of each row count measures both ways, the padded
-GEMM and the plain layer on the parameter as it is (its rows now 16-byte aligned), and keeps the
-faster; the plain layer stays unless the padded GEMM beats it beyond the noise (measured so, each
-row count of those three layers was within 1% of the faster way at both SM counts:
-``aligned-layers-h200-20261123d.json``, ``-sm38-``). In ``GEMMTUNE_MODE=lookup`` the
-two ways are measured as the store serves them (a miss by cuBLAS). Where nothing can be measured
-(under torch.compile, inside CUDA graph capture), the rule the H200 showed serves, without being
-kept: the padded GEMM from MIN_ROWS_K_ODD rows with K odd, from MIN_ROWS rows with only N odd.
-While gemmtune records (``gemmtune.record``, optimize's example run), the rule's way serves and
-the other runs too, so that both GEMMs are recorded and tuned.
+copied every call (``aligned-layers-h200-20261123c.json``, ``-sm38-``): with K or N odd 1.14-1.26x
+at 2048 rows; with K odd 1.92x at 16 rows at 38 SMs but 0.97x at 132; at one row with K odd the
+padded GEMM is 0.87x at 132 SMs (the copy of x costs a launch) and 1.19x at 38, where the plain
+layer on the padded parameter reads 0.86x. No rule fits both GPUs, so the first call of each row
+count measures the two ways, the padded GEMM and the plain layer on the parameter as it is (its
+rows now 16-byte aligned), and keeps the faster; the plain layer stays unless the padded GEMM beats
+it beyond the noise. So chosen, every row of those layers was within 1% of the faster way at 132
+and 38 SMs (``aligned-layers-h200-20261123d.json`` and ``e``). ``GEMMTUNE_MODE=lookup`` measures
+too, the two ways as the store serves them (a miss by cuBLAS). Where nothing can be measured (under
+torch.compile, inside CUDA graph capture) a rule serves, without being kept: the padded GEMM from
+MIN_ROWS_K_ODD rows with K odd, from MIN_ROWS rows with only N odd. While gemmtune records
+(``gemmtune.record``, optimize's example run) the rule's way serves and the other runs too, so
+that both GEMMs are recorded and tuned.
 
 A call also runs as a plain layer where gradients are wanted (the padded buffer is not what autograd
 tracks), and where the layer no longer holds the parameters padded, of the buffer's dtype and
@@ -60,6 +59,10 @@ def misaligned(layer: nn.Linear) -> bool:
         return False
     step = 16 // w.element_size()
     return any(size % step for size in w.shape)
+
+
+def _epilogue(layer: nn.Linear) -> str | None:
+    return None if layer.activation == "none" else layer.activation
 
 
 class Aligned:
@@ -109,8 +112,8 @@ class Aligned:
             return rule
         if x.device.type not in DEVICE_TYPES or x.is_cuda and torch.cuda.is_current_stream_capturing():
             return rule
-        act = None if layer.activation == "none" else layer.activation
-        ways = {"plain": lambda: api.linear(x, layer.weight, layer.bias, act), "padded": lambda: self.padded(layer, x)}
+        ways = {"plain": lambda: api.linear(x, layer.weight, layer.bias, _epilogue(layer)),
+                "padded": lambda: self.padded(layer, x)}
         if recording.active() is not None or DISPATCHER.is_deferring():
             ways["padded" if not rule else "plain"]()  # recorded too: a tuning of the recording covers both
             return rule
@@ -131,8 +134,7 @@ class Aligned:
                 rows = copy_padded(rows, rows.shape[0], k_padded)
             else:
                 rows = F.pad(rows, (0, k_padded - self.k))
-        act = None if layer.activation == "none" else layer.activation
-        out = api.linear(rows, self.weight, self.bias, act)
+        out = api.linear(rows, self.weight, self.bias, _epilogue(layer))
         if out.shape[1] != self.n:
             out = copy_padded(out, out.shape[0], self.n) if copies else out[:, :self.n].contiguous()
         return out.reshape(*x.shape[:-1], self.n)
