@@ -205,3 +205,10 @@ def test_cublas_products_right_and_wrong():
     wrong = doctor.cublas_check(wrong_on_1000, device="cpu")
     assert wrong.status == "warn" and wrong.value.startswith("WRONG on 1 of")
     assert "1000x1000x1000 nn" in wrong.advice and "MPS" in wrong.advice and "float64 reference" in wrong.advice
+
+
+@pytest.mark.gpu
+def test_cublas_products_are_right_on_the_whole_gpu(cache_dir):
+    """cuBLAS on this GPU, as the doctor checks it; on a GPU split by MPS this may rightly warn."""
+    check = by_name(doctor.collect())["cuBLAS products"]
+    assert check.status == "ok" and check.value == f"right on {len(doctor.CUBLAS_PROBES)} bf16 shapes", check
