@@ -84,7 +84,6 @@ class Aligned:
                 self.bias[:self.n] = b
                 layer.bias.data = self.bias[:self.n]
         self._params = (layer.weight, layer.bias)  # the objects padded
-        self._k_odd = k_padded != self.k
         self.padded_for: dict[int, bool] = {}  # rows -> whether the padded GEMM measured faster
 
     def output(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
@@ -92,14 +91,16 @@ class Aligned:
         as a plain one (see the module's docstring)."""
         if x.dim() == 0 or x.shape[-1] != self.k:
             return None  # the plain layer's error names what is wrong
+        rows = x.numel() // self.k
+        padded = self.padded_for.get(rows)
+        if padded is False:
+            return None  # the plain layer, measured faster: the checks below concern the buffers alone
         if torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad
                                         or layer.bias is not None and layer.bias.requires_grad):
             return None
         compiling = torch.compiler.is_compiling()
         if not self._held(layer) or not compiling and not self._in_place(layer):
             return None
-        rows = x.numel() // self.k
-        padded = self.padded_for.get(rows)
         if padded is None:
             padded = self._choose(layer, x, rows, compiling)
         return self.padded(layer, x) if padded else None
@@ -107,7 +108,8 @@ class Aligned:
     def _choose(self, layer: nn.Linear, x: torch.Tensor, rows: int, compiling: bool) -> bool:
         """Whether calls of ``rows`` rows take the padded GEMM: measured and kept where it can be
         (see the module's docstring), else the rule."""
-        rule = rows >= (MIN_ROWS_K_ODD if self._k_odd else MIN_ROWS)
+        k_odd = self.weight.shape[1] != self.k
+        rule = rows >= (MIN_ROWS_K_ODD if k_odd else MIN_ROWS)
         if compiling:  # before the checks below, which dynamo does not trace
             return rule
         if x.device.type not in DEVICE_TYPES or x.is_cuda and torch.cuda.is_current_stream_capturing():
