@@ -26,11 +26,10 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="gemmtu
 os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 import gemmtune  # noqa: E402
-from gemmtune import backends, bench, shapes, verify  # noqa: E402
+from gemmtune import backends, bench, shapes, sidebyside, verify  # noqa: E402
 from gemmtune.device import current  # noqa: E402
 from gemmtune.dispatch import DISPATCHER  # noqa: E402
 from gemmtune.search import STRATEGIES  # noqa: E402
@@ -64,13 +63,15 @@ def read_tbps() -> float:
 
 
 def operands(named, inputs):
+    """torch's call (cuBLAS) and gemmtune's through its public API, on ``inputs``."""
     p = named.problem
     a, b, bias = inputs.a, inputs.b, inputs.bias
     if p.layout == "linear":
-        return (lambda: F.linear(a, b, bias)), (lambda: gemmtune.linear(a, b, bias))
-    if bias is None:
-        return (lambda: torch.mm(a, b)), (lambda: gemmtune.matmul(a, b))
-    raise ValueError(f"{named.name}: the suite times bias only for layout linear")
+        act = None if p.activation == "none" else p.activation
+        return sidebyside.torch_call(named, inputs), (lambda: gemmtune.linear(a, b, bias, act))
+    if bias is None and p.activation == "none":
+        return sidebyside.torch_call(named, inputs), (lambda: gemmtune.matmul(a, b))
+    raise ValueError(f"{named.name}: the suite times an epilogue only for layout linear")
 
 
 def bound(result, problem, inputs):
@@ -78,15 +79,6 @@ def bound(result, problem, inputs):
     on ``inputs``."""
     kernel = backends.build(problem, result.backend, result.config, current())
     return lambda: kernel(inputs.a, inputs.b, inputs.bias)
-
-
-def inductor(fn):
-    torch._dynamo.reset()  # from scratch for every shape, and clear of dynamo's recompile limit
-    compiled = torch.compile(fn, mode="max-autotune-no-cudagraphs", dynamic=False)
-    t0 = time.perf_counter()
-    compiled()
-    torch.cuda.synchronize()
-    return compiled, time.perf_counter() - t0
 
 
 def run_shape(named, args, runner) -> dict:
@@ -111,7 +103,7 @@ def run_shape(named, args, runner) -> dict:
     if args.inductor:
         # Its own rounds beside cuBLAS, after gemmtune's: with the compiled wrapper in the same
         # rounds, the other two read tens of microseconds slow on small shapes (seen on an H200).
-        compiled, inductor_s = inductor(cublas_fn)
+        compiled, inductor_s = sidebyside.compiled(cublas_fn)
         paired = bench.measure({"cublas": cublas_fn, "inductor": compiled}, current(),
                                budget_ms=args.budget_ms / 2, min_rounds=args.rounds // 2)
         inductor_ms, inductor_cublas_ms = paired["inductor"].median, paired["cublas"].median

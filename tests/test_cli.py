@@ -20,7 +20,7 @@ def test_help_lists_every_command(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0
-    for command in ("doctor", "tune", "cache", "GEMMTUNE_CACHE_DIR", "GEMMTUNE_MODE"):
+    for command in ("doctor", "tune", "bench", "cache", "compare", "report", "GEMMTUNE_CACHE_DIR", "GEMMTUNE_MODE"):
         assert command in out
 
 
@@ -96,3 +96,33 @@ def test_bucket_validation_report(capsys):
     code, out, err = run(capsys, "tune", "--shape", "24x40x48", "--dtype", "float32", "--layout", "nn",
                          "--bucket", "pow2", "--validate", "1", "--in-process", "--json")
     assert code == 0 and json.loads(out) == [] and "a pow2 bucket of its own" in err
+
+
+def test_bench_times_the_stored_choice_and_writes_a_suite_file(capsys, tmp_path):
+    store, out = tmp_path / "store", tmp_path / "bench.json"
+    code, _, err = run(capsys, "bench", "--shape", "7x40x33", "--dtype", "float32", "--layout", "nn", "--bias",
+                       "--activation", "relu", "--rounds", "3", "--out", str(out), "--cache", str(store))
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    on_gpu = torch.cuda.is_available()
+    assert doc["kind"] == "suite" and doc["gpu_timings"] is on_gpu and ("NOT GPU timings" in err) is not on_gpu
+    (row,) = doc["rows"]
+    assert (row["m"], row["n"], row["k"], row["layout"], row["bias"], row["activation"]) == (7, 40, 33, "nn", True, "relu")
+    assert row["verified"] and row["rel_err"] < 1e-4
+    assert row["speedup"] == pytest.approx(row["cublas_ms"] / row["gemmtune_ms"]) and row["noise"] >= 0
+    # the choice was tuned into the store on the miss; a second bench finds it there
+    code, out_text, _ = run(capsys, "cache", "--cache", str(store), "list")
+    assert code == 0 and "1 choices" in out_text
+    code, out_text, err = run(capsys, "bench", "--shape", "7x40x33", "--dtype", "float32", "--layout", "nn", "--bias",
+                              "--activation", "relu", "--rounds", "3", "--json", "--cache", str(store))
+    assert code == 0, err
+    assert json.loads(out_text)[0]["choice"] == row["choice"]
+    assert run(capsys, "report", str(out), "--no-png")[0] == 0
+    assert "7x40x33" in (tmp_path / "bench.md").read_text()
+
+
+def test_bench_rejects_bad_arguments(capsys):
+    code, _, err = run(capsys, "bench", "--shape", "7x40x33", "--rounds", "0")
+    assert code == 2 and "--rounds" in err
+    code, _, err = run(capsys, "bench", "--shape", "7x40")
+    assert code == 2 and "MxNxK" in err

@@ -56,17 +56,7 @@ def _parser() -> argparse.ArgumentParser:
                           description="Tune GEMM shapes: every candidate is verified, then timed beside cuBLAS; "
                                       "cuBLAS stays unless beaten beyond noise. Without a GPU, small shapes run "
                                       "through Triton's interpreter and the timings are not GPU timings.")
-    tune.add_argument("--shape", action="append", default=[], metavar="MxNxK", help="a shape to tune (repeatable)")
-    tune.add_argument("--shapes", "--from", dest="shapes", type=Path, metavar="FILE",
-                      help="a shapes file (the format of benchmarks/shapes/public.json), a file written by "
-                           "gemmtune.record, or the misses GEMMTUNE_MISSES collected (JSON Lines)")
-    tune.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="dtype for --shape (default bfloat16)")
-    tune.add_argument("--layout", default="linear", choices=("linear", "nn"), help="linear: x @ w.T as nn.Linear; nn: a @ b (default linear)")
-    tune.add_argument("--bias", action="store_true", help="add a bias vector (fused where the kernel can)")
-    tune.add_argument("--activation", default="none", choices=ACTIVATIONS,
-                      help="element-wise activation after the bias, fused into Triton kernels (default none)")
-    tune.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
-                      help="allow TF32 for float32 (default: torch's float32 matmul precision)")
+    _shape_arguments(tune, "tune")
     tune.add_argument("--retune", action="store_true", help="tune again even where the store has an answer")
     tune.add_argument("--strategy", default="topk", choices=STRATEGIES,
                       help="how each backend's configs are searched: topk measures the cost model's best "
@@ -84,6 +74,25 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
     tune.add_argument("--cache", type=Path, help="store file or directory")
     tune.set_defaults(run=_tune)
+
+    bench = sub.add_parser("bench", help="time each shape's stored choice beside cuBLAS (and inductor), now",
+                           description="For each shape, the kernel gemmtune stored for it (tuned first where the "
+                                       "store has none), torch's own call (cuBLAS) and, with --inductor, "
+                                       "torch.compile max-autotune, timed side by side in one process: interleaved "
+                                       "rounds, L2 flushed, CUDA-graph replays (GPU time). The stored kernel's "
+                                       "output is checked against float64 first. --out writes a suite file that "
+                                       "`gemmtune report` renders. Without a GPU the kernels run in Triton's "
+                                       "interpreter and the timings are NOT GPU timings.")
+    _shape_arguments(bench, "time")
+    bench.add_argument("--inductor", action="store_true",
+                       help="also time torch.compile(mode='max-autotune-no-cudagraphs'), tuned from scratch per shape")
+    bench.add_argument("--rounds", type=int, default=30, metavar="N", help="interleaved rounds at least (default 30)")
+    bench.add_argument("--budget-ms", type=float, default=1000.0, metavar="MS",
+                       help="wall time of each shape's rounds, past which no more start once N ran (default 1000)")
+    bench.add_argument("--out", type=Path, metavar="FILE", help="write the rows as a suite file (JSON)")
+    bench.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    bench.add_argument("--cache", type=Path, help="store file or directory")
+    bench.set_defaults(run=_bench)
 
     cache = sub.add_parser("cache", help="inspect, export, import or clear the tuning store")
     cache.add_argument("--cache", type=Path, help="store file or directory")
@@ -132,6 +141,48 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _shape_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
+    """The arguments that say which GEMMs ``tune`` and ``bench`` work on (``_named_problems``)."""
+    parser.add_argument("--shape", action="append", default=[], metavar="MxNxK", help=f"a shape to {verb} (repeatable)")
+    parser.add_argument("--shapes", "--from", dest="shapes", type=Path, metavar="FILE",
+                        help="a shapes file (the format of benchmarks/shapes/public.json), a file written by "
+                             "gemmtune.record, or the misses GEMMTUNE_MISSES collected (JSON Lines)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="dtype for --shape (default bfloat16)")
+    parser.add_argument("--layout", default="linear", choices=("linear", "nn"),
+                        help="linear: x @ w.T as nn.Linear; nn: a @ b (default linear)")
+    parser.add_argument("--bias", action="store_true", help="add a bias vector (fused where the kernel can)")
+    parser.add_argument("--activation", default="none", choices=ACTIVATIONS,
+                        help="element-wise activation after the bias, fused into Triton kernels (default none)")
+    parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
+                        help="allow TF32 for float32 (default: torch's float32 matmul precision)")
+
+
+def _named_problems(args, device) -> list:
+    """The shapes ``_shape_arguments`` named (the public shapes, or the interpreter's demo shapes
+    without a GPU, where none is named); without a GPU, a warning and a refusal of large ones."""
+    import torch
+
+    from gemmtune import shapes
+    from gemmtune.problem import Problem, parse_shape
+
+    tf32 = args.tf32 if args.tf32 is not None else torch.get_float32_matmul_precision() != "highest"
+    named = [shapes.NamedProblem(text, "", Problem(*parse_shape(text), args.dtype, args.layout, args.bias, tf32, args.activation))
+             for text in args.shape]
+    if args.shapes:
+        named += shapes.load(args.shapes, tf32=tf32)
+    if not named:
+        named = list(shapes.INTERPRETER_DEMO) if device.interpreter else shapes.load(tf32=tf32)
+    if device.interpreter:
+        _console(stderr=True).print("[yellow]No CUDA GPU: running gemmtune's pipeline through Triton's interpreter on the CPU. "
+                      "Its timings are NOT GPU timings; they only show the pipeline works.[/yellow]")
+        too_big = [n.name for n in named if n.problem.m * n.problem.n * n.problem.k > INTERPRETER_MAX_MACS]
+        if too_big:
+            raise ValueError(f"shapes too large for the CPU interpreter (over {INTERPRETER_MAX_MACS} MACs): "
+                             f"{', '.join(too_big)}; use a GPU")
+    return named
+
+
 def _configure_logging(verbose: int) -> None:
     level = {0: settings.LOG_LEVEL.raw().upper(), 1: "DEBUG"}.get(verbose, "DEBUG")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -157,27 +208,10 @@ def _store_path(cache: Path | None) -> Path:
 
 
 def _tune(args, console: Console) -> int:
-    import torch
-
-    from gemmtune import api, report, shapes
+    from gemmtune import api, report
     from gemmtune.device import current
-    from gemmtune.problem import Problem, parse_shape
 
-    device = current()
-    tf32 = args.tf32 if args.tf32 is not None else torch.get_float32_matmul_precision() != "highest"
-    named = [shapes.NamedProblem(text, "", Problem(*parse_shape(text), args.dtype, args.layout, args.bias, tf32, args.activation))
-             for text in args.shape]
-    if args.shapes:
-        named += shapes.load(args.shapes, tf32=tf32)
-    if not named:
-        named = list(shapes.INTERPRETER_DEMO) if device.interpreter else shapes.load(tf32=tf32)
-    if device.interpreter:
-        _console(stderr=True).print("[yellow]No CUDA GPU: running gemmtune's pipeline through Triton's interpreter on the CPU. "
-                      "Its timings are NOT GPU timings; they only show the pipeline works.[/yellow]")
-        too_big = [n.name for n in named if n.problem.m * n.problem.n * n.problem.k > INTERPRETER_MAX_MACS]
-        if too_big:
-            raise ValueError(f"shapes too large for the CPU interpreter (over {INTERPRETER_MAX_MACS} MACs): "
-                             f"{', '.join(too_big)}; tune them on a GPU")
+    named = _named_problems(args, current())
     if args.validate:
         return _validate_buckets(named, args, console)
     results = _tune_with_progress(api, named, args, console)
@@ -185,6 +219,56 @@ def _tune(args, console: Console) -> int:
         console.print_json(json.dumps([report.result_dict(r, n.name) for r, n in zip(results, named)]))
     else:
         console.print(report.results_table(results, [n.name for n in named]))
+    return 0
+
+
+def _bench(args, console: Console) -> int:
+    from rich.table import Table
+
+    from gemmtune import api, sidebyside
+    from gemmtune.device import current
+    from gemmtune.tuner import TuneOptions
+
+    device = current()
+    if args.rounds < 1 or args.budget_ms <= 0:
+        raise ValueError(f"--rounds {args.rounds} --budget-ms {args.budget_ms}: expected a positive count and time")
+    if args.inductor and device.interpreter:
+        _console(stderr=True).print("[yellow]--inductor needs a CUDA GPU: inductor is left out.[/yellow]")
+    named = _named_problems(args, device)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TimeRemainingColumn())
+    rows = []
+    with Progress(*columns, console=_console(stderr=True), transient=True) as progress:
+        task = progress.add_task("the stored choices (tuning any missing)", total=len(named))
+        results = api.tune([n.problem for n in named], store=args.cache, options=TuneOptions(), isolate=True,
+                           on_result=lambda _: progress.advance(task))
+        progress.reset(task)
+        for item, result in zip(named, results):
+            progress.update(task, description=f"timing {item.name}")
+            rows.append(sidebyside.measure(item, result, device, inductor=args.inductor, rounds=args.rounds,
+                                           budget_ms=args.budget_ms))
+            progress.advance(task)
+    doc = sidebyside.document(rows, device)
+    if args.out:
+        args.out.write_text(json.dumps(doc, indent=1))
+    if args.json:
+        console.print_json(json.dumps(rows))
+        return 0
+    where = f"{device.name}, {device.sm_count} SMs" if doc["gpu_timings"] else "the CPU interpreter: NOT GPU timings"
+    table = Table(title=f"gemmtune bench on {where}")
+    numeric = ("cuBLAS ms", "gemmtune ms", "speedup", "noise", "TFLOP/s", "rel err") + (
+        ("inductor ms", "vs inductor") if args.inductor and not device.interpreter else ())
+    for column in ("shape", "dtype", "choice") + numeric:
+        table.add_column(column, justify="right" if column in numeric else "left")
+    for r in rows:
+        cells = [f"{r['cublas_ms']:.4f}", f"{r['gemmtune_ms']:.4f}", f"{r['speedup']:.3f}x", f"±{r['noise']:.1%}",
+                 f"{r['tflops']:.1f}", f"{r['rel_err']:.1e}" + ("" if r["verified"] else " WRONG")]
+        if r["inductor_ms"] is not None:
+            cells += [f"{r['inductor_ms']:.4f}", f"{r['inductor_ms'] / r['gemmtune_ms']:.3f}x"]
+        table.add_row(r["name"], r["dtype"] + ("+tf32" if r["tf32"] else ""), r["choice"], *cells)
+    console.print(table)
+    if args.out:
+        console.print(f"wrote {args.out} (render it with: gemmtune report {args.out})")
     return 0
 
 

@@ -1,0 +1,100 @@
+"""One problem measured side by side: torch's own call (cuBLAS on a GPU), the kernel gemmtune
+chose for it, and optionally inductor's (torch.compile max-autotune, without CUDA graphs),
+on the same fresh random operands, in one process, in interleaved rounds with the L2 flushed
+(``bench.measure``: CUDA-graph replays, so GPU time alone). The chosen kernel's output is checked
+against float64 first. A row of the suite file that ``gemmtune report`` renders; ``gemmtune
+bench`` writes one per shape.
+
+Without a GPU the chosen kernel runs in Triton's interpreter and torch's call on the CPU: the
+row says so (``gpu_timings``), and its times are not GPU times.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from gemmtune import activation, backends, bench, verify
+from gemmtune.device import Device
+from gemmtune.results import TuneResult
+from gemmtune.shapes import NamedProblem
+
+
+def torch_call(named: NamedProblem, inputs: verify.Inputs) -> Callable[[], torch.Tensor]:
+    """torch's own call of the problem on ``inputs``, its epilogue included (what cuBLAS alone costs a user)."""
+    p, a, b, bias = named.problem, inputs.a, inputs.b, inputs.bias
+    if p.layout == "linear":
+        return lambda: activation.apply(F.linear(a, b, bias), p.activation, inplace=False)
+    return lambda: activation.apply(torch.mm(a, b) if bias is None else torch.addmm(bias, a, b), p.activation,
+                                    inplace=False)
+
+
+def compiled(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], torch.Tensor], float]:
+    """``fn`` under torch.compile max-autotune (no CUDA graphs: bench.measure captures its own),
+    from scratch, and the seconds its first call took (inductor's tuning and compiling)."""
+    torch._dynamo.reset()  # from scratch for every shape, and clear of dynamo's recompile limit
+    fast = torch.compile(fn, mode="max-autotune-no-cudagraphs", dynamic=False)
+    t0 = time.perf_counter()
+    fast()
+    torch.cuda.synchronize()
+    return fast, time.perf_counter() - t0
+
+
+def measure(named: NamedProblem, result: TuneResult, device: Device, *, inductor: bool = False,
+            rounds: int = 30, budget_ms: float = 1000.0) -> dict:
+    """The suite row of ``named``: torch's call and ``result``'s kernel timed in the same rounds
+    (their ratio's noise from the paired samples), and inductor's in rounds of its own beside
+    torch's (``inductor``; a GPU only): a compiled wrapper in the same rounds slows the other two
+    by tens of microseconds on small shapes."""
+    if result.problem_key != named.problem.key():
+        raise ValueError(f"measure: the result is for {result.problem_key}, not {named.problem.key()}")
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if named.problem.tf32 else "highest")  # torch's call as the problem's
+    try:
+        return _measure(named, result, device, inductor=inductor, rounds=rounds, budget_ms=budget_ms)
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def _measure(named: NamedProblem, result: TuneResult, device: Device, *, inductor: bool, rounds: int,
+             budget_ms: float) -> dict:
+    p = named.problem
+    inputs = verify.make_inputs(p, "cpu" if device.interpreter else "cuda")
+    kernel = backends.build(p, result.backend, result.config, device)
+    rel = verify.rel_err(kernel(inputs.a, inputs.b, inputs.bias), inputs.reference)
+    theirs = torch_call(named, inputs)
+    timings = bench.measure({"cublas": theirs, "gemmtune": lambda: kernel(inputs.a, inputs.b, inputs.bias)}, device,
+                            budget_ms=budget_ms, min_rounds=rounds)
+    mine, ref = timings["gemmtune"], timings["cublas"]
+    row = {
+        "name": named.name, "group": named.group, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype, "tf32": p.tf32,
+        "layout": p.layout, "bias": p.bias, "activation": p.activation,
+        "cublas_ms": ref.median, "gemmtune_ms": mine.median, "speedup": ref.median / mine.median,
+        "noise": mine.spread_against(ref), "cublas_spread": ref.spread, "gemmtune_spread": mine.spread,
+        "choice": result.label(), "rel_err": rel, "verified": rel <= verify.tolerance(p),
+        "tflops": p.flops / (mine.median * 1e-3) / 1e12, "tbps": p.min_bytes / (mine.median * 1e-3) / 1e12,
+        "inductor_ms": None, "inductor_tune_s": None, "inductor_cublas_ms": None,
+    }
+    if inductor and not device.interpreter:
+        fast, seconds = compiled(theirs)
+        paired = bench.measure({"cublas": theirs, "inductor": fast}, device, budget_ms=budget_ms / 2,
+                               min_rounds=max(rounds // 2, 1))
+        row |= {"inductor_ms": paired["inductor"].median, "inductor_tune_s": seconds,
+                "inductor_cublas_ms": paired["cublas"].median}
+    return row
+
+
+def document(rows: list[dict], device: Device) -> dict:
+    """A suite file of ``rows`` measured on ``device`` (what ``gemmtune report`` reads)."""
+    import datetime
+
+    import triton
+
+    import gemmtune
+
+    return {"kind": "suite", "device": device.name, "sm_count": device.sm_count, "torch": torch.__version__,
+            "triton": triton.__version__, "gemmtune": gemmtune.__version__, "date": datetime.date.today().isoformat(),
+            "gpu_timings": not device.interpreter, "rows": rows}
