@@ -126,3 +126,5 @@ def test_bench_rejects_bad_arguments(capsys):
     assert code == 2 and "--rounds" in err
     code, _, err = run(capsys, "bench", "--shape", "7x40")
     assert code == 2 and "MxNxK" in err
+    code, _, err = run(capsys, "bench", "--shapes", "/nonexistent/shapes.json")
+    assert code == 2 and "--shapes /nonexistent/shapes.json: cannot read" in err

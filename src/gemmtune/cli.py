@@ -170,7 +170,10 @@ def _named_problems(args, device) -> list:
     named = [shapes.NamedProblem(text, "", Problem(*parse_shape(text), args.dtype, args.layout, args.bias, tf32, args.activation))
              for text in args.shape]
     if args.shapes:
-        named += shapes.load(args.shapes, tf32=tf32)
+        try:
+            named += shapes.load(args.shapes, tf32=tf32)
+        except OSError as exc:
+            raise ValueError(f"--shapes {args.shapes}: cannot read it ({exc.strerror or exc})") from None
     if not named:
         named = list(shapes.INTERPRETER_DEMO) if device.interpreter else shapes.load(tf32=tf32)
     if device.interpreter:
