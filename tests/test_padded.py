@@ -93,3 +93,17 @@ def test_copies_too_large_for_int32_offsets_go_through_torch(monkeypatch):
     expected = torch.zeros(5, 12, device=DEVICE)
     expected[:, :8] = src[:5]
     assert torch.equal(dst, expected)
+
+
+@pytest.mark.gpu
+def test_the_copies_launch_their_binaries_after_the_first_call():
+    from gemmtune.backends import cublas_padded as padded
+
+    flat, two_d = padded._launchers()
+    for (rows, k), (to_rows, to_k), launcher in (((5, 4100), (5, 4160), flat), ((7, 4097), (9, 4104), two_d)):
+        src = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        before = launcher.binaries()
+        for _ in range(3):
+            dst = padded.copy_padded(src, to_rows, to_k)
+        assert launcher.binaries() == before + 1
+        assert torch.equal(dst[:rows, :k], src) and not dst[rows:].any() and not dst[:, k:].any()

@@ -53,9 +53,8 @@ def copy_padded(src: torch.Tensor, rows: int, cols: int, out: torch.Tensor | Non
     24.8 at 132 for a 4096x4100 bf16 weight (`pad-flat-h200-*.json`). Rows of odd length (4095,
     4097) on either side gain nothing from it, and cutting a result out into them took longer
     (61 against 46 us at 38 SMs): those keep the 2-D copy. Past int32 element offsets, torch's
-    own copies (slower, and correct)."""
-    from gemmtune.kernels.pad import pad_copy, pad_copy_flat
-
+    own copies (slower, and correct). Both kernels launch through their compiled binaries
+    (``launch.Launcher``), guarded by everything a launch specializes on."""
     dst = torch.empty((rows, cols), dtype=src.dtype, device=src.device) if out is None else out
     assert dst.shape == (rows, cols) and dst.stride(1) == 1, "the destination's rows must be contiguous"
     if max(src.shape[0] * src.stride(0), src.shape[1] * src.stride(1), rows * dst.stride(0)) > INDEX_LIMIT:
@@ -63,16 +62,33 @@ def copy_padded(src: torch.Tensor, rows: int, cols: int, out: torch.Tensor | Non
         dst.zero_()
         dst[:r, :c].copy_(src[:r, :c])
         return dst
+    ps, pd = src.data_ptr(), dst.data_ptr()
+    guard = (src.get_device(), dst.get_device(), src.dtype, dst.dtype, src.shape, src.stride(), dst.shape,
+             dst.stride(), ps & 15, pd & 15)
+    flat, two_d = _launchers()
     if _rows_aligned_to(src, 4) and _rows_aligned_to(dst, 4):
         total = rows * cols
-        pad_copy_flat[(-(-total // FLAT_BLOCK),)](src, dst, src.shape[0], total, SRC_COLS=src.shape[1], DST_COLS=cols,
-                                                  SRC_STRIDE=src.stride(0), DST_STRIDE=dst.stride(0),
-                                                  BLOCK=FLAT_BLOCK, num_warps=FLAT_WARPS)
+        flat((-(-total // FLAT_BLOCK), 1, 1), guard, (src, dst), (ps, pd), (src.shape[0], total),
+             {"SRC_COLS": src.shape[1], "DST_COLS": cols, "SRC_STRIDE": src.stride(0), "DST_STRIDE": dst.stride(0),
+              "BLOCK": FLAT_BLOCK, "num_warps": FLAT_WARPS})
         return dst
-    grid = (-(-rows // BLOCK_R), -(-cols // BLOCK_C))
-    pad_copy[grid](src, dst, src.shape[0], src.shape[1], rows, cols, src.stride(0), src.stride(1), dst.stride(0),
-                   BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4)
+    two_d((-(-rows // BLOCK_R), -(-cols // BLOCK_C), 1), guard, (src, dst), (ps, pd),
+          (src.shape[0], src.shape[1], rows, cols, src.stride(0), src.stride(1), dst.stride(0)),
+          {"BLOCK_R": BLOCK_R, "BLOCK_C": BLOCK_C, "num_warps": 4})
     return dst
+
+
+_LAUNCHERS: list = []
+
+
+def _launchers() -> tuple:
+    """The flat and the 2-D copy's launchers, made on first use (they import triton)."""
+    if not _LAUNCHERS:
+        from gemmtune.kernels.pad import pad_copy, pad_copy_flat
+        from gemmtune.launch import Launcher
+
+        _LAUNCHERS.extend((Launcher(pad_copy_flat), Launcher(pad_copy)))
+    return tuple(_LAUNCHERS)
 
 
 def _rows_aligned_to(src: torch.Tensor, elements: int) -> bool:
