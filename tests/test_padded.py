@@ -86,6 +86,7 @@ def test_copies_too_large_for_int32_offsets_go_through_torch(monkeypatch):
     import gemmtune.kernels.pad as kernels
 
     monkeypatch.setattr(padded, "INDEX_LIMIT", 30)
+    monkeypatch.setattr(padded, "_PLANS", {})  # no plan an earlier call made for these shapes
     for name in ("pad_copy", "pad_copy_flat"):  # neither kernel may run
         monkeypatch.setattr(kernels, name, None)
     src = torch.randn(6, 8, device=DEVICE)
@@ -99,11 +100,12 @@ def test_copies_too_large_for_int32_offsets_go_through_torch(monkeypatch):
 def test_the_copies_launch_their_binaries_after_the_first_call():
     from gemmtune.backends import cublas_padded as padded
 
-    flat, two_d = padded._launchers()
-    for (rows, k), (to_rows, to_k), launcher in (((5, 4100), (5, 4160), flat), ((7, 4097), (9, 4104), two_d)):
+    for (rows, k), (to_rows, to_k), which in (((5, 4100), (5, 4160), 0), ((7, 4097), (9, 4104), 1)):
         src = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        before = launcher.binaries()
+        dst = padded.copy_padded(src, to_rows, to_k)  # through the JIT: makes the binary, the plan and the launchers
+        launcher = padded._LAUNCHERS[which]  # 0: the flat copy, 1: the 2-D copy
+        before, plans = launcher.binaries(), len(padded._PLANS)
         for _ in range(3):
-            dst = padded.copy_padded(src, to_rows, to_k)
-        assert launcher.binaries() == before + 1
-        assert torch.equal(dst[:rows, :k], src) and not dst[rows:].any() and not dst[:, k:].any()
+            dst = padded.copy_padded(src, to_rows, to_k, out=torch.full_like(dst, float("nan")))
+            assert torch.equal(dst[:rows, :k], src) and not dst[rows:].any() and not dst[:, k:].any()
+        assert launcher.binaries() == before >= 1 and len(padded._PLANS) == plans  # nothing new made per call

@@ -54,41 +54,54 @@ def copy_padded(src: torch.Tensor, rows: int, cols: int, out: torch.Tensor | Non
     4097) on either side gain nothing from it, and cutting a result out into them took longer
     (61 against 46 us at 38 SMs): those keep the 2-D copy. Past int32 element offsets, torch's
     own copies (slower, and correct). Both kernels launch through their compiled binaries
-    (``launch.Launcher``), guarded by everything a launch specializes on."""
-    dst = torch.empty((rows, cols), dtype=src.dtype, device=src.device) if out is None else out
-    assert dst.shape == (rows, cols) and dst.stride(1) == 1, "the destination's rows must be contiguous"
-    if max(src.shape[0] * src.stride(0), src.shape[1] * src.stride(1), rows * dst.stride(0)) > INDEX_LIMIT:
-        r, c = min(rows, src.shape[0]), min(cols, src.shape[1])  # too large for int32 offsets: torch copies
-        dst.zero_()
-        dst[:r, :c].copy_(src[:r, :c])
-        return dst
+    (``launch.Launcher``) under a guard of everything a launch specializes on, and what a guard's
+    copy needs is decided on its first call (``_plan``): a decode step's copies cost the host
+    little more than the launch."""
+    dst = src.new_empty((rows, cols)) if out is None else out
     ps, pd = src.data_ptr(), dst.data_ptr()
     guard = (src.get_device(), dst.get_device(), src.dtype, dst.dtype, src.shape, src.stride(), dst.shape,
              dst.stride(), ps & 15, pd & 15)
-    flat, two_d = _launchers()
-    if _rows_aligned_to(src, 4) and _rows_aligned_to(dst, 4):
-        total = rows * cols
-        flat((-(-total // FLAT_BLOCK), 1, 1), guard, (src, dst), (ps, pd), (src.shape[0], total),
-             {"SRC_COLS": src.shape[1], "DST_COLS": cols, "SRC_STRIDE": src.stride(0), "DST_STRIDE": dst.stride(0),
-              "BLOCK": FLAT_BLOCK, "num_warps": FLAT_WARPS})
+    plan = _PLANS.get(guard)
+    if plan is None:
+        plan = _PLANS[guard] = _plan(src, dst)
+    if plan is _BY_TORCH:
+        r, c = min(rows, src.shape[0]), min(cols, src.shape[1])
+        dst.zero_()
+        dst[:r, :c].copy_(src[:r, :c])
         return dst
-    two_d((-(-rows // BLOCK_R), -(-cols // BLOCK_C), 1), guard, (src, dst), (ps, pd),
-          (src.shape[0], src.shape[1], rows, cols, src.stride(0), src.stride(1), dst.stride(0)),
-          {"BLOCK_R": BLOCK_R, "BLOCK_C": BLOCK_C, "num_warps": 4})
+    launcher, grid, scalars, constexprs = plan
+    launcher(grid, guard, (src, dst), (ps, pd), scalars, constexprs)
     return dst
 
 
-_LAUNCHERS: list = []
+_PLANS: dict = {}  # copy_padded's guard -> _plan's answer
+_BY_TORCH = "torch"
 
 
-def _launchers() -> tuple:
-    """The flat and the 2-D copy's launchers, made on first use (they import triton)."""
+def _plan(src: torch.Tensor, dst: torch.Tensor):
+    """How ``copy_padded`` copies ``src`` into ``dst`` and all like them: ``_BY_TORCH`` past
+    int32 element offsets, else (launcher, grid, scalars, constexprs) of the flat or the 2-D copy."""
+    from gemmtune.kernels.pad import pad_copy, pad_copy_flat
+    from gemmtune.launch import Launcher
+
+    rows, cols = dst.shape
+    assert dst.stride(1) == 1, "the destination's rows must be contiguous"
+    if max(src.shape[0] * src.stride(0), src.shape[1] * src.stride(1), rows * dst.stride(0)) > INDEX_LIMIT:
+        return _BY_TORCH
     if not _LAUNCHERS:
-        from gemmtune.kernels.pad import pad_copy, pad_copy_flat
-        from gemmtune.launch import Launcher
-
         _LAUNCHERS.extend((Launcher(pad_copy_flat), Launcher(pad_copy)))
-    return tuple(_LAUNCHERS)
+    flat, two_d = _LAUNCHERS
+    if _rows_aligned_to(src, 4) and _rows_aligned_to(dst, 4):
+        total = rows * cols
+        return (flat, (-(-total // FLAT_BLOCK), 1, 1), (src.shape[0], total),
+                {"SRC_COLS": src.shape[1], "DST_COLS": cols, "SRC_STRIDE": src.stride(0), "DST_STRIDE": dst.stride(0),
+                 "BLOCK": FLAT_BLOCK, "num_warps": FLAT_WARPS})
+    return (two_d, (-(-rows // BLOCK_R), -(-cols // BLOCK_C), 1),
+            (src.shape[0], src.shape[1], rows, cols, src.stride(0), src.stride(1), dst.stride(0)),
+            {"BLOCK_R": BLOCK_R, "BLOCK_C": BLOCK_C, "num_warps": 4})
+
+
+_LAUNCHERS: list = []  # the flat and the 2-D copy's launchers, made on first use (they import triton)
 
 
 def _rows_aligned_to(src: torch.Tensor, elements: int) -> bool:
