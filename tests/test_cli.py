@@ -128,3 +128,20 @@ def test_bench_rejects_bad_arguments(capsys):
     assert code == 2 and "MxNxK" in err
     code, _, err = run(capsys, "bench", "--shapes", "/nonexistent/shapes.json")
     assert code == 2 and "--shapes /nonexistent/shapes.json: cannot read" in err
+
+
+def test_bench_fails_when_a_stored_choice_is_wrong(capsys, monkeypatch, tmp_path):
+    from gemmtune import backends
+
+    store = tmp_path / "store"
+    assert run(capsys, "tune", "--shape", "7x40x33", "--dtype", "float32", "--cache", str(store), "--json")[0] == 0
+    right = backends.build
+
+    def off(*args):
+        kernel = right(*args)
+        return lambda a, b, bias, out=None: kernel(a, b, bias) * 1.05
+
+    monkeypatch.setattr(backends, "build", off)
+    code, out, err = run(capsys, "bench", "--shape", "7x40x33", "--dtype", "float32", "--rounds", "3",
+                         "--cache", str(store))
+    assert code == 1 and "WRONG" in out and "was wrong on 7x40x33" in err

@@ -80,9 +80,9 @@ def _parser() -> argparse.ArgumentParser:
                                        "store has none), torch's own call (cuBLAS) and, with --inductor, "
                                        "torch.compile max-autotune, timed side by side in one process: interleaved "
                                        "rounds, L2 flushed, CUDA-graph replays (GPU time). The stored kernel's "
-                                       "output is checked against float64 first. --out writes a suite file that "
-                                       "`gemmtune report` renders. Without a GPU the kernels run in Triton's "
-                                       "interpreter and the timings are NOT GPU timings.")
+                                       "output is checked against float64 first; a wrong one makes the exit status 1. "
+                                       "--out writes a suite file that `gemmtune report` renders. Without a GPU the "
+                                       "kernels run in Triton's interpreter and the timings are NOT GPU timings.")
     _shape_arguments(bench, "time")
     bench.add_argument("--inductor", action="store_true",
                        help="also time torch.compile(mode='max-autotune-no-cudagraphs'), tuned from scratch per shape")
@@ -226,8 +226,6 @@ def _tune(args, console: Console) -> int:
 
 
 def _bench(args, console: Console) -> int:
-    from rich.table import Table
-
     from gemmtune import api, sidebyside
     from gemmtune.device import current
     from gemmtune.tuner import TuneOptions
@@ -256,11 +254,25 @@ def _bench(args, console: Console) -> int:
         args.out.write_text(json.dumps(doc, indent=1))
     if args.json:
         console.print_json(json.dumps(rows))
-        return 0
-    where = f"{device.name}, {device.sm_count} SMs" if doc["gpu_timings"] else "the CPU interpreter: NOT GPU timings"
+    else:
+        console.print(_bench_table(rows, device, args.inductor and not device.interpreter))
+    if args.out:
+        console.print(f"wrote {args.out} (render it with: gemmtune report {args.out})")
+    wrong = [r["name"] for r in rows if not r["verified"]]
+    if wrong:
+        _console(stderr=True).print(f"[red]gemmtune bench: the stored choice was wrong on {', '.join(wrong)}: "
+                                    "tune again with `gemmtune tune --retune`[/red]")
+        return 1
+    return 0
+
+
+def _bench_table(rows: list[dict], device, inductor: bool):
+    from rich.table import Table
+
+    where = f"{device.name}, {device.sm_count} SMs" if not device.interpreter else "the CPU interpreter: NOT GPU timings"
     table = Table(title=f"gemmtune bench on {where}")
     numeric = ("cuBLAS ms", "gemmtune ms", "speedup", "noise", "TFLOP/s", "rel err") + (
-        ("inductor ms", "vs inductor") if args.inductor and not device.interpreter else ())
+        ("inductor ms", "vs inductor") if inductor else ())
     for column in ("shape", "dtype", "choice") + numeric:
         table.add_column(column, justify="right" if column in numeric else "left")
     for r in rows:
@@ -269,10 +281,7 @@ def _bench(args, console: Console) -> int:
         if r["inductor_ms"] is not None:
             cells += [f"{r['inductor_ms']:.4f}", f"{r['inductor_ms'] / r['gemmtune_ms']:.3f}x"]
         table.add_row(r["name"], r["dtype"] + ("+tf32" if r["tf32"] else ""), r["choice"], *cells)
-    console.print(table)
-    if args.out:
-        console.print(f"wrote {args.out} (render it with: gemmtune report {args.out})")
-    return 0
+    return table
 
 
 def _tune_with_progress(api, named, args, console: Console):
