@@ -109,3 +109,10 @@ def test_the_copies_launch_their_binaries_after_the_first_call():
             dst = padded.copy_padded(src, to_rows, to_k, out=torch.full_like(dst, float("nan")))
             assert torch.equal(dst[:rows, :k], src) and not dst[rows:].any() and not dst[:, k:].any()
         assert launcher.binaries() == before >= 1 and len(padded._PLANS) == plans  # nothing new made per call
+
+
+def test_an_out_of_another_shape_is_refused():
+    from gemmtune.backends.cublas_padded import copy_padded
+
+    with pytest.raises(ValueError, match=r"out has shape \(3, 8\), not \(3, 9\)"):
+        copy_padded(torch.randn(3, 7, device=DEVICE), 3, 9, out=torch.empty(3, 8, device=DEVICE))

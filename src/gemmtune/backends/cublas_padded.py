@@ -57,7 +57,12 @@ def copy_padded(src: torch.Tensor, rows: int, cols: int, out: torch.Tensor | Non
     (``launch.Launcher``) under a guard of everything a launch specializes on, and what a guard's
     copy needs is decided on its first call (``_plan``): a decode step's copies cost the host
     little more than the launch."""
-    dst = src.new_empty((rows, cols)) if out is None else out
+    if out is None:
+        dst = src.new_empty((rows, cols))
+    elif out.shape != (rows, cols):
+        raise ValueError(f"copy_padded: out has shape {tuple(out.shape)}, not ({rows}, {cols})")
+    else:
+        dst = out
     ps, pd = src.data_ptr(), dst.data_ptr()
     guard = (src.get_device(), dst.get_device(), src.dtype, dst.dtype, src.shape, src.stride(), dst.shape,
              dst.stride(), ps & 15, pd & 15)
