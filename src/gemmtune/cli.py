@@ -228,7 +228,6 @@ def _tune(args, console: Console) -> int:
 def _bench(args, console: Console) -> int:
     from gemmtune import api, sidebyside
     from gemmtune.device import current
-    from gemmtune.tuner import TuneOptions
 
     device = current()
     if args.rounds < 1 or args.budget_ms <= 0:
@@ -241,7 +240,7 @@ def _bench(args, console: Console) -> int:
     rows = []
     with Progress(*columns, console=_console(stderr=True), transient=True) as progress:
         task = progress.add_task("the stored choices (tuning any missing)", total=len(named))
-        results = api.tune([n.problem for n in named], store=args.cache, options=TuneOptions(), isolate=True,
+        results = api.tune([n.problem for n in named], store=args.cache, isolate=True,
                            on_result=lambda _: progress.advance(task))
         progress.reset(task)
         for item, result in zip(named, results):
