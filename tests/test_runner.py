@@ -56,3 +56,28 @@ def test_a_config_that_does_not_parse_is_a_failed_trial():
     runner.start(Problem(8, 16, 32, "float32", "nn"), seed=1)
     trial = runner.evaluate("triton_tiled", {"BLOCK_M": 3}, 40.0)
     assert trial.status is Status.LAUNCH_ERROR and "exactly the keys" in trial.reason
+
+
+PADDED = Problem(5, 13, 33, "float32", "linear")  # rows of 52 and 132 bytes: the padded path's
+PADDED_CONFIGS = [{"align": 8}, {"align": 64}, {"align": 3}]
+
+
+def test_a_library_backends_candidates_are_screened_in_one_measurement(monkeypatch):
+    """evaluate_many verifies each config, measures the verified ones side by side in one
+    measurement of GROUP_BUDGET screening budgets, and keeps the failed ones as failed trials."""
+    from gemmtune.runner import GROUP_BUDGET
+
+    calls = []
+    real = bench.measure
+
+    def counting_measure(fns, device, **kwargs):
+        calls.append((sorted(fns), kwargs["budget_ms"]))
+        return real(fns, device, **kwargs)
+
+    monkeypatch.setattr(bench, "measure", counting_measure)
+    runner = LocalRunner(interpreter_device())
+    runner.start(PADDED, seed=3)
+    trials = runner.evaluate_many("cublas_padded", PADDED_CONFIGS, 5.0)
+    assert [t.ok for t in trials] == [True, True, False] and "align=3" in trials[2].reason
+    assert all(t.timing is not None and t.rel_err < 1e-5 for t in trials[:2])
+    assert calls == [(sorted(t.label() for t in trials[:2]), GROUP_BUDGET * 5.0)]

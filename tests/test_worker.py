@@ -111,3 +111,20 @@ def test_an_error_that_leaves_the_context_healthy_is_raised_not_hidden():
     with IsolatedRunner(current(), runner_factory=RaisesOnTiles) as runner:
         with pytest.raises(RuntimeError, match="a bug in the runner"):
             tune_problem(PROBLEM, current(), options=OPTIONS, runner=runner)
+
+
+class DiesScreeningTogether(LocalRunner):
+    def evaluate_many(self, backend_name, configs, screen_budget_ms):
+        os._exit(11)
+
+
+@pytest.mark.parametrize("factory", [None, DiesScreeningTogether])
+def test_a_library_backends_candidates_screened_in_the_worker(factory):
+    """Side by side in the child; where that kills it, one at a time in a new one."""
+    problem = Problem(5, 13, 33, "float32", "linear")
+    configs = [{"align": 8}, {"align": 64}]
+    with IsolatedRunner(current(), runner_factory=factory) as runner:
+        runner.start(problem, 3)
+        trials = runner.evaluate_many("cublas_padded", configs, 5.0)
+    assert [t.config for t in trials] == configs and all(t.ok and t.timing is not None for t in trials)
+    assert runner.restarts == (factory is not None)

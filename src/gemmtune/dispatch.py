@@ -84,7 +84,11 @@ class Dispatcher:
         for candidate in dict.fromkeys((problem, target)):  # the exact shape first, then its bucket
             stored = self.store.get(device.fingerprint(), candidate.key())
             if stored is not None and _serves(stored.backend, problem, device):
-                return backends.build(problem, stored.backend, stored.config, device)
+                try:
+                    return backends.build(problem, stored.backend, stored.config, device)
+                except Exception as exc:  # noqa: BLE001 - an entry the library rejects here is passed over
+                    log.warning("gemmtune: the stored %s for %s cannot be built here (%s); passing it over",
+                                stored.backend, candidate.describe(), exc)
         if self.is_deferring():
             return backends.build(problem, backends.REFERENCE, {}, device)
         if settings.mode() == "lookup":  # logged once: the fallback is cached like any kernel

@@ -127,7 +127,16 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
         _report(trial, on_trial)
         return trial.median_ms if trial.ok else None
 
+    def evaluate_all(backend_name: str, configs: list) -> None:
+        for trial in runner.evaluate_many(backend_name, [config.as_dict() for config in configs],
+                                          options.screen_budget_ms):
+            trials.append(trial)
+            _report(trial, on_trial)
+
     for name, configs in spaces.items():
+        if name in backends.PRECOMPILED and len(configs) > 1:  # a library's algorithms: screened side by side
+            evaluate_all(name, configs)
+            continue
         _search_backend(name, configs, problem, device, options, evaluate)
     ok = [t for t in trials if t.ok]
     reference = next((t for t in ok if t.backend == backends.REFERENCE), None)
@@ -253,12 +262,13 @@ def _compile_ahead(problem: Problem, device: Device, options: TuneOptions, space
 
 def _plan(problem: Problem, device: Device, options: TuneOptions, spaces: dict[str, list] | None = None,
           ranked_first: int | None = None) -> list:
-    """(backend name, config dict) of every Triton candidate the strategy plans to measure; of
-    each backend a cost model ranks, only the ``ranked_first`` first where that is given."""
+    """(backend name, config dict) of every candidate with Triton kernels (not cuBLAS's) that
+    the strategy plans to measure; of each backend a cost model ranks, only the ``ranked_first``
+    first where that is given."""
     spaces = _spaces(problem, device, options) if spaces is None else spaces
     plan = []
     for name, configs in spaces.items():
-        if name == backends.REFERENCE:
+        if name in backends.PRECOMPILED:
             continue
         planned = _planned(name, configs, problem, device, options)
         if ranked_first is not None and _ranked(name, configs, problem, device):

@@ -71,6 +71,19 @@ class IsolatedRunner:
             self._restart()
             return Trial(backend_name, config, failure.status, reason=failure.reason)
 
+    def evaluate_many(self, backend_name: str, configs: list[dict], screen_budget_ms: float) -> list[Trial]:
+        """As one request; where the child dies doing it, each config again on its own, so the one
+        that kills it is isolated and the others still measured."""
+        request = {"op": "evaluate_many", "backend": backend_name, "configs": configs,
+                   "screen_budget_ms": screen_budget_ms}
+        try:
+            return [Trial.from_dict(t) for t in self._call(request)["trials"]]
+        except WorkerFailed as failure:
+            log.warning("gemmtune: screening %d %s candidates together failed (%s); one at a time instead",
+                        len(configs), backend_name, failure.reason)
+            self._restart()
+            return [self.evaluate(backend_name, config, screen_budget_ms) for config in configs]
+
     def final(self, candidates: list[tuple[str, dict]], budget_ms: float,
               min_rounds: int) -> dict[str, tuple[Timing, float, float | None]]:
         request = {"op": "final", "candidates": [list(c) for c in candidates], "budget_ms": budget_ms,
@@ -195,6 +208,10 @@ def _handle(runner, request: dict) -> dict:
     if op == "evaluate":
         trial = runner.evaluate(request["backend"], request["config"], request["screen_budget_ms"])
         return {"trial": trial.to_dict(), "broken": not trial.ok and not _context_healthy(runner.device)}
+    if op == "evaluate_many":
+        trials = runner.evaluate_many(request["backend"], request["configs"], request["screen_budget_ms"])
+        return {"trials": [t.to_dict() for t in trials],
+                "broken": not all(t.ok for t in trials) and not _context_healthy(runner.device)}
     if op == "final":
         final = runner.final([tuple(c) for c in request["candidates"]], request["budget_ms"], request["min_rounds"])
         return {"final": {label: [list(timing.samples), cost, host] for label, (timing, cost, host) in final.items()}}

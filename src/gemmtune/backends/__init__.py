@@ -9,12 +9,14 @@ from gemmtune.backends.base import Backend
 _MODULES = {
     "cublas": "gemmtune.backends.cublas",
     "cublas_padded": "gemmtune.backends.cublas_padded",
+    "cublaslt": "gemmtune.backends.cublaslt",
     "triton_persistent": "gemmtune.backends.triton_persistent",
     "triton_splitk": "gemmtune.backends.triton_splitk",
     "triton_stream": "gemmtune.backends.triton_stream",
     "triton_tiled": "gemmtune.backends.triton_tiled",
 }
 REFERENCE = "cublas"  # the backend every choice must beat beyond noise
+PRECOMPILED = ("cublas", "cublaslt")  # library kernels: nothing to compile ahead
 
 
 def names() -> tuple[str, ...]:

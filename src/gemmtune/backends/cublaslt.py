@@ -1,0 +1,189 @@
+"""``cublaslt``: cuBLAS's own kernels beyond the one its heuristic picks (``gemmtune.cublaslt``).
+
+The candidates are the algorithms cuBLASLt's heuristic ranks first for the problem after its
+first (what torch's call runs), each stored as the integers of its configuration. A GPU only, problems
+whose rows are 16-byte aligned and that have no bias (the activation, if any, is torch's, as for
+``cublas``). A call whose operands the algorithm was not checked for (other strides, another
+device or dtype, pointers off the 256-byte alignment every algorithm may assume, a bias) goes to
+torch's own call: never a wrong result. Another M is checked by cuBLAS on first use and kept.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from gemmtune import activation, cublaslt
+from gemmtune.backends import cublas
+from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping
+from gemmtune.device import Device
+from gemmtune.problem import Problem
+
+log = logging.getLogger("gemmtune.cublaslt")
+
+# Algorithms asked of the heuristic per problem (cuBLAS 12 on the H200 answers 8). Its first is
+# the one torch's call runs, measured already as cuBLAS: the candidates are the others.
+HEURISTICS = 8
+MAX_SHAPES = 64  # row counts a kernel keeps checked algorithms for; others go to torch's call
+
+
+
+@dataclass(frozen=True)
+class LtConfig(FieldConfig):
+    """cuBLASLt's cublasLtMatmulAlgoConfigAttributes_t, as cuBLAS numbers them."""
+
+    FIELDS = {name: name for name, _ in cublaslt.ATTRIBUTES}  # persisted name -> attribute
+
+    algo: int
+    tile: int
+    splitk: int
+    reduction: int
+    swizzle: int
+    custom: int
+    stages: int
+    inner: int
+    cluster: int
+
+    def __post_init__(self) -> None:
+        check_bounds("cublaslt", [(name, getattr(self, name), _range(ctype), " (its C type's range; cuBLAS checks "
+                                   "the value itself when the kernel is built)") for name, ctype in cublaslt.ATTRIBUTES])
+
+
+def _range(ctype) -> range:
+    bits = 8 * ctypes.sizeof(ctype)
+    signed = ctype(-1).value < 0
+    return range(-(2 ** (bits - 1)), 2 ** (bits - 1)) if signed else range(2**bits)
+
+
+@functools.lru_cache(maxsize=256)
+def _ranked(problem: Problem, device_index: int) -> tuple[LtConfig, ...]:
+    ranked = cublaslt.Matmul(problem, device_index).heuristics(HEURISTICS)
+    return tuple(LtConfig(**config) for config in ranked[1:])
+
+
+class LtKernel:
+    def __init__(self, problem: Problem, config: LtConfig, device: Device) -> None:
+        self._problem = problem
+        self._config = config.as_dict()
+        self._index = torch.cuda.current_device()
+        self._dtype = getattr(torch, problem.dtype)
+        self._activation = problem.activation
+        linear = problem.layout == "linear"
+        self._b_shape = (problem.n, problem.k) if linear else (problem.k, problem.n)
+        self._b_stride = (problem.k, 1) if linear else (problem.n, 1)
+        self._fallback = cublas.BACKEND.build(problem, cublas.CublasConfig(), device)
+        self._plans: dict[int, tuple | None] = {}
+        if self._plan(problem.m) is None:
+            raise cublaslt.CublasLtError(f"cuBLASLt rejects {self._config} for {problem.describe()}")
+
+    def _plan(self, m: int) -> tuple | None:
+        """(launch, workspace bytes, the descriptors) of the algorithm for ``m`` rows; None where
+        cuBLAS rejects it there."""
+        if m in self._plans:
+            return self._plans[m]
+        if len(self._plans) >= MAX_SHAPES:
+            return None
+        p = dataclasses.replace(self._problem, m=m)
+        try:
+            matmul = cublaslt.Matmul(p, self._index)
+            algo, workspace = matmul.algo(self._config)
+        except cublaslt.CublasLtError as exc:
+            log.debug("%s at M=%d: %s", self._config, m, exc)
+            plan = None
+        else:
+            plan = (matmul.launcher(algo), workspace, matmul)  # the descriptors live as long as the plan
+        self._plans[m] = plan
+        return plan
+
+    def _usable(self, a, b, bias) -> tuple | None:
+        """The plan for these operands, or None where they are not what it was checked for."""
+        k = self._problem.k
+        if bias is not None or a.dim() != 2 or a.shape[0] < 1 or a.shape[1] != k or tuple(b.shape) != self._b_shape \
+                or a.dtype != self._dtype or b.dtype != self._dtype or not a.is_cuda or a.device.index != self._index \
+                or b.device != a.device or a.stride() != (k, 1) or b.stride() != self._b_stride \
+                or (a.data_ptr() | b.data_ptr()) % cublaslt.ALIGNMENT:
+            return None
+        return self._plan(a.shape[0])
+
+    def __call__(self, a, b, bias, out=None):
+        plan = self._usable(a, b, bias)
+        if plan is None:
+            return self._fallback(a, b, bias, out)
+        launch, workspace_bytes, _ = plan
+        m, n = a.shape[0], self._problem.n
+        result = out
+        if out is None or out.shape != (m, n) or out.stride() != (n, 1) or out.dtype != self._dtype \
+                or out.device != a.device or out.data_ptr() % cublaslt.ALIGNMENT:
+            result = torch.empty((m, n), dtype=self._dtype, device=a.device)
+        # the workspace from the caching allocator, on this stream: safe beside other streams and in graphs
+        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=a.device) if workspace_bytes else None
+        launch(b.data_ptr(), a.data_ptr(), result.data_ptr(), 0 if workspace is None else workspace.data_ptr(),
+               workspace_bytes, torch._C._cuda_getCurrentRawStream(self._index))
+        result = activation.apply(result, self._activation)
+        if out is not None and result is not out:
+            return out.copy_(result)
+        return result
+
+    def bind(self, a, b, bias):
+        """``api.linear``'s front path for operands like these (its key fixes their shapes,
+        strides, dtypes and devices): ``call(a, b, bias, pa, pb, pbias)`` allocating the output
+        and launching, with only the 256-byte alignment checked per call. None where these
+        operands go to torch's call."""
+        plan = self._usable(a, b, bias)
+        if plan is None:
+            return None
+        launch, workspace_bytes, _ = plan
+        out_shape, index, act, fallback = (a.shape[0], self._problem.n), self._index, self._activation, self._fallback
+        stream, uint8 = torch._C._cuda_getCurrentRawStream, torch.uint8
+
+        def call(a, b, bias, pa: int, pb: int, pbias: int):
+            if (pa | pb) % cublaslt.ALIGNMENT:
+                return fallback(a, b, bias)
+            out = a.new_empty(out_shape)
+            workspace = a.new_empty(workspace_bytes, dtype=uint8).data_ptr() if workspace_bytes else 0
+            launch(pb, pa, out.data_ptr(), workspace, workspace_bytes, stream(index))
+            return out if act == "none" else activation.apply(out, act)
+
+        return call
+
+
+class CublasLtBackend:
+    name = "cublaslt"
+    space_size = HEURISTICS - 1
+
+    def is_available(self, device: Device) -> bool:
+        if device.interpreter or not torch.cuda.is_available():
+            return False
+        try:
+            cublaslt.library()
+        except (cublaslt.CublasLtError, OSError) as exc:
+            log.debug("cuBLASLt cannot be called directly: %s", exc)
+            return False
+        return True
+
+    def candidates(self, problem: Problem, device: Device) -> list[LtConfig]:
+        if device.interpreter or problem.bias or not problem.rows_aligned:
+            return []
+        try:
+            return list(_ranked(problem, torch.cuda.current_device()))
+        except (cublaslt.CublasLtError, ValueError) as exc:  # tuning goes on without them
+            log.warning("gemmtune: no cuBLASLt algorithms for %s: %s", problem.describe(), exc)
+            return []
+
+    def predict_ms(self, problem: Problem, device: Device, config) -> float | None:
+        return None
+
+    def parse_config(self, data: Mapping) -> LtConfig:
+        return config_from_mapping(self.name, data, LtConfig)
+
+    def build(self, problem: Problem, config: LtConfig, device: Device) -> LtKernel:
+        return LtKernel(problem, config, device)
+
+
+BACKEND = CublasLtBackend()

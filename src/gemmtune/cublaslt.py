@@ -1,0 +1,197 @@
+"""cuBLASLt through ctypes, on the library torch already loaded: the algorithms cuBLAS's own
+heuristic ranks for a problem, each written as the nine integers of its configuration, rebuilt
+from them (cuBLAS checks each against the problem) and launched on the current stream.
+
+torch's call runs the heuristic's first algorithm. On the H200 later ones ran 4-5% faster on
+several prefill and mid rows, and up to 9% at 38 SMs (NOTES, step 23): tuning among them is
+what cuBLAS's heuristic cannot do, since it never times anything.
+
+Row-major operands are cuBLAS's column-major transposes, so the product is computed as
+C^T = op(B^T) A^T: cuBLAS's first operand is gemmtune's B (the weight), its second gemmtune's A.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import weakref
+from collections.abc import Mapping
+
+from gemmtune.problem import Problem
+
+CUDA_TYPES = {"float16": 2, "bfloat16": 14, "float32": 0}  # cudaDataType_t
+COMPUTE_32F, COMPUTE_32F_FAST_TF32 = 68, 77  # cublasComputeType_t
+SCALE_32F = 0
+DESC_TRANSA, DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
+PREF_MAX_WORKSPACE = 1  # cublasLtMatmulPreferenceAttributes_t
+OP_N, OP_T = 0, 1
+MAX_WORKSPACE = 32 << 20  # what an algorithm may ask for (torch gives cuBLAS as much on Hopper)
+# A pointer alignment every algorithm works with: the heuristic's default assumption, since
+# gemmtune leaves its alignment preferences unset. Operands less aligned go to torch's call.
+ALIGNMENT = 256
+# cublasLtMatmulAlgoConfigAttributes_t 0-8, in order: the name a config stores and the C type
+# of the attribute (the size cuBLAS insists on; the algorithm's id and split-K are signed)
+ATTRIBUTES = (("algo", ctypes.c_int32), ("tile", ctypes.c_uint32), ("splitk", ctypes.c_int32),
+              ("reduction", ctypes.c_uint32), ("swizzle", ctypes.c_uint32), ("custom", ctypes.c_uint32),
+              ("stages", ctypes.c_uint32), ("inner", ctypes.c_uint16), ("cluster", ctypes.c_uint16))
+
+class Algo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]  # cublasLtMatmulAlgo_t: opaque
+
+class Heuristic(ctypes.Structure):
+    _fields_ = [("algo", Algo), ("workspace", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]  # cublasLtMatmulHeuristicResult_t
+
+class CublasLtError(RuntimeError):
+    """A cuBLASLt call answered a status other than success."""
+
+def _check(status: int, call: str) -> None:
+    if status != 0:
+        raise CublasLtError(f"cuBLASLt {call} failed with cublasStatus_t {status}")
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The libcublasLt of this process's torch (found in the process's memory map, so the same
+    library and version that torch's own calls use), with the signatures gemmtune calls."""
+    import torch
+
+    path = _loaded_path()
+    if path is None:  # torch loads cuBLAS lazily on some builds: one product loads it
+        torch.mm(torch.ones(1, 1, device="cuda"), torch.ones(1, 1, device="cuda"))
+        path = _loaded_path()
+    if path is None:
+        raise CublasLtError("libcublasLt is not loaded in this process")
+    lib = ctypes.CDLL(path)
+    p, i32, u64, i64, size = ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
+    for name, args in {
+        "cublasLtCreate": [p],
+        "cublasLtMatmulDescCreate": [p, i32, i32],
+        "cublasLtMatmulDescDestroy": [p],
+        "cublasLtMatmulDescSetAttribute": [p, i32, p, size],
+        "cublasLtMatrixLayoutCreate": [p, i32, u64, u64, i64],
+        "cublasLtMatrixLayoutDestroy": [p],
+        "cublasLtMatmulPreferenceCreate": [p],
+        "cublasLtMatmulPreferenceDestroy": [p],
+        "cublasLtMatmulPreferenceSetAttribute": [p, i32, p, size],
+        "cublasLtMatmulAlgoGetHeuristic": [p, p, p, p, p, p, p, i32, p, p],
+        "cublasLtMatmulAlgoInit": [p, i32, i32, i32, i32, i32, i32, i32, p],
+        "cublasLtMatmulAlgoConfigSetAttribute": [p, i32, p, size],
+        "cublasLtMatmulAlgoConfigGetAttribute": [p, i32, p, size, p],
+        "cublasLtMatmulAlgoCheck": [p, p, p, p, p, p, p, p],
+        "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, p, p, size, p],
+    }.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = args, ctypes.c_int
+    return lib
+
+def _loaded_path() -> str | None:
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libcublasLt.so" in line})
+    except OSError:
+        return None
+    return paths[0] if paths else None
+
+@functools.cache
+def handle(device_index: int) -> ctypes.c_void_p:
+    """This process's cuBLASLt handle for one GPU (kept for the process's life)."""
+    import torch
+
+    with torch.cuda.device(device_index):
+        h = ctypes.c_void_p()
+        _check(library().cublasLtCreate(ctypes.byref(h)), "Create")
+    return h
+
+class Matmul:
+    """One problem's cuBLASLt descriptors, for contiguous row-major operands on one GPU: its
+    ranked algorithms, an algorithm rebuilt from its config, and launches."""
+
+    def __init__(self, problem: Problem, device_index: int) -> None:
+        lib = self._lib = library()
+        self._handle = handle(device_index)
+        linear = problem.layout == "linear"
+        m, n, k = problem.m, problem.n, problem.k
+        dtype = CUDA_TYPES[problem.dtype]
+        self._types = (COMPUTE_32F_FAST_TF32 if problem.tf32 else COMPUTE_32F, SCALE_32F, dtype, dtype, dtype, dtype)
+        self.desc = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), self._types[0], SCALE_32F), "MatmulDescCreate")
+        for attribute, op in ((DESC_TRANSA, OP_T if linear else OP_N), (DESC_TRANSB, OP_N)):
+            value = ctypes.c_int32(op)
+            _check(lib.cublasLtMatmulDescSetAttribute(self.desc, attribute, ctypes.byref(value), 4), "DescSetAttribute")
+        # column-major: the weight (k x n, or n x k for nn), the activations (k x m), the output (n x m)
+        shapes = ((k, n, k) if linear else (n, k, n), (k, m, k), (n, m, n))
+        self.layouts = []
+        for rows, cols, ld in shapes:
+            layout = ctypes.c_void_p()
+            _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld), "MatrixLayoutCreate")
+            self.layouts.append(layout)
+        weakref.finalize(self, _destroy, lib, self.desc, tuple(self.layouts))
+
+    def heuristics(self, count: int) -> list[dict]:
+        """The configs of up to ``count`` algorithms, in the heuristic's order (its first is
+        what torch's call runs)."""
+        lib = self._lib
+        pref = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
+        try:
+            limit = ctypes.c_uint64(MAX_WORKSPACE)
+            _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE, ctypes.byref(limit), 8),
+                   "PreferenceSetAttribute")
+            results, returned = (Heuristic * count)(), ctypes.c_int(0)
+            a, b, c = self.layouts
+            _check(lib.cublasLtMatmulAlgoGetHeuristic(self._handle, self.desc, a, b, c, c, pref, count, results,
+                                                      ctypes.byref(returned)), "AlgoGetHeuristic")
+        finally:
+            lib.cublasLtMatmulPreferenceDestroy(pref)
+        return [self._config(results[i].algo) for i in range(returned.value) if results[i].state == 0]
+
+    def algo(self, config: Mapping[str, int]) -> tuple[Algo, int]:
+        """The algorithm ``config`` describes and the workspace bytes it needs; CublasLtError
+        where cuBLAS rejects it for this problem (an unknown or unsupported value)."""
+        lib, algo = self._lib, Algo()
+        _check(lib.cublasLtMatmulAlgoInit(self._handle, *self._types, config["algo"], ctypes.byref(algo)), "AlgoInit")
+        for attribute, (name, ctype) in enumerate(ATTRIBUTES[1:], start=1):
+            value = ctype(config[name])
+            _check(lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attribute, ctypes.byref(value),
+                                                            ctypes.sizeof(ctype)), f"AlgoConfigSetAttribute({name})")
+        result = Heuristic()
+        a, b, c = self.layouts
+        _check(lib.cublasLtMatmulAlgoCheck(self._handle, self.desc, a, b, c, c, ctypes.byref(algo),
+                                           ctypes.byref(result)), "AlgoCheck")
+        if result.workspace > MAX_WORKSPACE:
+            raise CublasLtError(f"cuBLASLt algorithm {dict(config)} needs {result.workspace} bytes of workspace, "
+                                f"more than {MAX_WORKSPACE}")
+        return algo, result.workspace
+
+    def _config(self, algo: Algo) -> dict:
+        config = {}
+        for attribute, (name, ctype) in enumerate(ATTRIBUTES):
+            value, written = ctype(), ctypes.c_size_t()
+            _check(self._lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attribute, ctypes.byref(value),
+                                                                  ctypes.sizeof(ctype), ctypes.byref(written)),
+                   f"AlgoConfigGetAttribute({name})")
+            config[name] = value.value
+        return config
+
+    def launcher(self, algo: Algo):
+        """``launch(weight_ptr, activation_ptr, out_ptr, workspace_ptr, workspace_bytes, stream)``
+        of ``algo``: the product into ``out_ptr``; raises CublasLtError on a failed status."""
+        matmul, handle_, desc = self._lib.cublasLtMatmul, self._handle, self.desc
+        a, b, c = self.layouts
+        alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        algo_ref, alpha_ref, beta_ref = ctypes.byref(algo), ctypes.byref(alpha), ctypes.byref(beta)
+        keep = (algo, alpha, beta)  # the launch reads them by address
+
+        def launch(weight: int, activations: int, out: int, workspace: int, workspace_bytes: int, stream: int) -> None:
+            status = matmul(handle_, desc, alpha_ref, weight, a, activations, b, beta_ref, out, c, out, c, algo_ref,
+                            workspace, workspace_bytes, stream)
+            if status != 0:
+                raise CublasLtError(f"cuBLASLt Matmul failed with cublasStatus_t {status}")
+
+        launch.keep = keep
+        return launch
+
+def _destroy(lib, desc, layouts) -> None:
+    lib.cublasLtMatmulDescDestroy(desc)
+    for layout in layouts:
+        lib.cublasLtMatrixLayoutDestroy(layout)

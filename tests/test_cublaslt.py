@@ -1,0 +1,136 @@
+"""cuBLASLt's ranked algorithms (``cublaslt``): configs from untrusted data are bounded, each
+algorithm is checked by cuBLAS and matches float64 at awkward sizes, and operands it was not
+checked for go to torch's call."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gemmtune import backends, tuner, verify
+from gemmtune.backends import cublaslt as lt
+from gemmtune.device import current, interpreter_device
+from gemmtune.problem import Problem
+
+CONFIG = {"algo": 66, "tile": 24, "splitk": 1, "reduction": 0, "swizzle": 0, "custom": 7, "stages": 35, "inner": 0,
+          "cluster": 0}
+
+
+def test_config_round_trips_and_names_what_is_out_of_bounds():
+    parsed = backends.get("cublaslt").parse_config(CONFIG)
+    assert parsed.as_dict() == CONFIG and parsed.key().startswith("algo=66,tile=24")
+    for field, value in (("tile", -1), ("custom", True), ("cluster", 2**16), ("algo", 2**31), ("stages", "35")):
+        with pytest.raises(ValueError, match=f"cublaslt {field}="):
+            backends.get("cublaslt").parse_config({**CONFIG, field: value})
+    assert backends.get("cublaslt").parse_config({**CONFIG, "splitk": -1}).splitk == -1  # signed in cuBLAS
+    with pytest.raises(ValueError, match="needs exactly the keys"):
+        backends.get("cublaslt").parse_config({k: v for k, v in CONFIG.items() if k != "inner"})
+
+
+def test_not_offered_under_the_interpreter_or_where_it_cannot_serve():
+    backend = backends.get("cublaslt")
+    assert not backend.is_available(interpreter_device())
+    assert backend.candidates(Problem(64, 64, 64), interpreter_device()) == []
+    assert backend.candidates(Problem(64, 64, 64, bias=True), current()) == []
+    assert backend.candidates(Problem(64, 63, 64), current()) == []  # rows of 126 bytes
+
+
+def test_library_kernels_are_never_compiled_ahead():
+    assert set(backends.PRECOMPILED) == {"cublas", "cublaslt"}
+    spaces = {"cublas": [backends.get("cublas").parse_config({})],
+              "cublaslt": [backends.get("cublaslt").parse_config(CONFIG)]}
+    assert tuner._plan(Problem(64, 64, 64), interpreter_device(), tuner.TuneOptions(), spaces) == []
+
+
+# --- on the GPU ----------------------------------------------------------------------------------
+
+SIZES = [(1, 64, 4096), (7, 4096, 64), (33, 1000, 512), (4095, 256, 128), (256, 4096, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tf32", [("bfloat16", False), ("float16", False), ("float32", True),
+                                        ("float32", False)])
+@pytest.mark.parametrize("layout", ["linear", "nn"])
+@pytest.mark.parametrize("m,n,k", SIZES)
+def test_every_ranked_algorithm_matches_float64(m, n, k, layout, dtype, tf32):
+    problem = Problem(m, n, k, dtype, layout, tf32=tf32)
+    device = current()
+    backend = backends.get("cublaslt")
+    configs = backend.candidates(problem, device)
+    assert configs, "cuBLASLt's heuristic answered no algorithm"
+    inputs = verify.make_inputs(problem, "cuda")
+    for config in configs:
+        kernel = backend.build(problem, backend.parse_config(config.as_dict()), device)
+        assert verify.check(kernel, problem, inputs) <= verify.tolerance(problem), config
+
+
+@pytest.mark.gpu
+def test_a_rebuilt_algorithm_is_the_ranked_one():
+    """Rebuilt from its nine integers, an algorithm has the heuristic's configuration again."""
+    from gemmtune import cublaslt
+
+    problem = Problem(2048, 4096, 4096)
+    matmul = cublaslt.Matmul(problem, torch.cuda.current_device())
+    for config in matmul.heuristics(8):
+        algo, workspace = matmul.algo(config)
+        assert matmul._config(algo) == config and workspace >= 0
+
+
+@pytest.mark.gpu
+def test_rejected_configs_fail_to_build():
+    from gemmtune import cublaslt
+
+    with pytest.raises(cublaslt.CublasLtError):
+        backends.get("cublaslt").build(Problem(64, 64, 64), lt.LtConfig(**{**CONFIG, "algo": 9999}), current())
+
+
+@pytest.mark.gpu
+def test_operands_it_was_not_checked_for_go_to_torch():
+    problem = Problem(33, 256, 512, "float32", "linear", activation="relu")
+    backend = backends.get("cublaslt")
+    kernel = backend.build(problem, backend.candidates(problem, current())[0], current())
+    w = torch.randn(256, 512, device="cuda")
+    x = torch.randn(40, 512, device="cuda")
+    cases = [x[:33], x[1:34],  # the second 2 KB past the storage's start: 256-byte aligned, so served
+             torch.randn(33, 520, device="cuda")[:, :512],  # other strides
+             torch.randn(33 * 512 + 1, device="cuda")[1:].view(33, 512),  # 4 bytes off alignment
+             x[:5]]  # another M: checked by cuBLAS, then served
+    for a in cases:
+        assert torch.allclose(kernel(a, w, None), F.linear(a, w).relu(), atol=1e-4, rtol=1e-4)
+    bias = torch.randn(256, device="cuda")
+    assert torch.allclose(kernel(x[:33], w, bias), F.linear(x[:33], w, bias).relu(), atol=1e-4, rtol=1e-4)
+    out = torch.empty(33, 256, device="cuda")
+    assert kernel(x[:33], w, None, out) is out and torch.allclose(out, F.linear(x[:33], w).relu(), atol=1e-4,
+                                                                  rtol=1e-4)
+    assert set(kernel._plans) == {33, 5}
+
+
+@pytest.mark.gpu
+def test_replays_from_a_cuda_graph_with_its_workspace():
+    problem = Problem(16, 4096, 14336)  # the decode shapes' algorithms split K through a workspace
+    backend = backends.get("cublaslt")
+    inputs = verify.make_inputs(problem, "cuda")
+    for config in backend.candidates(problem, current()):
+        kernel = backend.build(problem, config, current())
+        kernel(inputs.a, inputs.b, None)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = kernel(inputs.a, inputs.b, None)
+        inputs.a.copy_(torch.randn_like(inputs.a))
+        graph.replay()
+        expected = verify.reference(problem, inputs.a, inputs.b, None)
+        assert verify.rel_err(out, expected) <= verify.tolerance(problem), config
+
+
+@pytest.mark.gpu
+def test_a_bound_launch_serves_like_operands_and_checks_alignment():
+    problem = Problem(16, 4096, 4096)
+    backend = backends.get("cublaslt")
+    kernel = backend.build(problem, backend.candidates(problem, current())[0], current())
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    call = kernel.bind(x, w, None)
+    shifted = torch.randn(16 * 4096 + 8, device="cuda", dtype=torch.bfloat16)[8:].view(16, 4096)  # 16 bytes off
+    for a in (torch.randn_like(x), shifted):
+        out = call(a, w, None, a.data_ptr(), w.data_ptr(), 0)
+        assert verify.rel_err(out, verify.reference(problem, a, w, None)) <= verify.tolerance(problem)
+    assert kernel.bind(torch.randn(16, 4104, device="cuda", dtype=torch.bfloat16)[:, :4096], w, None) is None
