@@ -114,12 +114,14 @@ def _sync(t):
         torch.cuda.synchronize()
 
 
-def tune_with_gemmtune(model, runner_inputs, runner, siblings: bool = False) -> float:
+def tune_with_gemmtune(model, runner_inputs, runner, siblings: bool = False,
+                       backends: tuple[str, ...] | None = None) -> float:
     """gemmtune.optimize, then one prefill and a few decode steps per batch recorded and every
     GEMM seen tuned (``gemmtune.nn.tune_calls``; ``siblings``: q, k and v, and gate and up,
-    joined first); the seconds it took."""
+    joined first; ``backends``: only these); the seconds it took."""
     import gemmtune
     from gemmtune.nn import tune_calls
+    from gemmtune.tuner import TuneOptions
 
     def steps():
         runner.prefill(runner_inputs["prefill"])
@@ -128,7 +130,7 @@ def tune_with_gemmtune(model, runner_inputs, runner, siblings: bool = False) -> 
 
     t0 = time.perf_counter()
     gemmtune.optimize(model)
-    tune_calls(steps, siblings=siblings)
+    tune_calls(steps, siblings=siblings, options=None if backends is None else TuneOptions(backends=backends))
     return time.perf_counter() - t0
 
 
@@ -205,6 +207,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per pair of modes")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model: a smoke run")
+    parser.add_argument("--backends", nargs="+", default=None, help="gemmtune tunes among these backends only")
     parser.add_argument("--siblings", action="store_true",
                         help="gemmtune joins the layers called on one input (q, k, v; gate, up): optimize(siblings=True)")
     args = parser.parse_args()
@@ -229,7 +232,12 @@ def main() -> int:
            "model": f"llama (random weights, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
                     f"intermediate {config.intermediate_size}, vocab {config.vocab_size})",
            "gpu_timings": device == "cuda", "rounds": args.rounds, "siblings": args.siblings, "rows": []}
-    setup_s = tune_with_gemmtune(tuned, inputs, Runner(tuned, config, "eager", max_len), args.siblings)
+    setup_s = tune_with_gemmtune(tuned, inputs, Runner(tuned, config, "eager", max_len), args.siblings,
+                                 None if args.backends is None else tuple(args.backends))
+    from gemmtune.dispatch import DISPATCHER
+
+    doc["backends"] = args.backends
+    doc["choices"] = {r.problem_key: r.label() for r in DISPATCHER.store.choices()}
     reference: dict = {}
     with torch.no_grad():
         eager_logits = Runner(model, config, "eager", max_len)
