@@ -1,0 +1,130 @@
+"""How much lies beyond cuBLASLt's eight ranked algorithms? For each row, every neighbour of the
+eight (one configuration attribute changed: another tile or stage count from the algorithm's
+capabilities, another custom option, cluster shape or swizzle), checked by cuBLAS, verified
+against float64, screened in chunks, and the best few timed beside torch's own call in the
+suite's way. If the best neighbours beat the best ranked algorithm by a few percent, a search
+over them belongs in the ``cublaslt`` backend.
+
+    PYTHONPATH=src:benchmarks python3 benchmarks/cublaslt_space.py OUT.json [GROUP ...]
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import sys
+import time
+
+import torch
+
+from gemmtune import backends, bench, cublaslt, shapes, verify
+from gemmtune.device import current
+from gemmtune.sidebyside import torch_call
+
+CAP_SWIZZLING, CAP_TILE_IDS, CAP_CUSTOM_MAX, CAP_STAGES_IDS = 2, 6, 7, 13
+CLUSTERS = range(0, 16)
+CHUNK = 24
+FINALISTS = 6
+
+
+def caps(algo_id: int, types: tuple) -> dict:
+    lib = cublaslt.library()
+    get = lib.cublasLtMatmulAlgoCapGetAttribute
+    get.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    get.restype = ctypes.c_int
+    algo = cublaslt.Algo()
+    lib.cublasLtMatmulAlgoInit(cublaslt.handle(torch.cuda.current_device()), *types, algo_id, ctypes.byref(algo))
+
+    def array(attr):
+        written = ctypes.c_size_t()
+        get(ctypes.byref(algo), attr, None, 0, ctypes.byref(written))
+        values = (ctypes.c_uint32 * max(1, written.value // 4))()
+        get(ctypes.byref(algo), attr, values, ctypes.sizeof(values), ctypes.byref(written))
+        return list(values)[: written.value // 4]
+
+    def scalar(attr):
+        value, written = ctypes.c_int32(), ctypes.c_size_t()
+        get(ctypes.byref(algo), attr, ctypes.byref(value), 4, ctypes.byref(written))
+        return value.value
+
+    return {"tile": array(CAP_TILE_IDS), "stages": array(CAP_STAGES_IDS), "custom": list(range(scalar(CAP_CUSTOM_MAX) + 1)),
+            "swizzle": [0, 1] if scalar(CAP_SWIZZLING) else [0], "cluster": list(CLUSTERS)}
+
+
+def neighbours(ranked: list[dict], types: tuple) -> list[dict]:
+    seen = {tuple(c.values()) for c in ranked}
+    found = []
+    for base in ranked:
+        for field, values in caps(base["algo"], types).items():
+            for value in values:
+                config = {**base, field: value}
+                if tuple(config.values()) not in seen:
+                    seen.add(tuple(config.values()))
+                    found.append(config)
+    return found
+
+
+def main(path: str, groups: list[str]) -> None:
+    device = current()
+    backend = backends.get("cublaslt")
+    rows = []
+    for named in shapes.load():
+        if named.group not in (groups or ["prefill", "mid"]):
+            continue
+        p = named.problem
+        if p.bias or not p.rows_aligned:
+            continue
+        t0 = time.perf_counter()
+        torch.set_float32_matmul_precision("high" if p.tf32 else "highest")
+        matmul = cublaslt.Matmul(p, torch.cuda.current_device())
+        ranked = matmul.heuristics(8)
+        candidates = [("ranked", c) for c in ranked[1:]] + [("neighbour", c) for c in neighbours(ranked, matmul._types)]
+        inputs = verify.make_inputs(p, "cuda")
+        kernels, rejected, wrong = {}, 0, 0
+        for i, (kind, config) in enumerate(candidates):
+            try:
+                kernel = backend.build(p, backend.parse_config(config), device)
+            except (cublaslt.CublasLtError, ValueError):
+                rejected += 1
+                continue
+            if verify.check(kernel, p, inputs) > verify.tolerance(p):
+                wrong += 1
+                continue
+            kernels[f"{kind}{i}"] = (config, kernel)
+        screened = {}
+        names = list(kernels)
+        for start in range(0, len(names), CHUNK):
+            chunk = names[start:start + CHUNK]
+            fns = {n: (lambda k: lambda: k(inputs.a, inputs.b, None))(kernels[n][1]) for n in chunk}
+            fns["torch"] = torch_call(named, inputs)
+            timings = bench.measure(fns, device, budget_ms=100, min_rounds=3)
+            for n in chunk:
+                screened[n] = timings[n].median / timings["torch"].median
+            torch.cuda.empty_cache()
+        best = sorted(screened, key=screened.get)[:FINALISTS]
+        best_ranked = min((n for n in screened if n.startswith("ranked")), key=screened.get, default=None)
+        final_names = list(dict.fromkeys(best + ([best_ranked] if best_ranked else [])))
+        fns = {n: (lambda k: lambda: k(inputs.a, inputs.b, None))(kernels[n][1]) for n in final_names}
+        fns["torch"] = torch_call(named, inputs)
+        timings = bench.measure(fns, device, budget_ms=1000, min_rounds=20)
+        ref = timings["torch"]
+        finals = {n: {"vs_torch": ref.median / timings[n].median, "noise": timings[n].spread_against(ref),
+                      **kernels[n][0]} for n in final_names}
+        top = max(finals, key=lambda n: finals[n]["vs_torch"])
+        row = {"name": named.name, "group": named.group, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype,
+               "candidates": len(candidates), "rejected": rejected, "wrong": wrong, "screened": len(screened),
+               "torch_ms": ref.median, "finals": finals, "best": top, "best_vs_torch": finals[top]["vs_torch"],
+               "best_ranked_vs_torch": finals[best_ranked]["vs_torch"] if best_ranked else None,
+               "seconds": time.perf_counter() - t0}
+        rows.append(row)
+        print(f"{named.name:26s} {len(candidates):4d} tried, {rejected:4d} rejected, {wrong} wrong; "
+              f"best {top} {row['best_vs_torch']:.3f}x, best ranked {row['best_ranked_vs_torch'] or 0:.3f}x "
+              f"({row['seconds']:.0f} s)", flush=True)
+        del inputs, kernels, fns
+        torch.cuda.empty_cache()
+        with open(path, "w") as f:
+            json.dump({"kind": "cublaslt-space", "device": device.name, "sm_count": device.sm_count,
+                       "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
