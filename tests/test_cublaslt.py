@@ -41,47 +41,6 @@ def test_library_kernels_are_never_compiled_ahead():
     assert tuner._plan(Problem(64, 64, 64), interpreter_device(), tuner.TuneOptions(), spaces) == []
 
 
-class FakeMatmul:
-    """cuBLASLt as wave_filling sees it: each tile's waves on this problem; None is rejected."""
-
-    def __init__(self, waves):
-        self.waves = waves
-        self.checked = []
-
-    def tiles(self, algo_id):
-        return list(self.waves)
-
-    def algo(self, config):
-        self.checked.append(config["tile"])
-        if self.waves[config["tile"]] is None:
-            from gemmtune.cublaslt import CublasLtError
-
-            raise CublasLtError("unsupported")
-        return None, 0, self.waves[config["tile"]]
-
-
-def ranked_with(*tiles_and_custom):
-    return [{**CONFIG, "tile": tile, "custom": custom} for tile, custom in tiles_and_custom]
-
-
-def test_wave_filling_adds_the_tiles_that_fill_the_last_wave():
-    # torch's tile (24) leaves 3% of its last wave empty; 406 and 408 fill it, 409 fills it but is
-    # under half the first tile's size (more than twice its waves), 15 fills it less, 7 is rejected
-    waves = {24: 7.76, 23: 7.76, 406: 13.82, 408: 11.88, 409: 15.8, 15: 30.5, 7: None, 20: 15.52}
-    ranked = ranked_with((24, 7), (23, 4))
-    found = lt.wave_filling(FakeMatmul(waves), ranked)
-    assert [(c["tile"], c["custom"]) for c in found] == [(408, 7), (408, 4), (406, 7), (406, 4)]
-    assert all(c not in ranked for c in found)
-
-
-def test_wave_filling_keeps_to_its_limits_and_leaves_decode_alone():
-    waves = {tile: 9.99 for tile in range(100, 110)} | {24: 7.76}
-    found = lt.wave_filling(FakeMatmul(waves), ranked_with((24, 1), (24, 2), (24, 3)))
-    assert len(found) == lt.WAVE_TILES * lt.SETTINGS_PER_TILE
-    assert lt.wave_filling(FakeMatmul({24: 0.73, 406: 1.0}), ranked_with((24, 1))) == []  # under one wave
-    assert lt.wave_filling(FakeMatmul({24: 7.99, 406: 13.0}), ranked_with((24, 1))) == []  # none fuller
-
-
 # --- on the GPU ----------------------------------------------------------------------------------
 
 SIZES = [(1, 64, 4096), (7, 4096, 64), (33, 1000, 512), (4095, 256, 128), (256, 4096, 4096)]
@@ -112,8 +71,8 @@ def test_a_rebuilt_algorithm_is_the_ranked_one():
     problem = Problem(2048, 4096, 4096)
     matmul = cublaslt.Matmul(problem, torch.cuda.current_device())
     for config in matmul.heuristics(8):
-        algo, workspace, waves = matmul.algo(config)
-        assert matmul._config(algo) == config and workspace >= 0 and waves > 0
+        algo, workspace = matmul.algo(config)
+        assert matmul._config(algo) == config and workspace >= 0
 
 
 @pytest.mark.gpu

@@ -24,7 +24,6 @@ COMPUTE_32F, COMPUTE_32F_FAST_TF32 = 68, 77  # cublasComputeType_t
 SCALE_32F = 0
 DESC_TRANSA, DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
 PREF_MAX_WORKSPACE = 1  # cublasLtMatmulPreferenceAttributes_t
-CAP_TILE_IDS = 6  # cublasLtMatmulAlgoCapAttributes_t
 OP_N, OP_T = 0, 1
 MAX_WORKSPACE = 32 << 20  # what an algorithm may ask for (torch gives cuBLAS as much on Hopper)
 # A pointer alignment every algorithm works with: the heuristic's default assumption, since
@@ -79,7 +78,6 @@ def library() -> ctypes.CDLL:
         "cublasLtMatmulAlgoConfigSetAttribute": [p, i32, p, size],
         "cublasLtMatmulAlgoConfigGetAttribute": [p, i32, p, size, p],
         "cublasLtMatmulAlgoCheck": [p, p, p, p, p, p, p, p],
-        "cublasLtMatmulAlgoCapGetAttribute": [p, i32, p, size, p],
         "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, p, p, size, p],
     }.items():
         function = getattr(lib, name)
@@ -147,10 +145,9 @@ class Matmul:
             lib.cublasLtMatmulPreferenceDestroy(pref)
         return [self._config(results[i].algo) for i in range(returned.value) if results[i].state == 0]
 
-    def algo(self, config: Mapping[str, int]) -> tuple[Algo, int, float]:
-        """The algorithm ``config`` describes, the workspace bytes it needs and its waves (its
-        CTAs over the GPU's SMs, as cuBLAS counts them); CublasLtError where cuBLAS rejects it
-        for this problem (an unknown or unsupported value)."""
+    def algo(self, config: Mapping[str, int]) -> tuple[Algo, int]:
+        """The algorithm ``config`` describes and the workspace bytes it needs; CublasLtError
+        where cuBLAS rejects it for this problem (an unknown or unsupported value)."""
         lib, algo = self._lib, Algo()
         _check(lib.cublasLtMatmulAlgoInit(self._handle, *self._types, config["algo"], ctypes.byref(algo)), "AlgoInit")
         for attribute, (name, ctype) in enumerate(ATTRIBUTES[1:], start=1):
@@ -164,19 +161,7 @@ class Matmul:
         if result.workspace > MAX_WORKSPACE:
             raise CublasLtError(f"cuBLASLt algorithm {dict(config)} needs {result.workspace} bytes of workspace, "
                                 f"more than {MAX_WORKSPACE}")
-        return algo, result.workspace, result.waves
-
-    def tiles(self, algo_id: int) -> list[int]:
-        """The tile ids algorithm ``algo_id`` offers (cuBLASLt's capabilities)."""
-        lib, algo = self._lib, Algo()
-        _check(lib.cublasLtMatmulAlgoInit(self._handle, *self._types, algo_id, ctypes.byref(algo)), "AlgoInit")
-        written = ctypes.c_size_t()
-        _check(lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), CAP_TILE_IDS, None, 0, ctypes.byref(written)),
-               "AlgoCapGetAttribute(TILE_IDS)")
-        ids = (ctypes.c_uint32 * max(1, written.value // 4))()
-        _check(lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), CAP_TILE_IDS, ids, ctypes.sizeof(ids),
-                                                     ctypes.byref(written)), "AlgoCapGetAttribute(TILE_IDS)")
-        return list(ids)[: written.value // 4]
+        return algo, result.workspace
 
     def _config(self, algo: Algo) -> dict:
         config = {}

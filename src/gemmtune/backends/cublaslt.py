@@ -1,8 +1,7 @@
 """``cublaslt``: cuBLAS's own kernels beyond the one its heuristic picks (``gemmtune.cublaslt``).
 
 The candidates are the algorithms cuBLASLt's heuristic ranks first for the problem after its
-first (what torch's call runs), and a few tiles it did not rank that fill the GPU's last wave of
-CTAs best (``wave_filling``), each stored as the integers of its configuration. A GPU only, problems
+first (what torch's call runs), each stored as the integers of its configuration. A GPU only, problems
 whose rows are 16-byte aligned and that have no bias (the activation, if any, is torch's, as for
 ``cublas``). A call whose operands the algorithm was not checked for (other strides, another
 device or dtype, pointers off the 256-byte alignment every algorithm may assume, a bias) goes to
@@ -15,7 +14,6 @@ import ctypes
 import dataclasses
 import functools
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -32,9 +30,6 @@ log = logging.getLogger("gemmtune.cublaslt")
 # Algorithms asked of the heuristic per problem (cuBLAS 12 on the H200 answers 8). Its first is
 # the one torch's call runs, measured already as cuBLAS: the candidates are the others.
 HEURISTICS = 8
-WAVE_TILES = 3  # tiles wave_filling adds per problem,
-SETTINGS_PER_TILE = 2  # each with this many of the ranked configs' other settings
-MIN_FILL = 0.95  # the share of the last wave's CTA slots a wave-filling tile keeps busy
 MAX_SHAPES = 64  # row counts a kernel keeps checked algorithms for; others go to torch's call
 
 
@@ -68,45 +63,8 @@ def _range(ctype) -> range:
 
 @functools.lru_cache(maxsize=256)
 def _ranked(problem: Problem, device_index: int) -> tuple[LtConfig, ...]:
-    matmul = cublaslt.Matmul(problem, device_index)
-    ranked = matmul.heuristics(HEURISTICS)
-    return tuple(LtConfig(**config) for config in ranked[1:] + wave_filling(matmul, ranked))
-
-
-def wave_filling(matmul: cublaslt.Matmul, ranked: list[dict]) -> list[dict]:
-    """Configs the heuristic did not rank: other tiles of its algorithms whose last wave of CTAs
-    is fullest. A problem of ``waves`` waves (cuBLAS's count: its CTAs over the SMs) takes about
-    ceil(waves) rounds of one CTA an SM, each as long as a tile's product, so its time goes as
-    ceil(waves) / waves: ``fill``'s inverse. On the H200's 8192-row problems 128x144 and 128x168
-    tiles, in none of the heuristic's eight, ran 2.5-6% faster than torch's call (NOTES, step 23).
-
-    Each of the ranked configs' other settings (custom option, cluster shape, ...) with each tile
-    of its algorithm, checked by cuBLAS; kept where the tile is at least half the size of the
-    first's (at most twice its waves, so the products stay large) and fills its last wave to
-    MIN_FILL, fuller than the first's; the WAVE_TILES fullest tiles, largest first among equals,
-    each with the first two settings cuBLAS accepts. None where the first algorithm fills less
-    than one wave (decode: its CTAs split K instead)."""
-    first = matmul.algo(ranked[0])[2] if ranked else 0.0
-    if first < 1.0:
-        return []
-    base_fill = first / math.ceil(first)
-    seen = {tuple(c.values()) for c in ranked}
-    found: dict[int, list] = {}  # tile -> [(fill, waves, config)]
-    for base in ranked:
-        for tile in matmul.tiles(base["algo"]):
-            config = {**base, "tile": tile}
-            if tuple(config.values()) in seen or len(found.get(tile, ())) >= SETTINGS_PER_TILE:
-                continue
-            seen.add(tuple(config.values()))
-            try:
-                waves = matmul.algo(config)[2]
-            except cublaslt.CublasLtError:
-                continue
-            fill = waves / math.ceil(waves) if waves > 0 else 0.0
-            if waves <= 2 * first and fill >= max(MIN_FILL, base_fill + 0.005):
-                found.setdefault(tile, []).append((round(fill, 3), waves, config))
-    best = sorted(found.values(), key=lambda variants: (-variants[0][0], variants[0][1]))[:WAVE_TILES]
-    return [config for variants in best for _, _, config in variants]
+    ranked = cublaslt.Matmul(problem, device_index).heuristics(HEURISTICS)
+    return tuple(LtConfig(**config) for config in ranked[1:])
 
 
 class LtKernel:
@@ -134,7 +92,7 @@ class LtKernel:
         p = dataclasses.replace(self._problem, m=m)
         try:
             matmul = cublaslt.Matmul(p, self._index)
-            algo, workspace, _ = matmul.algo(self._config)
+            algo, workspace = matmul.algo(self._config)
         except cublaslt.CublasLtError as exc:
             log.debug("%s at M=%d: %s", self._config, m, exc)
             plan = None
@@ -197,7 +155,7 @@ class LtKernel:
 
 class CublasLtBackend:
     name = "cublaslt"
-    space_size = HEURISTICS - 1 + WAVE_TILES * SETTINGS_PER_TILE
+    space_size = HEURISTICS - 1
 
     def is_available(self, device: Device) -> bool:
         if device.interpreter or not torch.cuda.is_available():
