@@ -212,3 +212,27 @@ def test_cublas_products_are_right_on_the_whole_gpu(cache_dir):
     """cuBLAS on this GPU, as the doctor checks it; on a GPU split by MPS this may rightly warn."""
     check = by_name(doctor.collect())["cuBLAS products"]
     assert check.status == "ok" and check.value == f"right on {len(doctor.CUBLAS_PROBES)} bf16 shapes", check
+
+
+def test_cublaslt_callable_or_said_not_to_be():
+    from gemmtune.cublaslt import CublasLtError
+
+    def missing():
+        raise CublasLtError("libcublasLt is not loaded in this process")
+
+    check = doctor.cublaslt_check(missing)
+    assert check.status == "info" and "not loaded" in check.value and "cublaslt backend is left out" in check.advice
+
+    class Loaded:
+        _name = "/x/nvidia/cublas/lib/libcublasLt.so.13"
+
+        def cublasLtGetVersion(self):
+            return 130100
+
+    assert doctor.cublaslt_check(Loaded).value == "version 130100 (/x/nvidia/cublas/lib/libcublasLt.so.13)"
+
+
+@pytest.mark.gpu
+def test_cublaslt_is_callable_on_the_gpu():
+    check = doctor.cublaslt_check()
+    assert check.status == "ok" and "libcublasLt" in check.value

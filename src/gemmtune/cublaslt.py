@@ -62,6 +62,7 @@ def library() -> ctypes.CDLL:
     if path is None:
         raise CublasLtError("libcublasLt is not loaded in this process")
     lib = ctypes.CDLL(path)
+    lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], ctypes.c_size_t
     p, i32, u64, i64, size = ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
     for name, args in {
         "cublasLtCreate": [p],
@@ -85,12 +86,15 @@ def library() -> ctypes.CDLL:
     return lib
 
 def _loaded_path() -> str | None:
+    """The libcublasLt mapped into this process; torch's (its ``nvidia`` or ``torch`` package
+    directory) first where several are."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps if "libcublasLt.so" in line})
+            paths = {line.split()[-1] for line in maps if "libcublasLt.so" in line}
     except OSError:
         return None
-    return paths[0] if paths else None
+    ranked = sorted(paths, key=lambda path: ("/nvidia/" not in path and "/torch/" not in path, path))
+    return ranked[0] if ranked else None
 
 @functools.cache
 def handle(device_index: int) -> ctypes.c_void_p:

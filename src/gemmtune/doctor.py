@@ -81,6 +81,7 @@ def collect(store_path: Path | None = None, device: Device | None = None) -> lis
         checks += _guard_many(("clocks", "throttle"), lambda: nvml_checks(live))
         if live:
             checks.append(_guard("cuBLAS products", cublas_check))
+            checks.append(_guard("cuBLASLt", cublaslt_check))
     checks += _software_checks()
     checks.append(_guard("inductor max_autotune_gemm gate", lambda: gate_check(device)))
     checks.append(_guard("store", lambda: store_check(store_path)))
@@ -208,6 +209,20 @@ def cublas_check(product: Callable | None = None, device: str = "cuda") -> Check
         "choose one that is wrong; torch's own calls are not checked. On the whole GPU (132 SMs) the "
         "same products were right.",
     )
+
+
+def cublaslt_check(library: Callable | None = None) -> Check:
+    """Whether gemmtune can call cuBLASLt itself (the ``cublaslt`` backend: cuBLAS's algorithms
+    beyond the one torch's call runs). ``library`` loads it (tests pass another)."""
+    from gemmtune import cublaslt
+
+    try:
+        lib = (library or cublaslt.library)()
+    except (cublaslt.CublasLtError, OSError, AttributeError) as error:
+        return Check("cuBLASLt", f"not callable ({error})", "info",
+                     "The cublaslt backend is left out: cuBLAS through torch's own calls remains, "
+                     "as do gemmtune's Triton kernels.")
+    return Check("cuBLASLt", f"version {lib.cublasLtGetVersion()} ({lib._name})", "ok")
 
 
 # --- clocks and throttle reasons, live from NVML ---------------------------------------------

@@ -71,45 +71,43 @@ class LtKernel:
     def __init__(self, problem: Problem, config: LtConfig, device: Device) -> None:
         self._problem = problem
         self._config = config.as_dict()
-        self._index = torch.cuda.current_device()
         self._dtype = getattr(torch, problem.dtype)
         self._activation = problem.activation
         linear = problem.layout == "linear"
         self._b_shape = (problem.n, problem.k) if linear else (problem.k, problem.n)
         self._b_stride = (problem.k, 1) if linear else (problem.n, 1)
         self._fallback = cublas.BACKEND.build(problem, cublas.CublasConfig(), device)
-        self._plans: dict[int, tuple | None] = {}
-        if self._plan(problem.m) is None:
+        self._plans: dict[tuple[int, int], tuple | None] = {}  # (GPU index, M) -> plan
+        if self._plan(torch.cuda.current_device(), problem.m) is None:
             raise cublaslt.CublasLtError(f"cuBLASLt rejects {self._config} for {problem.describe()}")
 
-    def _plan(self, m: int) -> tuple | None:
-        """(launch, workspace bytes, the descriptors) of the algorithm for ``m`` rows; None where
-        cuBLAS rejects it there."""
-        if m in self._plans:
-            return self._plans[m]
+    def _plan(self, index: int, m: int) -> tuple | None:
+        """(launch, workspace bytes, the descriptors) of the algorithm for ``m`` rows on GPU
+        ``index``; None where cuBLAS rejects it there."""
+        if (index, m) in self._plans:
+            return self._plans[index, m]
         if len(self._plans) >= MAX_SHAPES:
             return None
         p = dataclasses.replace(self._problem, m=m)
         try:
-            matmul = cublaslt.Matmul(p, self._index)
+            matmul = cublaslt.Matmul(p, index)
             algo, workspace = matmul.algo(self._config)
         except cublaslt.CublasLtError as exc:
             log.debug("%s at M=%d: %s", self._config, m, exc)
             plan = None
         else:
             plan = (matmul.launcher(algo), workspace, matmul)  # the descriptors live as long as the plan
-        self._plans[m] = plan
+        self._plans[index, m] = plan
         return plan
 
     def _usable(self, a, b, bias) -> tuple | None:
         """The plan for these operands, or None where they are not what it was checked for."""
         k = self._problem.k
         if bias is not None or a.dim() != 2 or a.shape[0] < 1 or a.shape[1] != k or tuple(b.shape) != self._b_shape \
-                or a.dtype != self._dtype or b.dtype != self._dtype or not a.is_cuda or a.device.index != self._index \
-                or b.device != a.device or a.stride() != (k, 1) or b.stride() != self._b_stride \
-                or (a.data_ptr() | b.data_ptr()) % cublaslt.ALIGNMENT:
+                or a.dtype != self._dtype or b.dtype != self._dtype or not a.is_cuda or b.device != a.device \
+                or a.stride() != (k, 1) or b.stride() != self._b_stride or (a.data_ptr() | b.data_ptr()) % cublaslt.ALIGNMENT:
             return None
-        return self._plan(a.shape[0])
+        return self._plan(a.device.index, a.shape[0])
 
     def __call__(self, a, b, bias, out=None):
         plan = self._usable(a, b, bias)
@@ -124,7 +122,7 @@ class LtKernel:
         # the workspace from the caching allocator, on this stream: safe beside other streams and in graphs
         workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=a.device) if workspace_bytes else None
         launch(b.data_ptr(), a.data_ptr(), result.data_ptr(), 0 if workspace is None else workspace.data_ptr(),
-               workspace_bytes, torch._C._cuda_getCurrentRawStream(self._index))
+               workspace_bytes, torch._C._cuda_getCurrentRawStream(a.device.index))
         result = activation.apply(result, self._activation)
         if out is not None and result is not out:
             return out.copy_(result)
@@ -139,7 +137,7 @@ class LtKernel:
         if plan is None:
             return None
         launch, workspace_bytes, _ = plan
-        out_shape, index, act, fallback = (a.shape[0], self._problem.n), self._index, self._activation, self._fallback
+        out_shape, index, act, fallback = (a.shape[0], self._problem.n), a.device.index, self._activation, self._fallback
         stream, uint8 = torch._C._cuda_getCurrentRawStream, torch.uint8
 
         def call(a, b, bias, pa: int, pb: int, pbias: int):
