@@ -35,19 +35,24 @@ ATTRIBUTES = (("algo", ctypes.c_int32), ("tile", ctypes.c_uint32), ("splitk", ct
               ("reduction", ctypes.c_uint32), ("swizzle", ctypes.c_uint32), ("custom", ctypes.c_uint32),
               ("stages", ctypes.c_uint32), ("inner", ctypes.c_uint16), ("cluster", ctypes.c_uint16))
 
+
 class Algo(ctypes.Structure):
     _fields_ = [("data", ctypes.c_uint64 * 8)]  # cublasLtMatmulAlgo_t: opaque
+
 
 class Heuristic(ctypes.Structure):
     _fields_ = [("algo", Algo), ("workspace", ctypes.c_size_t), ("state", ctypes.c_int),
                 ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]  # cublasLtMatmulHeuristicResult_t
 
+
 class CublasLtError(RuntimeError):
     """A cuBLASLt call answered a status other than success."""
+
 
 def _check(status: int, call: str) -> None:
     if status != 0:
         raise CublasLtError(f"cuBLASLt {call} failed with cublasStatus_t {status}")
+
 
 @functools.cache
 def library() -> ctypes.CDLL:
@@ -85,6 +90,7 @@ def library() -> ctypes.CDLL:
         function.argtypes, function.restype = args, ctypes.c_int
     return lib
 
+
 def _loaded_path() -> str | None:
     """The libcublasLt mapped into this process; torch's (its ``nvidia`` or ``torch`` package
     directory) first where several are."""
@@ -96,6 +102,7 @@ def _loaded_path() -> str | None:
     ranked = sorted(paths, key=lambda path: ("/nvidia/" not in path and "/torch/" not in path, path))
     return ranked[0] if ranked else None
 
+
 @functools.cache
 def handle(device_index: int) -> ctypes.c_void_p:
     """This process's cuBLASLt handle for one GPU (kept for the process's life)."""
@@ -105,6 +112,7 @@ def handle(device_index: int) -> ctypes.c_void_p:
         h = ctypes.c_void_p()
         _check(library().cublasLtCreate(ctypes.byref(h)), "Create")
     return h
+
 
 class Matmul:
     """One problem's cuBLASLt descriptors, for contiguous row-major operands on one GPU: its
@@ -194,6 +202,7 @@ class Matmul:
 
         launch.keep = keep
         return launch
+
 
 def _destroy(lib, desc, layouts) -> None:
     lib.cublasLtMatmulDescDestroy(desc)

@@ -1,11 +1,12 @@
 """``cublaslt``: cuBLAS's own kernels beyond the one its heuristic picks (``gemmtune.cublaslt``).
 
-The candidates are the algorithms cuBLASLt's heuristic ranks first for the problem after its
-first (what torch's call runs), each stored as the integers of its configuration. A GPU only, problems
-whose rows are 16-byte aligned and that have no bias (the activation, if any, is torch's, as for
-``cublas``). A call whose operands the algorithm was not checked for (other strides, another
-device or dtype, pointers off the 256-byte alignment every algorithm may assume, a bias) goes to
-torch's own call: never a wrong result. Another M is checked by cuBLAS on first use and kept.
+The candidates are the second to eighth algorithms cuBLASLt's heuristic ranks for the problem
+(its first is what torch's call runs), each stored as the integers of its configuration. A GPU
+only, problems whose rows are 16-byte aligned and that have no bias (the activation, if any, is
+torch's, as for ``cublas``). A call whose operands the algorithm was not checked for (other
+strides, dtypes or devices, pointers off the 256-byte alignment every algorithm may assume, a
+bias) goes to torch's own call: never a wrong result. Another M, or another GPU, is checked by
+cuBLAS on first use and kept.
 """
 
 from __future__ import annotations
@@ -27,11 +28,10 @@ from gemmtune.problem import Problem
 
 log = logging.getLogger("gemmtune.cublaslt")
 
-# Algorithms asked of the heuristic per problem (cuBLAS 12 on the H200 answers 8). Its first is
+# Algorithms asked of the heuristic per problem (torch 2.11's cuBLAS answers 8 on the H200). Its first is
 # the one torch's call runs, measured already as cuBLAS: the candidates are the others.
 HEURISTICS = 8
-MAX_SHAPES = 64  # row counts a kernel keeps checked algorithms for; others go to torch's call
-
+MAX_SHAPES = 64  # (GPU, row count) pairs a kernel keeps checked algorithms for; others go to torch's call
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,9 @@ class LtConfig(FieldConfig):
     cluster: int
 
     def __post_init__(self) -> None:
-        check_bounds("cublaslt", [(name, getattr(self, name), _range(ctype), " (its C type's range; cuBLAS checks "
-                                   "the value itself when the kernel is built)") for name, ctype in cublaslt.ATTRIBUTES])
+        where = " (its C type's range; cuBLAS checks the value itself when the kernel is built)"
+        check_bounds("cublaslt", [(name, getattr(self, name), _range(ctype), where)
+                                  for name, ctype in cublaslt.ATTRIBUTES])
 
 
 def _range(ctype) -> range:
@@ -105,7 +106,8 @@ class LtKernel:
         k = self._problem.k
         if bias is not None or a.dim() != 2 or a.shape[0] < 1 or a.shape[1] != k or tuple(b.shape) != self._b_shape \
                 or a.dtype != self._dtype or b.dtype != self._dtype or not a.is_cuda or b.device != a.device \
-                or a.stride() != (k, 1) or b.stride() != self._b_stride or (a.data_ptr() | b.data_ptr()) % cublaslt.ALIGNMENT:
+                or a.stride() != (k, 1) or b.stride() != self._b_stride \
+                or (a.data_ptr() | b.data_ptr()) % cublaslt.ALIGNMENT:
             return None
         return self._plan(a.device.index, a.shape[0])
 
@@ -137,7 +139,8 @@ class LtKernel:
         if plan is None:
             return None
         launch, workspace_bytes, _ = plan
-        out_shape, index, act, fallback = (a.shape[0], self._problem.n), a.device.index, self._activation, self._fallback
+        out_shape, index = (a.shape[0], self._problem.n), a.device.index
+        act, fallback = self._activation, self._fallback
         stream, uint8 = torch._C._cuda_getCurrentRawStream, torch.uint8
 
         def call(a, b, bias, pa: int, pb: int, pbias: int):
