@@ -134,3 +134,21 @@ def test_a_bound_launch_serves_like_operands_and_checks_alignment():
         out = call(a, w, None, a.data_ptr(), w.data_ptr(), 0)
         assert verify.rel_err(out, verify.reference(problem, a, w, None)) <= verify.tolerance(problem)
     assert kernel.bind(torch.randn(16, 4104, device="cuda", dtype=torch.bfloat16)[:, :4096], w, None) is None
+
+
+@pytest.mark.gpu
+def test_a_bound_launch_outlives_its_kernel():
+    """The bound call keeps the descriptors it launches with: dropping the kernel (its finalizer
+    destroys them) must not leave it launching through freed ones."""
+    import gc
+
+    problem = Problem(1, 6144, 4096)
+    backend = backends.get("cublaslt")
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16)
+    calls = [backend.build(problem, config, current()).bind(x, w, None)
+             for config in backend.candidates(problem, current())]
+    gc.collect()
+    for call in calls:
+        out = call(x, w, None, x.data_ptr(), w.data_ptr(), 0)
+        assert verify.rel_err(out, verify.reference(problem, x, w, None)) <= verify.tolerance(problem)

@@ -192,7 +192,9 @@ class Matmul:
         a, b, c = self.layouts
         alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         algo_ref, alpha_ref, beta_ref = ctypes.byref(algo), ctypes.byref(alpha), ctypes.byref(beta)
-        keep = (algo, alpha, beta)  # the launch reads them by address
+        # The launch reads these by address, and this object's descriptors, which its finalizer
+        # destroys: a launch kept after its Matmul (a bound call outliving its kernel) keeps it too.
+        keep = (algo, alpha, beta, self)
 
         def launch(weight: int, activations: int, out: int, workspace: int, workspace_bytes: int, stream: int) -> None:
             status = matmul(handle_, desc, alpha_ref, weight, a, activations, b, beta_ref, out, c, out, c, algo_ref,
