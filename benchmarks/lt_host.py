@@ -24,6 +24,7 @@ ROUNDS = 5
 
 
 def bound(kernel, x, w):
+    kernel(x, w, None)  # a Triton kernel binds its launch only once a call has made the binary
     call = front_entry(kernel, x, w, None)
     px, pw = x.data_ptr(), w.data_ptr()
     return lambda: call(x, w, None, px, pw, 0)
