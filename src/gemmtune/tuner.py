@@ -134,10 +134,7 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
             _report(trial, on_trial)
 
     for name, configs in spaces.items():
-        if name in backends.PRECOMPILED and len(configs) > 1:  # a library's algorithms: screened side by side
-            evaluate_all(name, configs)
-            continue
-        _search_backend(name, configs, problem, device, options, evaluate)
+        _search_backend(name, configs, problem, device, options, evaluate, evaluate_all)
     ok = [t for t in trials if t.ok]
     reference = next((t for t in ok if t.backend == backends.REFERENCE), None)
     if not ok:
@@ -297,10 +294,15 @@ def _label(backend_name: str, config: dict) -> str:
 
 
 def _search_backend(name: str, configs: list, problem: Problem, device: Device, options: TuneOptions,
-                    evaluate) -> None:
+                    evaluate, evaluate_all) -> None:
     """Measure the configs of one backend that its cost model and the strategy pick. Backends
-    without a cost model (cuBLAS, the padded path: a config or two) are measured whole."""
+    without a cost model (cuBLAS, the padded path, cuBLASLt's ranked algorithms) are measured
+    whole: a library's several algorithms side by side in one measurement (``evaluate_all``), as
+    they compile nothing."""
     if not _ranked(name, configs, problem, device):
+        if name in backends.PRECOMPILED and len(configs) > 1:
+            evaluate_all(name, configs)
+            return
         for config in configs:
             evaluate(name, config)
         return
