@@ -14,7 +14,7 @@ from gemmtune.device import Device, current
 from gemmtune.problem import Problem
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = ["float32", "float16"] + (["bfloat16"] if DEVICE == "cuda" else [])  # bf16 dots are wrong in the interpreter
+DTYPES = ["float32", "float16", "bfloat16"]
 SIZES = [(1, 1, 1), (1, 33, 4095), (7, 33, 65), (16, 100, 300), (33, 7, 129), (64, 48, 40), (5, 24, 1000)]
 
 H100 = Device("H100", (9, 0), 132, 232448, 50 << 20)

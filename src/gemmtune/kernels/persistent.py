@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from gemmtune.kernels.epilogue import activate
+from gemmtune.kernels.mma import mma
 
 
 @triton.jit
@@ -39,7 +40,7 @@ def persistent_matmul(
                 b = b_desc.load([off_n, off_k]).T
             else:
                 b = b_desc.load([off_k, off_n])
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = mma(a, b, acc, PRECISION)
 
         if HAS_BIAS:
             rn = off_n + tl.arange(0, BLOCK_N)

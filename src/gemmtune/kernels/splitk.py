@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from gemmtune.kernels.epilogue import activate
+from gemmtune.kernels.mma import mma
 
 
 @triton.jit
@@ -143,7 +144,7 @@ def splitk_matmul(
                 else:
                     b = tl.load(b_ptrs, mask=k_in[None, :], other=0.0, eviction_policy="evict_first")
             if USE_DOT:
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                acc = mma(a, b, acc, PRECISION)
             else:
                 acc += a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :]
             a_ptrs += BLOCK_K * stride_ak

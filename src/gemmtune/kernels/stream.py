@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from gemmtune.kernels.epilogue import activate
+from gemmtune.kernels.mma import mma
 
 
 @triton.jit
@@ -34,7 +35,7 @@ def stream_matmul(
             else:
                 w = b_desc.load([off_k, off_n]).T
             a = a_desc.load([off_m, off_k])
-            acc = tl.dot(w, a.T, acc, input_precision=PRECISION)
+            acc = mma(w, a.T, acc, PRECISION)
 
         rn = off_n + tl.arange(0, BLOCK_N)
         rm = off_m + tl.arange(0, BLOCK_M)

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from gemmtune.kernels.epilogue import activate
+from gemmtune.kernels.mma import mma
 
 
 @triton.jit
@@ -72,7 +73,7 @@ def tiled_matmul(
             k_in = rk < k_left
             a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_in[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = mma(a, b, acc, PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
