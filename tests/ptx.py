@@ -17,11 +17,12 @@ print(triton.compile(source, target=target, options=options).asm["ptx"])
 """
 
 
-def sm90_source(module: str, scalars: tuple, constexprs: dict) -> tuple:
+def sm90_source(module: str, scalars: tuple, constexprs: dict, descriptors: dict | None = None) -> tuple:
     """``gemmtune.kernels.<module>.<module>_matmul`` as ``triton.compile`` takes it (source,
     target, options) for sm_90, with bf16 operands on 16-byte boundaries, its integer arguments
-    ``scalars`` specialized as the JIT would, and ``constexprs`` (num_warps and num_stages among
-    them). Outside Triton's interpreter only."""
+    ``scalars`` specialized as the JIT would, ``constexprs`` (num_warps and num_stages among
+    them), and ``descriptors``: each TMA descriptor argument's block shape. Outside Triton's
+    interpreter only."""
     import importlib
 
     from triton.backends.compiler import GPUTarget
@@ -31,11 +32,15 @@ def sm90_source(module: str, scalars: tuple, constexprs: dict) -> tuple:
     constexprs = dict(constexprs)
     options = {name: constexprs.pop(name) for name in ("num_warps", "num_stages")}
     constexprs = {name: tuple(v) if isinstance(v, list) else v for name, v in constexprs.items()}
-    params = [name for name in fn.arg_names if not name.endswith("_ptr") and name not in constexprs]
+    descriptors = descriptors or {}
+    params = [name for name in fn.arg_names
+              if not name.endswith("_ptr") and name not in constexprs and name not in descriptors]
     values = dict(zip(params, scalars))
     signature, fixed, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
-        if name.endswith("_ptr"):
+        if name in descriptors:
+            signature[name] = f"tensordesc<bf16{list(descriptors[name])}>"
+        elif name.endswith("_ptr"):
             signature[name], attrs[(i,)] = "*bf16", [["tt.divisibility", 16]]
         elif name in constexprs or values[name] == 1:  # the JIT turns integers equal to 1 into constants
             signature[name], fixed[(i,)] = "constexpr", constexprs.get(name, 1)
@@ -58,9 +63,9 @@ def outside_interpreter(script: str, *args: str, env: dict | None = None) -> str
     return done.stdout
 
 
-def sm90_ptx(module: str, scalars: tuple, constexprs: dict) -> str:
+def sm90_ptx(module: str, scalars: tuple, constexprs: dict, descriptors: dict | None = None) -> str:
     """``sm90_source``'s kernel compiled to PTX."""
-    return outside_interpreter(PROBE, json.dumps([module, scalars, constexprs]))
+    return outside_interpreter(PROBE, json.dumps([module, scalars, constexprs, descriptors]))
 
 
 def sm90_sass(module: str, scalars: tuple, constexprs: dict) -> list[str]:
