@@ -1,6 +1,9 @@
 """The CLI through ``main(argv)``: tune on the CPU interpreter, the cache commands, errors."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,6 +25,13 @@ def test_help_lists_every_command(capsys):
     assert exit_info.value.code == 0
     for command in ("doctor", "tune", "bench", "cache", "compare", "report", "GEMMTUNE_CACHE_DIR", "GEMMTUNE_MODE"):
         assert command in out
+
+
+def test_python_dash_m_runs_the_same_command_line():
+    done = subprocess.run([sys.executable, "-m", "gemmtune", "tune", "--help"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: gemmtune tune")
 
 
 def test_tune_json_then_cache_round_trip(capsys, tmp_path):
