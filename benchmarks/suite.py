@@ -132,18 +132,26 @@ def run_shape(named, args, runner) -> dict:
 
 def best_by_backend(trials) -> dict:
     """Each backend's fastest measured trial (what the kernels of a family reach on this shape)
-    with its spread and the noise of its ratio to cuBLAS (what selection compares a gain with),
-    and how many of its trials failed, with their first reason."""
-    reference = next((t for t in trials if t.ok and t.backend == backends.REFERENCE), None)
+    with its spread, how many of its trials failed (with their first reason), and the round its
+    time comes from: "final" (beside cuBLAS in the same rounds, so ``vs_cublas`` and
+    ``noise_vs_cublas`` are what selection compared) or "screening" (its own short measurement:
+    no ratio is given, since cuBLAS's time here is a final one). A backend's finalist is
+    preferred to a faster screening time, so like is compared with like."""
+    reference = next((t for t in trials if t.ok and t.final and t.backend == backends.REFERENCE), None)
     best = {}
     for t in trials:
-        entry = best.setdefault(t.backend, {"ms": None, "config": None, "failed": 0, "reason": ""})
+        entry = best.setdefault(t.backend, {"ms": None, "config": None, "failed": 0, "reason": "", "round": None})
         if not t.ok:
             entry["failed"] += 1
             entry["reason"] = entry["reason"] or f"{t.status.value}: {t.reason}"[:200]
-        elif entry["ms"] is None or t.median_ms < entry["ms"]:
-            entry["ms"], entry["config"], entry["spread"] = t.median_ms, t.label(), t.timing.spread
-            entry["noise_vs_cublas"] = t.timing.spread_against(reference.timing) if reference else None
+            continue
+        better = entry["ms"] is None or (t.final, -t.median_ms) > (entry["round"] == "final", -entry["ms"])
+        if better:
+            paired = t.final and reference is not None
+            entry.update(ms=t.median_ms, config=t.label(), spread=t.timing.spread,
+                         round="final" if t.final else "screening",
+                         vs_cublas=reference.median_ms / t.median_ms if paired else None,
+                         noise_vs_cublas=t.timing.spread_against(reference.timing) if paired else None)
     return best
 
 

@@ -101,6 +101,11 @@ def test_tune_problem_verifies_and_records_every_candidate():
     assert all(t.ok for t in result.trials), [t.reason for t in result.trials if not t.ok]
     assert result.rel_err is not None and result.rel_err < 1e-4
     assert result.cublas_ms > 0 and result.time_ms > 0
+    # the finalists' timings are the final round's, cuBLAS among them; the rest keep their screening
+    finals = [t for t in result.trials if t.final]
+    assert any(t.backend == "cublas" for t in finals) and result.label() in {t.label() for t in finals}
+    assert len(finals) <= TuneOptions().finalists + 1 < len(result.trials)
+    assert len({len(t.timing.samples) for t in finals}) == 1  # timed in the same rounds
 
 
 def test_a_wrong_kernel_is_recorded_and_never_chosen(monkeypatch):
@@ -186,3 +191,4 @@ def test_a_wrong_cublas_is_never_chosen(monkeypatch):
     result = tune_problem(problem, current(), options=TuneOptions(seed=3, backends=("cublas", "triton_tiled")))
     assert result.backend == "triton_tiled" and result.cublas_ms is None
     assert [t.status for t in result.trials if t.backend == "cublas"] == [Status.WRONG_RESULT]
+

@@ -50,7 +50,10 @@ class Timing:
 
 @dataclass(frozen=True)
 class Trial:
-    """One candidate tried on one problem: its timing if it ran, its typed reason if not."""
+    """One candidate tried on one problem: its timing if it ran, its typed reason if not.
+    ``final``: the timing is from the final round, beside cuBLAS's in the same rounds (else it is
+    the candidate's screening measurement, not comparable to a finalist's); known only to the
+    tuning run that made it, not stored."""
 
     backend: str
     config: dict
@@ -58,6 +61,7 @@ class Trial:
     timing: Timing | None = None
     rel_err: float | None = None
     reason: str = ""
+    final: bool = False
 
     @property
     def ok(self) -> bool:

@@ -152,7 +152,8 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
     hosts = {label: host for label, (_, _, host) in final.items()}
     label = select(reference.label() if reference else None, timings, costs, hosts)
     chosen = next(t for t in finalists if t.label() == label)
-    trials = [dataclasses.replace(t, timing=timings.get(t.label(), t.timing)) for t in trials]
+    trials = [dataclasses.replace(t, timing=timings[t.label()], final=True) if t.label() in timings else t
+              for t in trials]
     return TuneResult(
         problem_key=problem.key(), device=device.fingerprint(), backend=chosen.backend,
         config=chosen.config, time_ms=costs[chosen.label()], cublas_ms=costs[reference.label()] if reference else None,
