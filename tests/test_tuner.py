@@ -1,9 +1,13 @@
 """The tuning flow end to end on the current device (the CPU interpreter in CI), and the
 noise-aware selection rule on synthetic timings."""
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from gemmtune import backends, search
 from gemmtune.device import current
@@ -191,4 +195,20 @@ def test_a_wrong_cublas_is_never_chosen(monkeypatch):
     result = tune_problem(problem, current(), options=TuneOptions(seed=3, backends=("cublas", "triton_tiled")))
     assert result.backend == "triton_tiled" and result.cublas_ms is None
     assert [t.status for t in result.trials if t.backend == "cublas"] == [Status.WRONG_RESULT]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter's case")
+def test_triton_imported_before_the_interpreter_was_chosen_is_said_not_failed(tmp_path):
+    """Triton fixes its own helpers as compiled or interpreted when first imported: a program
+    that imports triton before gemmtune picks the interpreter cannot run Triton kernels. That is
+    said once, and tuning keeps to torch's kernels instead of failing every Triton candidate."""
+    script = ("import triton, gemmtune\n"
+              "r = gemmtune.tune([gemmtune.Problem(33, 47, 65, 'float32', 'linear')])\n"
+              "print(sorted({t.backend + ':' + t.status.value for t in r[0].trials}))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join(sys.path), GEMMTUNE_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Set TRITON_INTERPRET=1 in the environment before anything imports triton" in done.stderr
+    assert done.stdout.strip() == "['cublas:ok', 'cublas_padded:ok']"
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import gemmtune
+
+log = logging.getLogger("gemmtune")
 
 # Inductor's own gate (torch/_inductor/utils.py, is_big_gpu): fewer SMs than this and it drops
 # every Triton GEMM template. gemmtune reports it; it never gates on it.
@@ -101,6 +104,22 @@ def interpreter_device() -> Device:
         interpreter=True,
         versions=_versions(),
     )
+
+
+@lru_cache(maxsize=None)
+def interpreter_in_effect() -> bool:
+    """Whether Triton's interpreter runs the kernels in this process. Triton decides it for its
+    own ``@jit`` helpers when first imported: a program that imported triton before gemmtune
+    chose the interpreter has those helpers compiled-only, and every kernel calling one fails."""
+    import triton.language.standard as standard
+
+    if type(standard.cdiv).__name__ == "InterpretedFunction":
+        return True
+    log.warning("gemmtune: triton was imported before TRITON_INTERPRET=1 was set, so Triton's CPU "
+                "interpreter cannot run gemmtune's Triton kernels in this process; only torch's kernels "
+                "are tried. Set TRITON_INTERPRET=1 in the environment before anything imports "
+                "triton.")
+    return False
 
 
 def _smem_optin(props, index: int) -> int:

@@ -52,8 +52,18 @@ class Backend(Protocol):
 
 
 def triton_importable() -> bool:
-    """Whether the Triton backends can run at all (checked without importing triton)."""
+    """Whether Triton is installed (checked without importing it)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def triton_runs(device: "Device") -> bool:
+    """Whether gemmtune's Triton kernels can run on ``device``: Triton installed, and on the CPU
+    its interpreter in effect (``gemmtune.device.interpreter_in_effect``)."""
+    if not triton_importable():
+        return False
+    from gemmtune.device import interpreter_in_effect
+
+    return not device.interpreter or interpreter_in_effect()
 
 
 C = TypeVar("C")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from gemmtune import costmodel
-from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_importable
+from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_runs
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -145,7 +145,7 @@ class TritonPersistentBackend:
     space_size = len(TILES) * len(STAGE_CHOICES)
 
     def is_available(self, device: Device) -> bool:
-        return triton_importable() and (device.interpreter or device.is_hopper)
+        return triton_runs(device) and (device.interpreter or device.is_hopper)
 
     def candidates(self, problem: Problem, device: Device) -> list[PersistentConfig]:
         return space(problem, device) if problem.rows_aligned else []

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from gemmtune import costmodel
-from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_importable
+from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_runs
 from gemmtune.device import Device
 from gemmtune.launch import Launcher, bind_gemm, gemm_call, gemm_hints
 from gemmtune.problem import Problem
@@ -239,7 +239,7 @@ class TritonSplitKBackend:
     space_size = (len(GEMV_TILES) + len(FMA_TILES) + len(DOT_TILES)) * len(SPLIT_K)  # GEMV_TILES serve M = 1 alone
 
     def is_available(self, device: Device) -> bool:
-        return triton_importable() and (device.interpreter or device.capability >= (7, 0))
+        return triton_runs(device) and (device.interpreter or device.capability >= (7, 0))
 
     def supports(self, problem: Problem) -> bool:
         return problem.m <= MAX_M and problem.k * problem.n <= MAX_ELEMENTS

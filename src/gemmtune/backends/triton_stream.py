@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from gemmtune import costmodel
-from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_importable
+from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_runs
 from gemmtune.backends.triton_persistent import tma_ready
 from gemmtune.device import Device
 from gemmtune.launch import Launcher, gemm_guard
@@ -224,7 +224,7 @@ class TritonStreamBackend:
     space_size = len(TILES)
 
     def is_available(self, device: Device) -> bool:
-        return triton_importable() and (device.interpreter or device.is_hopper)
+        return triton_runs(device) and (device.interpreter or device.is_hopper)
 
     def candidates(self, problem: Problem, device: Device) -> list[StreamConfig]:
         return space(problem, device) if problem.rows_aligned else []

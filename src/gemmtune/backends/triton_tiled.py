@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gemmtune import costmodel
-from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_importable
+from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_runs
 from gemmtune.device import Device
 from gemmtune.launch import Launcher, bind_gemm, gemm_call, gemm_hints
 from gemmtune.problem import Problem
@@ -149,7 +149,7 @@ class TritonTiledBackend:
     space_size = len(TILES) * len(STAGE_CHOICES) + sum(_deep(t[0], t[1]) for t in TILES) * len(STREAMING_STAGES)
 
     def is_available(self, device: Device) -> bool:
-        return triton_importable() and (device.interpreter or device.capability >= (7, 0))
+        return triton_runs(device) and (device.interpreter or device.capability >= (7, 0))
 
     def supports(self, problem: Problem) -> bool:
         return max(problem.m * problem.k, problem.k * problem.n, problem.m * problem.n) <= MAX_ELEMENTS
