@@ -15,7 +15,6 @@ table found is written beside the rows.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import sys
@@ -23,13 +22,11 @@ import time
 
 import torch
 
-from cublaslt_space import FINALISTS, caps
-from gemmtune import backends, bench, cublaslt, shapes, verify
+from cublaslt_space import caps, report, rows_of, screen_and_final, verified, write
+from gemmtune import cublaslt, verify
 from gemmtune.device import current
-from gemmtune.sidebyside import torch_call
 
 BAND = 48
-CHUNK = 24
 
 
 def tile_table() -> tuple[dict[int, tuple[int, int]], str]:
@@ -67,71 +64,28 @@ def family(ranked: list[dict], types: tuple, dims: dict) -> list[tuple[int, int,
 
 def main(path: str, groups: list[str]) -> None:
     device = current()
-    backend = backends.get("cublaslt")
     dims, header = tile_table()
     rows = []
-    for named in shapes.load():
-        if named.group not in (groups or ["prefill", "mid"]):
-            continue
+    for named in rows_of(groups):
         p = named.problem
-        if p.bias or not p.rows_aligned:
-            continue
         t0 = time.perf_counter()
         torch.set_float32_matmul_precision("high" if p.tf32 else "highest")
         matmul = cublaslt.Matmul(p, torch.cuda.current_device())
         ranked = matmul.heuristics(8)
-        members = family(ranked, matmul._types, dims)
-        candidates = [(f"ranked{r}", r, 0, 0, c) for r, c in enumerate(ranked) if r] + \
-                     [(f"family{i}", r, da, db, c) for i, (r, da, db, c) in enumerate(members)]
+        candidates = [(f"ranked{r}", c, {"rank": r, "d_rows": 0, "d_cols": 0, **c}) for r, c in enumerate(ranked) if r] + \
+                     [(f"family{i}", c, {"rank": r, "d_rows": da, "d_cols": db, **c})
+                      for i, (r, da, db, c) in enumerate(family(ranked, matmul._types, dims))]
         inputs = verify.make_inputs(p, "cuda")
-        kernels, rejected, wrong = {}, 0, 0
-        for name, rank, da, db, config in candidates:
-            try:
-                kernel = backend.build(p, backend.parse_config(config), device)
-            except (cublaslt.CublasLtError, ValueError):
-                rejected += 1
-                continue
-            if verify.check(kernel, p, inputs) > verify.tolerance(p):
-                wrong += 1
-                continue
-            kernels[name] = ({"rank": rank, "d_rows": da, "d_cols": db, "dims": dims.get(config["tile"]), **config}, kernel)
-        screened = {}
-        names = list(kernels)
-        for start in range(0, len(names), CHUNK):
-            chunk = names[start:start + CHUNK]
-            fns = {n: (lambda k: lambda: k(inputs.a, inputs.b, None))(kernels[n][1]) for n in chunk}
-            fns["torch"] = torch_call(named, inputs)
-            timings = bench.measure(fns, device, budget_ms=100, min_rounds=3)
-            for n in chunk:
-                screened[n] = timings["torch"].median / timings[n].median
-            torch.cuda.empty_cache()
-        best = sorted(screened, key=screened.get, reverse=True)[:FINALISTS]
-        best_ranked = max((n for n in screened if n.startswith("ranked")), key=screened.get, default=None)
-        final_names = list(dict.fromkeys(best + ([best_ranked] if best_ranked else [])))
-        fns = {n: (lambda k: lambda: k(inputs.a, inputs.b, None))(kernels[n][1]) for n in final_names}
-        fns["torch"] = torch_call(named, inputs)
-        timings = bench.measure(fns, device, budget_ms=1000, min_rounds=20)
-        ref = timings["torch"]
-        finals = {n: {"vs_torch": ref.median / timings[n].median, "noise": timings[n].spread_against(ref)}
-                  for n in final_names}
-        top = max(finals, key=lambda n: finals[n]["vs_torch"])
-        row = {"name": named.name, "group": named.group, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype,
-               "ranked_dims": [dims.get(c["tile"]) for c in ranked],
-               "candidates": len(candidates), "rejected": rejected, "wrong": wrong,
-               "screened": {n: {"vs_torch": screened[n], **kernels[n][0]} for n in names},
-               "torch_ms": ref.median, "finals": finals, "best": top, "best_vs_torch": finals[top]["vs_torch"],
-               "best_ranked_vs_torch": finals[best_ranked]["vs_torch"] if best_ranked else None,
-               "seconds": time.perf_counter() - t0}
-        rows.append(row)
-        print(f"{named.name:26s} {len(candidates):4d} tried, {rejected:4d} rejected, {wrong} wrong; "
-              f"best {top} {row['best_vs_torch']:.3f}x, best ranked {row['best_ranked_vs_torch'] or 0:.3f}x "
-              f"({row['seconds']:.0f} s)", flush=True)
-        del inputs, kernels, fns
+        kernels, rejected, wrong = verified(named, inputs, candidates, device)
+        screened, finals, best_ranked, ref = screen_and_final(named, inputs, kernels, device)
+        screened_records = {n: {"vs_torch": screened[n], "dims": dims.get(kernels[n][0]["tile"]), **kernels[n][0]}
+                            for n in screened}
+        rows.append(report(named, t0, len(candidates), rejected, wrong, finals, best_ranked, ref,
+                           ranked_dims=[dims.get(c["tile"]) for c in ranked], screened=screened_records))
+        del inputs, kernels
         torch.cuda.empty_cache()
-        with open(path, "w") as f:
-            json.dump({"kind": "cublaslt-family", "device": device.name, "sm_count": device.sm_count,
-                       "torch": torch.__version__, "band": BAND, "header": header,
-                       "tiles": {str(i): d for i, d in sorted(dims.items())}, "rows": rows}, f, indent=1)
+        write(path, "cublaslt-family", device, rows, band=BAND, header=header,
+              tiles={str(i): d for i, d in sorted(dims.items())})
 
 
 if __name__ == "__main__":

@@ -63,67 +63,96 @@ def neighbours(ranked: list[dict], types: tuple) -> list[dict]:
     return found
 
 
+def rows_of(groups: list[str]):
+    """The public rows of ``groups`` (prefill and mid by default) that cuBLASLt's backend serves."""
+    for named in shapes.load():
+        p = named.problem
+        if named.group in (groups or ["prefill", "mid"]) and not p.bias and p.rows_aligned:
+            yield named
+
+
+def verified(named, inputs, candidates: list[tuple[str, dict, dict]], device) -> tuple[dict, int, int]:
+    """``{name: (record, kernel)}`` of the candidates ``(name, config, record)`` that cuBLAS
+    accepts and that match float64, and how many it rejected and how many were wrong."""
+    backend = backends.get("cublaslt")
+    kernels, rejected, wrong = {}, 0, 0
+    for name, config, record in candidates:
+        try:
+            kernel = backend.build(named.problem, backend.parse_config(config), device)
+        except (cublaslt.CublasLtError, ValueError):
+            rejected += 1
+            continue
+        if verify.check(kernel, named.problem, inputs) > verify.tolerance(named.problem):
+            wrong += 1
+            continue
+        kernels[name] = (record, kernel)
+    return kernels, rejected, wrong
+
+
+def timed(named, inputs, kernels: dict, names: list[str], device, budget_ms: float, min_rounds: int) -> tuple:
+    """Torch's call's timing and each named kernel's time relative to it (above 1: faster), side by side."""
+    fns = {n: (lambda k: lambda: k(inputs.a, inputs.b, None))(kernels[n][1]) for n in names}
+    fns["torch"] = torch_call(named, inputs)
+    timings = bench.measure(fns, device, budget_ms=budget_ms, min_rounds=min_rounds)
+    return timings, {n: timings["torch"].median / timings[n].median for n in names}
+
+
+def screen_and_final(named, inputs, kernels: dict, device) -> tuple[dict, dict, str | None, object]:
+    """Every kernel screened in chunks beside torch's call, then the best few and the best
+    ranked one timed in the suite's way: (screened ratios, finals, best ranked name, torch's timing)."""
+    screened = {}
+    names = list(kernels)
+    for start in range(0, len(names), CHUNK):
+        screened.update(timed(named, inputs, kernels, names[start:start + CHUNK], device, 100, 3)[1])
+        torch.cuda.empty_cache()
+    best = sorted(screened, key=screened.get, reverse=True)[:FINALISTS]
+    best_ranked = max((n for n in screened if n.startswith("ranked")), key=screened.get, default=None)
+    final_names = list(dict.fromkeys(best + ([best_ranked] if best_ranked else [])))
+    timings, ratios = timed(named, inputs, kernels, final_names, device, 1000, 20)
+    ref = timings["torch"]
+    finals = {n: {"vs_torch": ratios[n], "noise": timings[n].spread_against(ref), **kernels[n][0]} for n in final_names}
+    return screened, finals, best_ranked, ref
+
+
+def report(named, t0: float, candidates: int, rejected: int, wrong: int, finals: dict, best_ranked, ref, **extra) -> dict:
+    """A row of the probe's file, printed as a line."""
+    p = named.problem
+    top = max(finals, key=lambda n: finals[n]["vs_torch"])
+    row = {"name": named.name, "group": named.group, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype,
+           "candidates": candidates, "rejected": rejected, "wrong": wrong, **extra,
+           "torch_ms": ref.median, "finals": finals, "best": top, "best_vs_torch": finals[top]["vs_torch"],
+           "best_ranked_vs_torch": finals[best_ranked]["vs_torch"] if best_ranked else None,
+           "seconds": time.perf_counter() - t0}
+    print(f"{named.name:26s} {candidates:4d} tried, {rejected:4d} rejected, {wrong} wrong; "
+          f"best {top} {row['best_vs_torch']:.3f}x, best ranked {row['best_ranked_vs_torch'] or 0:.3f}x "
+          f"({row['seconds']:.0f} s)", flush=True)
+    return row
+
+
+def write(path: str, kind: str, device, rows: list, **extra) -> None:
+    with open(path, "w") as f:
+        json.dump({"kind": kind, "device": device.name, "sm_count": device.sm_count, "torch": torch.__version__,
+                   **extra, "rows": rows}, f, indent=1)
+
+
 def main(path: str, groups: list[str]) -> None:
     device = current()
-    backend = backends.get("cublaslt")
     rows = []
-    for named in shapes.load():
-        if named.group not in (groups or ["prefill", "mid"]):
-            continue
+    for named in rows_of(groups):
         p = named.problem
-        if p.bias or not p.rows_aligned:
-            continue
         t0 = time.perf_counter()
         torch.set_float32_matmul_precision("high" if p.tf32 else "highest")
         matmul = cublaslt.Matmul(p, torch.cuda.current_device())
         ranked = matmul.heuristics(8)
         candidates = [("ranked", c) for c in ranked[1:]] + [("neighbour", c) for c in neighbours(ranked, matmul._types)]
         inputs = verify.make_inputs(p, "cuda")
-        kernels, rejected, wrong = {}, 0, 0
-        for i, (kind, config) in enumerate(candidates):
-            try:
-                kernel = backend.build(p, backend.parse_config(config), device)
-            except (cublaslt.CublasLtError, ValueError):
-                rejected += 1
-                continue
-            if verify.check(kernel, p, inputs) > verify.tolerance(p):
-                wrong += 1
-                continue
-            kernels[f"{kind}{i}"] = (config, kernel)
-        screened = {}
-        names = list(kernels)
-        for start in range(0, len(names), CHUNK):
-            chunk = names[start:start + CHUNK]
-            fns = {n: (lambda k: lambda: k(inputs.a, inputs.b, None))(kernels[n][1]) for n in chunk}
-            fns["torch"] = torch_call(named, inputs)
-            timings = bench.measure(fns, device, budget_ms=100, min_rounds=3)
-            for n in chunk:
-                screened[n] = timings[n].median / timings["torch"].median
-            torch.cuda.empty_cache()
-        best = sorted(screened, key=screened.get)[:FINALISTS]
-        best_ranked = min((n for n in screened if n.startswith("ranked")), key=screened.get, default=None)
-        final_names = list(dict.fromkeys(best + ([best_ranked] if best_ranked else [])))
-        fns = {n: (lambda k: lambda: k(inputs.a, inputs.b, None))(kernels[n][1]) for n in final_names}
-        fns["torch"] = torch_call(named, inputs)
-        timings = bench.measure(fns, device, budget_ms=1000, min_rounds=20)
-        ref = timings["torch"]
-        finals = {n: {"vs_torch": ref.median / timings[n].median, "noise": timings[n].spread_against(ref),
-                      **kernels[n][0]} for n in final_names}
-        top = max(finals, key=lambda n: finals[n]["vs_torch"])
-        row = {"name": named.name, "group": named.group, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype,
-               "candidates": len(candidates), "rejected": rejected, "wrong": wrong, "screened": len(screened),
-               "torch_ms": ref.median, "finals": finals, "best": top, "best_vs_torch": finals[top]["vs_torch"],
-               "best_ranked_vs_torch": finals[best_ranked]["vs_torch"] if best_ranked else None,
-               "seconds": time.perf_counter() - t0}
-        rows.append(row)
-        print(f"{named.name:26s} {len(candidates):4d} tried, {rejected:4d} rejected, {wrong} wrong; "
-              f"best {top} {row['best_vs_torch']:.3f}x, best ranked {row['best_ranked_vs_torch'] or 0:.3f}x "
-              f"({row['seconds']:.0f} s)", flush=True)
-        del inputs, kernels, fns
+        kernels, rejected, wrong = verified(named, inputs, [(f"{kind}{i}", c, c) for i, (kind, c) in enumerate(candidates)],
+                                            device)
+        screened, finals, best_ranked, ref = screen_and_final(named, inputs, kernels, device)
+        rows.append(report(named, t0, len(candidates), rejected, wrong, finals, best_ranked, ref, screened=len(screened)))
+        del inputs, kernels
         torch.cuda.empty_cache()
-        with open(path, "w") as f:
-            json.dump({"kind": "cublaslt-space", "device": device.name, "sm_count": device.sm_count,
-                       "torch": torch.__version__, "rows": rows}, f, indent=1)
+        write(path, "cublaslt-space", device, rows)
 
 
 if __name__ == "__main__":
