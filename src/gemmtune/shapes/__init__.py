@@ -66,7 +66,7 @@ def _entries(text: str) -> list:
 # awkward sizes (1, 7, 33, odd K) where masking bugs show.
 INTERPRETER_DEMO = (
     NamedProblem("demo.square", "small", Problem(64, 64, 64, "float16", "nn")),
-    NamedProblem("demo.decode", "decode", Problem(1, 96, 128, "float16", "linear")),
+    NamedProblem("demo.decode", "decode", Problem(1, 96, 128, "bfloat16", "linear")),
     NamedProblem("demo.odd", "misaligned", Problem(33, 47, 65, "float32", "linear", bias=True, activation="gelu")),
     NamedProblem("demo.thin", "small", Problem(7, 40, 100, "float32", "nn")),
 )
