@@ -32,6 +32,18 @@ def test_matches_reference(m, n, k, layout, bias, act, dtype):
         assert err <= verify.tolerance(problem), (config, err)
 
 
+@pytest.mark.parametrize("layout", ["linear", "nn"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_4095_rows_end_one_short_of_a_tile(layout, dtype):
+    """M = 4095: the programs walk hundreds of tiles each, the last tile's rows clipped by the
+    descriptors (N and K must stay 16-byte multiples: the backend's contract)."""
+    problem = Problem(4095, 24, 16, dtype, layout, True, activation="relu")
+    inputs = verify.make_inputs(problem, DEVICE)
+    for config in CONFIGS:
+        err = verify.check(BACKEND.build(problem, config, current()), problem, inputs)
+        assert err <= verify.tolerance(problem), (config, err)
+
+
 def test_strided_views_are_copied_not_misread():
     problem = Problem(24, 16, 32, "float32", "nn")
     a = torch.randn(32, 48, device=DEVICE)[:, :24].t()  # (24, 32), column-major view

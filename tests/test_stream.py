@@ -41,6 +41,17 @@ def test_matches_reference(m, n, k, layout, dtype, bias, act):
         assert err <= verify.tolerance(problem), (config, err)
 
 
+@pytest.mark.parametrize("layout", ["linear", "nn"])
+def test_4104_weight_rows_end_past_the_last_full_tile(layout):
+    """N = 4104, 8 past a multiple of every tile: the last tile of weight rows mostly zero-filled
+    by the descriptor, its outputs masked."""
+    problem = Problem(7, 4104, 16, "bfloat16", layout, True, activation="silu")
+    inputs = verify.make_inputs(problem, DEVICE)
+    for config in _configs(problem):
+        err = verify.check(BACKEND.build(problem, config, current()), problem, inputs)
+        assert err <= verify.tolerance(problem), (config, err)
+
+
 def test_writes_into_a_strided_out():
     problem = Problem(5, 24, 32, "float16", "linear", True, activation="relu")
     inputs = verify.make_inputs(problem, DEVICE)
