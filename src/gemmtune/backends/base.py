@@ -7,10 +7,11 @@ import importlib.util
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
+from gemmtune.device import Device, interpreter_in_effect
+
 if TYPE_CHECKING:
     import torch
 
-    from gemmtune.device import Device
     from gemmtune.problem import Problem
 
 
@@ -56,14 +57,10 @@ def triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def triton_runs(device: "Device") -> bool:
+def triton_runs(device: Device) -> bool:
     """Whether gemmtune's Triton kernels can run on ``device``: Triton installed, and on the CPU
     its interpreter in effect (``gemmtune.device.interpreter_in_effect``)."""
-    if not triton_importable():
-        return False
-    from gemmtune.device import interpreter_in_effect
-
-    return not device.interpreter or interpreter_in_effect()
+    return triton_importable() and (not device.interpreter or interpreter_in_effect())
 
 
 C = TypeVar("C")
