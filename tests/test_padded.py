@@ -116,3 +116,10 @@ def test_an_out_of_another_shape_is_refused():
 
     with pytest.raises(ValueError, match=r"out has shape \(3, 8\), not \(3, 9\)"):
         copy_padded(torch.randn(3, 7, device=DEVICE), 3, 9, out=torch.empty(3, 8, device=DEVICE))
+
+
+def test_an_out_whose_rows_are_not_contiguous_is_refused():
+    from gemmtune.backends.cublas_padded import copy_padded
+
+    with pytest.raises(ValueError, match="out's rows must be contiguous"):
+        copy_padded(torch.randn(3, 7, device=DEVICE), 3, 9, out=torch.empty(9, 3, device=DEVICE).t())

@@ -81,6 +81,7 @@ def copy_padded(src: torch.Tensor, rows: int, cols: int, out: torch.Tensor | Non
 
 _PLANS: dict = {}  # copy_padded's guard -> _plan's answer
 _BY_TORCH = "torch"
+_LAUNCHERS: list = []  # the flat and the 2-D copy's launchers, made on first use (they import triton)
 
 
 def _plan(src: torch.Tensor, dst: torch.Tensor):
@@ -90,7 +91,8 @@ def _plan(src: torch.Tensor, dst: torch.Tensor):
     from gemmtune.launch import Launcher
 
     rows, cols = dst.shape
-    assert dst.stride(1) == 1, "the destination's rows must be contiguous"
+    if dst.stride(1) != 1:  # checked once per guard, which holds the strides
+        raise ValueError(f"copy_padded: out's rows must be contiguous, its strides are {dst.stride()}")
     if max(src.shape[0] * src.stride(0), src.shape[1] * src.stride(1), rows * dst.stride(0)) > INDEX_LIMIT:
         return _BY_TORCH
     if not _LAUNCHERS:
@@ -104,9 +106,6 @@ def _plan(src: torch.Tensor, dst: torch.Tensor):
     return (two_d, (-(-rows // BLOCK_R), -(-cols // BLOCK_C), 1),
             (src.shape[0], src.shape[1], rows, cols, src.stride(0), src.stride(1), dst.stride(0)),
             {"BLOCK_R": BLOCK_R, "BLOCK_C": BLOCK_C, "num_warps": 4})
-
-
-_LAUNCHERS: list = []  # the flat and the 2-D copy's launchers, made on first use (they import triton)
 
 
 def _rows_aligned_to(src: torch.Tensor, elements: int) -> bool:
