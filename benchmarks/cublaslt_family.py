@@ -18,12 +18,11 @@ import glob
 import os
 import re
 import sys
-import time
 
 import torch
 
 from cublaslt_space import caps, report, rows_of, screen_and_final, verified, write
-from gemmtune import cublaslt, verify
+from gemmtune import verify
 from gemmtune.device import current
 
 BAND = 48
@@ -66,16 +65,11 @@ def main(path: str, groups: list[str]) -> None:
     device = current()
     dims, header = tile_table()
     rows = []
-    for named in rows_of(groups):
-        p = named.problem
-        t0 = time.perf_counter()
-        torch.set_float32_matmul_precision("high" if p.tf32 else "highest")
-        matmul = cublaslt.Matmul(p, torch.cuda.current_device())
-        ranked = matmul.heuristics(8)
+    for named, t0, matmul, ranked in rows_of(groups):
         candidates = [(f"ranked{r}", c, {"rank": r, "d_rows": 0, "d_cols": 0, **c}) for r, c in enumerate(ranked) if r] + \
                      [(f"family{i}", c, {"rank": r, "d_rows": da, "d_cols": db, **c})
                       for i, (r, da, db, c) in enumerate(family(ranked, matmul._types, dims))]
-        inputs = verify.make_inputs(p, "cuda")
+        inputs = verify.make_inputs(named.problem, "cuda")
         kernels, rejected, wrong = verified(named, inputs, candidates, device)
         screened, finals, best_ranked, ref = screen_and_final(named, inputs, kernels, device)
         screened_records = {n: {"vs_torch": screened[n], "dims": dims.get(kernels[n][0]["tile"]), **kernels[n][0]}

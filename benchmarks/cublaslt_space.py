@@ -64,11 +64,16 @@ def neighbours(ranked: list[dict], types: tuple) -> list[dict]:
 
 
 def rows_of(groups: list[str]):
-    """The public rows of ``groups`` (prefill and mid by default) that cuBLASLt's backend serves."""
+    """(the row, the second its probe starts, its cuBLASLt matmul, the heuristic's eight configs)
+    for each public row of ``groups`` (prefill and mid by default) that the backend serves, torch's
+    float32 precision set for it."""
     for named in shapes.load():
         p = named.problem
         if named.group in (groups or ["prefill", "mid"]) and not p.bias and p.rows_aligned:
-            yield named
+            t0 = time.perf_counter()
+            torch.set_float32_matmul_precision("high" if p.tf32 else "highest")
+            matmul = cublaslt.Matmul(p, torch.cuda.current_device())
+            yield named, t0, matmul, matmul.heuristics(8)
 
 
 def verified(named, inputs, candidates: list[tuple[str, dict, dict]], device) -> tuple[dict, int, int]:
@@ -138,14 +143,9 @@ def write(path: str, kind: str, device, rows: list, **extra) -> None:
 def main(path: str, groups: list[str]) -> None:
     device = current()
     rows = []
-    for named in rows_of(groups):
-        p = named.problem
-        t0 = time.perf_counter()
-        torch.set_float32_matmul_precision("high" if p.tf32 else "highest")
-        matmul = cublaslt.Matmul(p, torch.cuda.current_device())
-        ranked = matmul.heuristics(8)
+    for named, t0, matmul, ranked in rows_of(groups):
         candidates = [("ranked", c) for c in ranked[1:]] + [("neighbour", c) for c in neighbours(ranked, matmul._types)]
-        inputs = verify.make_inputs(p, "cuda")
+        inputs = verify.make_inputs(named.problem, "cuda")
         kernels, rejected, wrong = verified(named, inputs, [(f"{kind}{i}", c, c) for i, (kind, c) in enumerate(candidates)],
                                             device)
         screened, finals, best_ranked, ref = screen_and_final(named, inputs, kernels, device)
