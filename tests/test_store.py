@@ -217,7 +217,7 @@ def test_newer_schema_is_refused_naming_both_versions(store: Store) -> None:
     with closing(sqlite3.connect(store.path)) as conn, conn:
         conn.execute("UPDATE meta SET value = '7' WHERE key = 'schema_version'")
     with pytest.raises(StoreError, match=rf"'7'.*{SCHEMA_VERSION}"):
-        Store(store.path).get(DEVICE, KEY)
+        Store(store.path, strict=True).get(DEVICE, KEY)
 
 
 # --- export and import ---------------------------------------------------------------------------

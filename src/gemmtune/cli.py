@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.text import Text
 
 from gemmtune import settings
 from gemmtune.problem import ACTIVATIONS, BUCKETS
@@ -30,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args, console)
     except (ValueError, TypeError, OSError, StoreError) as exc:
-        _console(stderr=True).print(f"[red]gemmtune {args.command}: {exc}[/red]")
+        # Text, not markup: messages hold user paths; soft_wrap: a one-line message stays one line
+        _console(stderr=True).print(Text(f"gemmtune {args.command}: {exc}", style="red"), soft_wrap=True)
         return 2
 
 
@@ -195,12 +197,27 @@ def _configure_logging(verbose: int) -> None:
 def _doctor(args, console: Console) -> int:
     from gemmtune import doctor
 
-    checks = doctor.collect(store_path=_store_path(args.cache))
+    checks = [_store_problem(args.cache) or check if check.name == "store" else check
+              for check in doctor.collect(store_path=_store_path(args.cache))]
     if args.json:
         console.print_json(json.dumps(doctor.as_dict(checks)))
     else:
         doctor.render(checks, console)
     return 0
+
+
+def _store_problem(cache: Path | None):
+    """The doctor's store line as a warning where the store that ``tune`` and ``cache`` would use
+    cannot be used (the doctor's own line says only where it is and how large), or None."""
+    from gemmtune.doctor import Check
+    from gemmtune.store import Store, StoreError
+
+    try:
+        with Store(cache) as store:
+            store.check()
+    except StoreError as exc:
+        return Check("store", str(exc), "warn")
+    return None
 
 
 def _store_path(cache: Path | None) -> Path:
@@ -213,16 +230,19 @@ def _store_path(cache: Path | None) -> Path:
 def _tune(args, console: Console) -> int:
     from gemmtune import api, report
     from gemmtune.device import current
+    from gemmtune.store import Store
 
     named = _named_problems(args, current())
     if args.validate:
         return _validate_buckets(named, args, console)
-    results = _tune_with_progress(api, named, args, console)
+    store = Store(args.cache)
+    store.check()  # a store that cannot keep the choices is said before tuning, not after
+    results = _tune_with_progress(api, named, args, console, store)
     if args.json:
         console.print_json(json.dumps([report.result_dict(r, n.name) for r, n in zip(results, named)]))
     else:
         console.print(report.results_table(results, [n.name for n in named]))
-    return 0
+    return 1 if store.failure else 0  # it failed while tuning (a full disk, say): its warning said so
 
 
 def _bench(args, console: Console) -> int:
@@ -283,7 +303,7 @@ def _bench_table(rows: list[dict], device, inductor: bool):
     return table
 
 
-def _tune_with_progress(api, named, args, console: Console):
+def _tune_with_progress(api, named, args, console: Console, store):
     from gemmtune.tuner import TuneOptions
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -300,7 +320,7 @@ def _tune_with_progress(api, named, args, console: Console):
             progress.reset(trials_task)
 
         options = TuneOptions(strategy=args.strategy, budget=parse_budget(args.budget))
-        return api.tune([n.problem for n in named], store=args.cache, retune=args.retune, options=options,
+        return api.tune([n.problem for n in named], store=store, retune=args.retune, options=options,
                         isolate=not args.in_process, on_result=on_result,
                         on_trial=lambda trial: progress.advance(trials_task))
 
@@ -420,7 +440,7 @@ def _cache(args, console: Console) -> int:
     from gemmtune import report
     from gemmtune.store import Store
 
-    store = Store(args.cache)
+    store = Store(args.cache, strict=True)  # a store that cannot be used is this command's error
     if args.action == "list":
         choices = store.choices(args.device)
         console.print(f"store: {store.path} ({store.size_bytes() / 1024:.0f} KiB), {len(choices)} choices")

@@ -4,6 +4,10 @@ A choice is keyed by (device fingerprint, problem key). Whatever comes out of th
 it from a shared JSON file, is validated the same way, because a config read from disk must not
 be able to launch an invalid kernel: an invalid row is skipped with a warning, an invalid import
 file is refused whole. JSON and SQLite only; never pickle, eval or exec.
+
+gemmtune writes only into files it made: it marks them with SQLite's application_id
+(APPLICATION_ID) and leaves any other SQLite file exactly as it found it. A store that cannot be
+used never breaks the caller of ``gemmtune.linear``, ``matmul`` or ``tune``: see ``Store``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from datetime import datetime, timezone
+from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,6 +34,9 @@ from gemmtune.results import Status, Timing, Trial, TuneResult
 
 DEFAULT_FILENAME = "gemmtune.sqlite"
 SCHEMA_VERSION = 1
+# PRAGMA application_id of every store gemmtune creates: the ASCII bytes "gmtu". A file with
+# another id is another program's, and gemmtune never writes into it.
+APPLICATION_ID = 0x676D7475
 EXPORT_FORMAT = "gemmtune-store"
 EXPORT_VERSION = 1
 BUSY_TIMEOUT_S = 30.0  # SQLite's own wait for a lock, inside one attempt
@@ -37,6 +46,11 @@ MAX_DEVICE_CHARS = 200
 log = logging.getLogger("gemmtune.store")
 T = TypeVar("T")
 _INHERITED: list[sqlite3.Connection] = []  # connections a forked child got from its parent
+_FAILURES = (sqlite3.Error, OSError)  # what a store's file, folder, lock or disk can raise
+_REFUSE: Any = object()  # Store._run's ``empty`` when a failure must raise, whatever ``strict`` says
+_WARNED: set[Path] = set()  # the store paths whose failure this process has already logged
+_WARNED_LOCK = threading.Lock()
+_ELSEWHERE = f"move it away, or set {settings.CACHE_DIR.env} (--cache in the CLI) to another directory"
 
 _FIELDS = ("device", "problem", "backend", "config", "time_ms", "cublas_ms", "rel_err", "tune_s", "gpu_timings")
 _NUMBERS = {"time_ms": (False, True), "cublas_ms": (True, False), "rel_err": (True, False), "tune_s": (False, False)}
@@ -46,6 +60,7 @@ _UPSERT_CHOICE = (f"INSERT OR REPLACE INTO choices ({_CHOICE_COLUMNS}, gemmtune_
 _INSERT_TRIAL = ("INSERT INTO trials (device, problem_key, backend, config_json, status, reason, samples_json, "
                  "rel_err, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
 _TABLES = (
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS choices (device TEXT NOT NULL, problem_key TEXT NOT NULL, backend TEXT NOT NULL,"
     " config_json TEXT NOT NULL, time_ms REAL NOT NULL, cublas_ms REAL, rel_err REAL, tune_s REAL NOT NULL,"
     " gpu_timings INTEGER NOT NULL, gemmtune_version TEXT, created_at TEXT NOT NULL,"
@@ -66,17 +81,41 @@ class Store:
 
     The connection opens on first use, so constructing a Store touches no file; a process forked
     from one that used the Store opens its own, as SQLite connections must not cross a fork.
+
+    A store that cannot be used must not break the program that asked it for a kernel. So by
+    default its first failure (a directory or an unwritable path, another program's file, a newer
+    gemmtune's, a lock held past the retries, a full disk) is logged once per path, naming the
+    file and what to do, and from then on the store keeps nothing: puts are dropped, and gets find
+    nothing unless only writing failed, where what it holds is still served. ``strict=True`` (the
+    CLI's cache commands) raises StoreError instead. ``export_json`` and ``import_json`` always
+    raise: exporting or importing nothing in silence would be a wrong answer, not a fallback.
     """
 
-    def __init__(self, path: str | Path | None = None) -> None:
+    def __init__(self, path: str | Path | None = None, strict: bool = False) -> None:
         self._path = _resolve(path)
+        self._strict = strict
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
         self._pid = os.getpid()
+        self._failure: str | None = None
+        self._readable = False  # after a failure: whether reading still works
 
     @property
     def path(self) -> Path:
         return self._path
+
+    @property
+    def failure(self) -> str | None:
+        """Why this store stopped keeping results, or None while it works."""
+        return self._failure
+
+    def check(self) -> None:
+        """Raise StoreError, naming the file and what to do, if this store cannot be read and
+        written, whatever ``strict`` says: the CLI asks before it starts work it could not keep.
+        A store not created yet is not created here, only checked for a folder it can be created in."""
+        if self._conn is not None or self._path.exists():
+            self._run(lambda conn: None, write=True)  # opens it, and waits for the write lock
+        _require_writable(self._path)
 
     def __repr__(self) -> str:
         return f"Store({str(self._path)!r})"
@@ -96,7 +135,7 @@ class Store:
     def get(self, device: str, problem_key: str) -> TuneResult | None:
         row = self._run(lambda c: c.execute(
             f"SELECT {_CHOICE_COLUMNS} FROM choices WHERE device = ? AND problem_key = ?",
-            (device, problem_key)).fetchone())
+            (device, problem_key)).fetchone(), empty=None)
         return None if row is None else _result_of_row(row)
 
     def put(self, result: TuneResult) -> None:
@@ -112,22 +151,20 @@ class Store:
             conn.execute(_UPSERT_CHOICE, choice)
             conn.executemany(_INSERT_TRIAL, trials)
 
-        self._run(write, write=True)
+        self._run(write, write=True, empty=None)
 
     def choices(self, device: str | None = None) -> list[TuneResult]:
-        where, args = _device_filter(device)
-        rows = self._run(lambda c: c.execute(
-            f"SELECT {_CHOICE_COLUMNS} FROM choices {where} ORDER BY device, problem_key", args).fetchall())
-        return [r for r in map(_result_of_row, rows) if r is not None]
+        return self._choices(device, empty=[])
 
     def trials(self, device: str, problem_key: str) -> list[Trial]:
         rows = self._run(lambda c: c.execute(
             "SELECT backend, config_json, status, reason, samples_json, rel_err FROM trials"
-            " WHERE device = ? AND problem_key = ? ORDER BY id", (device, problem_key)).fetchall())
+            " WHERE device = ? AND problem_key = ? ORDER BY id", (device, problem_key)).fetchall(), empty=[])
         return [t for t in map(_trial_of_row, rows) if t is not None]
 
     def devices(self) -> list[str]:
-        rows = self._run(lambda c: c.execute("SELECT DISTINCT device FROM choices ORDER BY device").fetchall())
+        rows = self._run(lambda c: c.execute("SELECT DISTINCT device FROM choices ORDER BY device").fetchall(),
+                         empty=[])
         return [row[0] for row in rows]
 
     def clear(self, device: str | None = None) -> int:
@@ -139,10 +176,10 @@ class Store:
             conn.execute(f"DELETE FROM trials {where}", args)
             return removed
 
-        return self._run(delete, write=True)
+        return self._run(delete, write=True, empty=0)
 
     def export_json(self, path: str | Path, device: str | None = None) -> int:
-        entries = [_entry_of_result(result) for result in self.choices(device)]
+        entries = [_entry_of_result(result) for result in self._choices(device, empty=_REFUSE)]
         document = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "gemmtune": gemmtune.__version__,
                     "choices": entries}
         _write_atomically(Path(path), json.dumps(document, indent=1, allow_nan=False) + "\n")
@@ -162,13 +199,37 @@ class Store:
     def size_bytes(self) -> int:
         return sum(p.stat().st_size for p in _family(self._path) if p.exists())
 
-    def _run(self, work: Callable[[sqlite3.Connection], T], write: bool = False) -> T:
+    def _choices(self, device: str | None, empty: Any) -> list[TuneResult]:
+        where, args = _device_filter(device)
+        rows = self._run(lambda c: c.execute(
+            f"SELECT {_CHOICE_COLUMNS} FROM choices {where} ORDER BY device, problem_key", args).fetchall(),
+            empty=empty)
+        return [r for r in map(_result_of_row, rows) if r is not None]
+
+    def _run(self, work: Callable[[sqlite3.Connection], T], write: bool = False, empty: Any = _REFUSE) -> T:
+        """``work`` on the connection. On a failure, what an empty store answers (``empty``) once
+        the failure is logged, or StoreError where ``strict`` or the caller (no ``empty``) says so."""
         def attempt() -> T:
             conn = self._connection()
             return _in_transaction(conn, work) if write else work(conn)
 
         with self._lock:
-            return _retry(attempt)
+            if self._failure is None or (self._readable and not write):
+                try:
+                    return _retry(attempt)
+                except (*_FAILURES, StoreError) as exc:
+                    # a write that failed on an open connection leaves reading as it was
+                    self._fail(_failure_message(self._path, exc), refuse=self._strict or empty is _REFUSE,
+                               readable=write and self._conn is not None)
+            if empty is _REFUSE:
+                raise StoreError(self._failure)
+            return empty
+
+    def _fail(self, failure: str, refuse: bool, readable: bool) -> None:
+        if refuse:
+            raise StoreError(failure) from None
+        self._failure, self._readable = failure, readable
+        _warn_once(self._path, failure, readable)
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is not None and self._pid != os.getpid():
@@ -224,24 +285,126 @@ def _open(path: Path) -> sqlite3.Connection:
 
 def _prepare(conn: sqlite3.Connection, path: Path) -> None:
     conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+    marked = _check_owner(conn, path)  # first, before anything is written: a file not ours stays as it was
     verdict = conn.execute("PRAGMA quick_check").fetchall()
     if verdict != [("ok",)]:
         raise sqlite3.DatabaseError("quick_check: " + "; ".join(str(row[0]) for row in verdict[:5]))
     conn.execute("PRAGMA journal_mode = WAL")
     conn.execute("PRAGMA synchronous = NORMAL")  # WAL stays consistent; a power cut may lose the last commits
-    _in_transaction(conn, lambda c: _create_schema(c, path))
+    if not marked:
+        _in_transaction(conn, _adopt)
 
 
-def _create_schema(conn: sqlite3.Connection, path: Path) -> None:
-    conn.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+def _check_owner(conn: sqlite3.Connection, path: Path) -> bool:
+    """Whether the file already carries gemmtune's mark. StoreError for a file gemmtune must not
+    write into: another program's (another application_id, or tables not gemmtune's), a newer
+    gemmtune's, or one whose schema version gemmtune never wrote. An empty file and a store made
+    before the mark existed pass unmarked, to be adopted."""
+    app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+    if app_id not in (0, APPLICATION_ID):
+        raise StoreError(f"{path} is another program's SQLite file (application_id {app_id:#010x}, gemmtune's is "
+                         f"{APPLICATION_ID:#010x}), so gemmtune leaves it untouched: {_ELSEWHERE}")
+    schema = _schema_of(conn)
+    if not schema:
+        return False
+    if app_id == 0 and schema != _our_schema():
+        raise StoreError(f"{path} is not a gemmtune store (it holds {_names(schema)}, not gemmtune's tables and "
+                         f"columns), so gemmtune leaves it untouched: {_ELSEWHERE}")
+    _check_version(path, _schema_version(conn, schema))
+    if schema != _our_schema():
+        raise StoreError(f"{path} is a gemmtune store whose tables were changed ({_names(schema)}), so gemmtune "
+                         f"leaves it untouched: {_ELSEWHERE}")
+    return app_id == APPLICATION_ID
+
+
+def _schema_of(conn: sqlite3.Connection) -> dict[str, tuple[str, ...]]:
+    """Every table, index, view and trigger but SQLite's own, as "type name"; a table with its columns."""
+    objects = conn.execute("SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite!_%' ESCAPE '!'")
+    return {f"{kind} {name}": _columns(conn, name) if kind == "table" else () for kind, name in objects.fetchall()}
+
+
+def _columns(conn: sqlite3.Connection, table: str) -> tuple[str, ...]:
+    return tuple(row[0] for row in conn.execute("SELECT name FROM pragma_table_info(?)", (table,)))
+
+
+@cache
+def _our_schema() -> dict[str, tuple[str, ...]]:
+    """What ``_schema_of`` finds in a store this gemmtune creates, read from one made in memory."""
+    with closing(sqlite3.connect(":memory:")) as conn:
+        for statement in _TABLES:
+            conn.execute(statement)
+        return _schema_of(conn)
+
+
+def _names(schema: dict[str, tuple[str, ...]]) -> str:
+    return ", ".join(sorted(key.split(" ", 1)[1] for key in schema if key.startswith("table ")))
+
+
+def _schema_version(conn: sqlite3.Connection, schema: dict[str, tuple[str, ...]]) -> Any:
+    """The stored schema version, or None where the file has none (meta, as every gemmtune writes it)."""
+    if schema.get("table meta") != _our_schema()["table meta"]:
+        return None
     row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-    if row is None:
-        conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-    elif not str(row[0]).isdigit() or int(row[0]) > SCHEMA_VERSION:
-        raise StoreError(f"{path} has store schema version {row[0]!r}; this gemmtune reads version "
-                         f"{SCHEMA_VERSION} at most: upgrade gemmtune or point {settings.CACHE_DIR.env} elsewhere")
+    return None if row is None else row[0]
+
+
+def _check_version(path: Path, version: Any) -> None:
+    """Refuse a version gemmtune never wrote, and a newer one: never read with the wrong schema,
+    never migrated down, never dropped."""
+    text = "" if version is None else str(version)
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        found = "no store schema version" if version is None else f"store schema version {version!r}"
+        raise StoreError(f"{path} has {found}, and gemmtune writes whole numbers from 1, so it leaves the file "
+                         f"untouched: {_ELSEWHERE}")
+    if int(text) > SCHEMA_VERSION:
+        raise StoreError(f"{path} was made by a newer gemmtune (store schema version {version!r}; this one reads "
+                         f"version {SCHEMA_VERSION} at most), so this one neither reads nor writes it: upgrade "
+                         f"gemmtune, or set {settings.CACHE_DIR.env} (--cache in the CLI) to another directory")
+
+
+def _adopt(conn: sqlite3.Connection) -> None:
+    """Make the file a marked store: a new one gets the tables, an old unmarked one (made before
+    the mark) only the mark, and keeps every entry."""
     for statement in _TABLES:
         conn.execute(statement)
+    conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+
+
+def _require_writable(path: Path) -> None:
+    """StoreError unless this process may write the store: the file, where it exists, and the
+    nearest existing folder, where the file and its WAL files are created."""
+    if path.exists() and not os.access(path, os.W_OK):
+        raise StoreError(f"{path} cannot be written by this user: make it writable, or set "
+                         f"{settings.CACHE_DIR.env} (--cache in the CLI) to another directory")
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise StoreError(f"{path} cannot be written: {folder} is not a directory this user may write into; set "
+                         f"{settings.CACHE_DIR.env} (--cache in the CLI) to another directory")
+
+
+def _failure_message(path: Path, exc: BaseException) -> str:
+    """One line: the file, what is wrong with it, and what to do."""
+    if isinstance(exc, StoreError):
+        return str(exc)
+    if path.is_dir():
+        return f"{path} is a directory, where the store's file belongs: {_ELSEWHERE}"
+    return (f"{path} cannot be used as the tuning store ({exc}): check that the file and its directory are "
+            f"writable and the disk has space, or set {settings.CACHE_DIR.env} (--cache in the CLI) to another "
+            "directory")
+
+
+def _warn_once(path: Path, failure: str, readable: bool) -> None:
+    """One warning per store path in a process: a store that every miss reaches must not flood the log."""
+    with _WARNED_LOCK:
+        if path in _WARNED:
+            return
+        _WARNED.add(path)
+    consequence = ("reads its tuning store but keeps nothing new in it" if readable
+                   else "goes on without its tuning store, reading and keeping nothing")
+    log.warning("gemmtune %s: %s", consequence, failure)
 
 
 def _quarantine(path: Path, identity: tuple[int, int] | None, exc: Exception) -> None:
