@@ -44,7 +44,7 @@ def main() -> None:
                 triton_stream.MAX_RESIDENT = resident
                 kernel = StreamKernel(p, config, dev)
                 label = f"{bn}x{bk}s{stages}r{resident}"
-                errs[label] = verify.check(kernel, p, inp)
+                errs[label] = verify.check(kernel, p, inp).rel_err
                 fns[label] = lambda kern=kernel: kern(inp.a, inp.b, None)
         triton_stream.MAX_RESIDENT = 2
         t = bench.measure(fns, dev, budget_ms=1500, min_rounds=30)

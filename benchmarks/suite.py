@@ -32,6 +32,7 @@ import gemmtune  # noqa: E402
 from gemmtune import backends, bench, shapes, sidebyside, verify  # noqa: E402
 from gemmtune.device import current  # noqa: E402
 from gemmtune.dispatch import DISPATCHER  # noqa: E402
+from gemmtune.results import Timing  # noqa: E402
 from gemmtune.search import STRATEGIES  # noqa: E402
 from gemmtune.store import Store  # noqa: E402
 from gemmtune.tuner import TuneOptions, tune_problem  # noqa: E402
@@ -107,14 +108,15 @@ def run_shape(named, args, runner) -> dict:
         paired = bench.measure({"cublas": cublas_fn, "inductor": compiled}, current(),
                                budget_ms=args.budget_ms / 2, min_rounds=args.rounds // 2)
         inductor_ms, inductor_cublas_ms = paired["inductor"].median, paired["cublas"].median
-    rel = verify.rel_err(out, inputs.reference)
+    verdict = verify.judge(out, p, inputs)
+    rel = verdict.rel_err
     row = {
         "name": named.name, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype, "tf32": p.tf32,
         "layout": p.layout, "group": named.group,
         "cublas_ms": timings["cublas"].median, "gemmtune_ms": timings["gemmtune"].median,
         "speedup": timings["cublas"].median / timings["gemmtune"].median,
         "cublas_spread": timings["cublas"].spread, "gemmtune_spread": timings["gemmtune"].spread,
-        "choice": result.label(), "rel_err": rel, "verified": rel <= verify.tolerance(p),
+        "choice": result.label(), "rel_err": rel, "verified": verdict.ok,
         "tune_s": result.tune_s, "tune_wall_s": tune_wall, "tune_s_warm": warm,
         "exhaustive_ms": timings["exhaustive"].median if exhaustive else None,
         "exhaustive_choice": exhaustive.label() if exhaustive else None,
@@ -126,8 +128,27 @@ def run_shape(named, args, runner) -> dict:
         "tbps": p.min_bytes / (timings["gemmtune"].median * 1e-3) / 1e12,
         "inductor_ms": inductor_ms, "inductor_tune_s": inductor_s, "inductor_cublas_ms": inductor_cublas_ms,
         "best_by_backend": best_by_backend(result.trials),
+        # why the default chose what it did: each verified trial's time, its round, its ratio to
+        # cuBLAS in its own screening rounds where it was paired with cuBLAS
+        "trials": [[t.label(), t.median_ms, "final" if t.final else "screening", t.vs_reference]
+                   for t in sorted((t for t in result.trials if t.ok), key=lambda t: t.median_ms)],
+        "final_vs_cublas": final_ratios(result.trials),
     }
     return row
+
+
+def final_ratios(trials) -> dict:
+    """Each finalist's time over cuBLAS's in the final rounds: [median of the per-round ratios,
+    their half inter-quartile range (what selection reads as noise), rounds]."""
+    reference = next((t for t in trials if t.ok and t.final and t.backend == backends.REFERENCE), None)
+    if reference is None:
+        return {}
+    out = {}
+    for t in trials:
+        if t.ok and t.final and len(t.timing.samples) == len(reference.timing.samples):
+            ratios = Timing(tuple(x / y for x, y in zip(t.timing.samples, reference.timing.samples)))
+            out[t.label()] = [ratios.median, ratios.spread, len(ratios.samples)]
+    return out
 
 
 def best_by_backend(trials) -> dict:

@@ -26,7 +26,7 @@ def test_large_tiles_match_reference(m, n, k, layout, dtype, tf32):
         if config.smem_bytes(problem.element_size) > current().smem_per_block:
             continue  # the space never offers it; compiling it would fail with OutOfResources
         err = verify.check(BACKEND.build(problem, config, current()), problem, inputs)
-        assert err <= verify.tolerance(problem), (config, err)
+        assert err.ok, (config, err.reason())
 
 
 @pytest.fixture

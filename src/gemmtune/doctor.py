@@ -195,9 +195,9 @@ def cublas_check(product: Callable | None = None, device: str = "cuda") -> Check
     for m, n, k, layout in CUBLAS_PROBES:
         problem = Problem(m, n, k, "bfloat16", layout)
         inputs = verify.make_inputs(problem, device, seed=0)
-        err = verify.rel_err(product(problem, inputs.a, inputs.b), inputs.reference)
-        if not err <= verify.tolerance(problem):
-            wrong.append(f"{m}x{n}x{k} {layout} (relative error {err:.1e})")
+        verdict = verify.judge(product(problem, inputs.a, inputs.b), problem, inputs)
+        if not verdict.ok:
+            wrong.append(f"{m}x{n}x{k} {layout} (relative error {verdict.rel_err:.1e})")
     if not wrong:
         return Check("cuBLAS products", f"right on {len(CUBLAS_PROBES)} bf16 shapes", "ok")
     return Check(

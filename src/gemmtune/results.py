@@ -37,6 +37,14 @@ class Timing:
         median = self.median
         return 0.5 * (self.quantile(0.75) - self.quantile(0.25)) / median if median > 0 else 0.0
 
+    def ratio_to(self, other: "Timing") -> float:
+        """This timing over ``other``: the median of the per-round ratios where the samples were
+        taken in the same interleaved rounds (as many of each), which drift common to both does
+        not move; else the ratio of the medians."""
+        if len(self.samples) != len(other.samples) or min(other.samples, default=0) <= 0:
+            return self.median / other.median
+        return Timing(tuple(x / y for x, y in zip(self.samples, other.samples))).median
+
     def spread_against(self, other: "Timing") -> float:
         """The noise of this timing's median relative to ``other``'s.
 
@@ -52,8 +60,9 @@ class Timing:
 class Trial:
     """One candidate tried on one problem: its timing if it ran, its typed reason if not.
     ``final``: the timing is from the final round, beside cuBLAS's in the same rounds (else it is
-    the candidate's screening measurement, not comparable to a finalist's); known only to the
-    tuning run that made it, not stored."""
+    the candidate's screening measurement, not comparable to a finalist's); ``vs_reference``:
+    the median of its per-round ratios to cuBLAS in its screening rounds (below 1: faster),
+    where cuBLAS was timed beside it. Both known only to the tuning run that made it, not stored."""
 
     backend: str
     config: dict
@@ -62,6 +71,7 @@ class Trial:
     rel_err: float | None = None
     reason: str = ""
     final: bool = False
+    vs_reference: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -81,13 +91,14 @@ class Trial:
         """Plain JSON types, for a worker process's reply."""
         return {"backend": self.backend, "config": self.config, "status": self.status.value,
                 "samples": list(self.timing.samples) if self.timing else None, "rel_err": self.rel_err,
-                "reason": self.reason}
+                "reason": self.reason, "vs_reference": self.vs_reference}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Trial":
         samples = data["samples"]
         return cls(data["backend"], dict(data["config"]), Status(data["status"]),
-                   Timing(tuple(samples)) if samples else None, data["rel_err"], data["reason"])
+                   Timing(tuple(samples)) if samples else None, data["rel_err"], data["reason"],
+                   vs_reference=data.get("vs_reference"))
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ def _measure(named: NamedProblem, result: TuneResult, device: Device, *, inducto
     p = named.problem
     inputs = verify.make_inputs(p, "cpu" if device.interpreter else "cuda")
     kernel = backends.build(p, result.backend, result.config, device)
-    rel = verify.rel_err(kernel(inputs.a, inputs.b, inputs.bias), inputs.reference)
+    verdict = verify.judge(kernel(inputs.a, inputs.b, inputs.bias), p, inputs)
     theirs = torch_call(named, inputs)
     timings = bench.measure({"cublas": theirs, "gemmtune": lambda: kernel(inputs.a, inputs.b, inputs.bias)}, device,
                             budget_ms=budget_ms, min_rounds=rounds)
@@ -74,7 +74,7 @@ def _measure(named: NamedProblem, result: TuneResult, device: Device, *, inducto
         "layout": p.layout, "bias": p.bias, "activation": p.activation,
         "cublas_ms": ref.median, "gemmtune_ms": mine.median, "speedup": ref.median / mine.median,
         "noise": mine.spread_against(ref), "cublas_spread": ref.spread, "gemmtune_spread": mine.spread,
-        "choice": result.label(), "rel_err": rel, "verified": rel <= verify.tolerance(p),
+        "choice": result.label(), "rel_err": verdict.rel_err, "verified": verdict.ok,
         "tflops": p.flops / (mine.median * 1e-3) / 1e12, "tbps": p.min_bytes / (mine.median * 1e-3) / 1e12,
         "inductor_ms": None, "inductor_tune_s": None, "inductor_cublas_ms": None,
     }

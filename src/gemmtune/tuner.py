@@ -144,22 +144,43 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
         log.warning("gemmtune: cuBLAS failed on %s (%s); choosing among the verified candidates",
                     problem.describe(), failed.reason if failed else "not run")
 
-    others = sorted((t for t in ok if t is not reference), key=lambda t: t.median_ms)
+    # ranked by their ratio to cuBLAS in their own screening rounds, which drift between
+    # measurements does not move; by their medians where cuBLAS was not there to pair with
+    others = sorted((t for t in ok if t is not reference), key=_screening_rank)
     finalists = ([reference] if reference else []) + others[: options.finalists]
     final = runner.final([(t.backend, t.config) for t in finalists], options.final_budget_ms, MIN_ROUNDS_FINAL)
-    timings = {label: timing for label, (timing, _, _) in final.items()}
-    costs = {label: cost for label, (_, cost, _) in final.items()}
-    hosts = {label: host for label, (_, _, host) in final.items()}
-    label = select(reference.label() if reference else None, timings, costs, hosts)
+    failed = {label: reason for label, (*_, reason) in final.items() if reason}
+    for label, reason in failed.items():
+        log.warning("gemmtune: %s was right before its timing rounds and wrong after them on %s (%s): never chosen",
+                    label, problem.describe(), reason)
+    passed = {label: entry for label, entry in final.items() if label not in failed}
+    if not passed:
+        raise RuntimeError(f"every finalist failed its check after timing on {problem.describe()}: {failed}")
+    timings = {label: timing for label, (timing, *_) in passed.items()}
+    costs = {label: cost for label, (_, cost, *_) in passed.items()}
+    hosts = {label: host for label, (_, _, host, _) in passed.items()}
+    kept = reference if reference is not None and reference.label() in passed else None
+    label = select(kept.label() if kept else None, timings, costs, hosts)
     chosen = next(t for t in finalists if t.label() == label)
-    trials = [dataclasses.replace(t, timing=timings[t.label()], final=True) if t.label() in timings else t
-              for t in trials]
+    trials = [_after_final(t, timings, failed) for t in trials]
     return TuneResult(
         problem_key=problem.key(), device=device.fingerprint(), backend=chosen.backend,
-        config=chosen.config, time_ms=costs[chosen.label()], cublas_ms=costs[reference.label()] if reference else None,
+        config=chosen.config, time_ms=costs[chosen.label()], cublas_ms=costs[kept.label()] if kept else None,
         tune_s=time.perf_counter() - started, rel_err=chosen.rel_err, trials=tuple(trials),
         gpu_timings=not device.interpreter,
     )
+
+
+def _screening_rank(trial: Trial) -> float:
+    return trial.vs_reference if trial.vs_reference is not None else trial.median_ms
+
+
+def _after_final(trial: Trial, timings: dict[str, Timing], failed: dict[str, str]) -> Trial:
+    """``trial`` as the final round left it: its final timing, or failed by its check after it."""
+    label = trial.label()
+    if label in failed:
+        return dataclasses.replace(trial, status=Status.WRONG_RESULT, reason=failed[label])
+    return dataclasses.replace(trial, timing=timings[label], final=True) if label in timings else trial
 
 
 def select(reference: str | None, timings: dict[str, Timing], costs: dict[str, float],
@@ -186,15 +207,27 @@ def select(reference: str | None, timings: dict[str, Timing], costs: dict[str, f
         ceiling = hosts[reference] * (1.0 + HOST_SLACK)
         costs = {label: cost for label, cost in costs.items() if label == reference
                  or hosts.get(label) is None or hosts[label] <= ceiling}
-    best = min(costs, key=costs.get)
-    if reference is None or best == reference:
+    if reference is None:
+        return min(costs, key=costs.get)
+    relative = {label: _relative_cost(label, reference, timings, costs) for label in costs}
+    best = min(relative, key=relative.get)
+    if best == reference:
         return best
     noise = timings[best].spread_against(timings[reference])
-    if timings[best].median > timings[reference].median * (1.0 + noise):
+    if timings[best].ratio_to(timings[reference]) > 1.0 + noise:
         return reference
-    if costs[best] < costs[reference] * (1.0 - max(MIN_GAIN, noise)):
+    if relative[best] < 1.0 - max(MIN_GAIN, noise):
         return best
     return reference
+
+
+def _relative_cost(label: str, reference: str, timings: dict[str, Timing], costs: dict[str, float]) -> float:
+    """A finalist's cost over the reference's: where both costs are their kernels' times, the
+    median of the per-round ratios (drift between rounds cancels in it; on an H100 the ratio of
+    the medians read a 2.2% win as 1.9%), else the ratio of the costs (a host loop's time)."""
+    if costs[label] == timings[label].median and costs[reference] == timings[reference].median:
+        return timings[label].ratio_to(timings[reference])
+    return costs[label] / costs[reference]
 
 
 # Failures that come from compiling the candidate, the same wherever it is compiled: the tuner

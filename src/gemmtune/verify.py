@@ -1,6 +1,21 @@
 """Correctness: every candidate is checked on fresh random inputs against a float64 reference
-before it may be timed. The output is poisoned with NaN first, so an element the kernel never
-wrote fails the check instead of passing on leftover memory."""
+before it may be timed, element by element.
+
+Each output element gets a bound of its own that scales with the magnitudes behind it, as careful
+GEMM test suites do, instead of one norm over the whole output: a norm lets a kernel that zeroes a
+handful of bf16 outputs pass (8 of 65,536 passed an 8e-3 norm bound), an element bound does not.
+For the pre-activation product ``pre = A @ B + bias`` (float64) and ``out = act(pre)``:
+
+    |out - ref| <= LIPSCHITZ * (ROUNDING * (|pre| + |bias|) + ACCUMULATION * scale) + ROUNDING * |ref|
+
+where ``scale = sqrt((A * A) @ (B * B))`` is the root of the sum of the squared terms of the dot
+product: the size of what an accumulation of random-signed terms can lose, and of the product
+itself (docs/verification.md gives the reasoning and each constant's margin). The output is
+poisoned with NaN first, so an element the kernel never wrote fails instead of passing on
+leftover memory. The runner checks every candidate on two independent input sets, and its
+finalists once more after the timing rounds, so a kernel whose result depends on what it saw
+before (a stale cache, a counter left set) fails too.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +28,23 @@ import torch
 from gemmtune import activation
 from gemmtune.problem import Problem
 
-# ||out - ref|| / ||ref|| allowed per precision. Rounding the output alone costs about 2e-3 in
-# bf16 and 3e-4 in fp16; the bounds leave room for accumulation order but stay tight enough
-# that dropping one K-slice of a 4096-long sum (an error near 1.5e-2) fails.
-TOLERANCE = {"bfloat16": 8e-3, "float16": 2e-3, "float32+tf32": 2e-3, "float32": 1e-4}
+# Rounding of one value to the output dtype, relative to it: a unit in the last place (twice
+# the round-to-nearest error: Triton's interpreter truncates bfloat16 instead of rounding).
+ROUNDING = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10, "float32": 2.0 ** -20}
+# What accumulating K products may lose, relative to ``scale``: fp32 accumulation of exact
+# bf16/fp16 products loses ~sqrt(K) * 2^-24 (1e-5 of scale at K = 16384); cuBLAS may reduce
+# split-K partial sums in the output dtype (torch allows it by default), a few roundings of
+# 2^-8 (bf16) or 2^-11 (fp16) each; TF32 cuts each input to 10 mantissa bits (Triton truncates:
+# about 8e-4 * scale standard deviation, and 1.08x a 2^-8 bound was seen on an H100 at 4096^2
+# outputs); IEEE fp32, about sqrt(K) * 6e-8.
+ACCUMULATION = {"bfloat16": 2.0 ** -6, "float16": 2.0 ** -9, "float32+tf32": 2.0 ** -7, "float32": 2.0 ** -14}
+# ||out - ref|| / ||ref|| allowed besides: a scale error that stays inside every element's bound
+# (x1.01 in bf16 is under 3 ulps) is still systematic, and the norm sees it. Rounding the output
+# alone costs about 2e-3 in bf16 and 3e-4 in fp16.
+NORM_TOLERANCE = {"bfloat16": 8e-3, "float16": 2e-3, "float32+tf32": 2e-3, "float32": 1e-4}
+# The steepest slope of the fused activations (GELU's, 1.13): an error before the activation
+# is at most this much larger after it.
+LIPSCHITZ = 1.13
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -27,16 +55,53 @@ class Inputs:
     b: torch.Tensor
     bias: torch.Tensor | None
     reference: torch.Tensor  # float64
+    bound: torch.Tensor  # float64: each output element's largest allowed error
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One output judged against its reference: ``rel_err`` the relative Frobenius error (for
+    reports), ``worst`` the largest |error| / bound over the elements (inf where any element is
+    not finite; above 1 fails), ``where`` that element's (row, column)."""
+
+    rel_err: float
+    norm_tolerance: float
+    worst: float
+    where: tuple[int, int] | None = None
+    value: float = math.nan
+    expected: float = math.nan
+
+    @property
+    def ok(self) -> bool:
+        return self.worst <= 1.0 and self.rel_err <= self.norm_tolerance
+
+    def reason(self) -> str:
+        if self.worst <= 1.0:
+            return f"rel_err {self.rel_err:.3g} > tolerance {self.norm_tolerance:.3g}"
+        at = f"element {self.where}" if self.where is not None else "the output"
+        return (f"{at} is {self.value:.6g} where {self.expected:.6g} is right: {self.worst:.3g}x its tolerance "
+                f"(rel_err {self.rel_err:.3g})")
+
+    def worse(self, other: Verdict) -> Verdict:
+        return self if self.worst >= other.worst else other
+
+
+def tolerance_key(problem: Problem) -> str:
+    return "float32+tf32" if problem.tf32 else problem.dtype
 
 
 def tolerance(problem: Problem) -> float:
-    return TOLERANCE["float32+tf32" if problem.tf32 else problem.dtype]
+    """The relative Frobenius error allowed for ``problem`` (one of the two checks of ``judge``)."""
+    return NORM_TOLERANCE[tolerance_key(problem)]
 
 
 def make_inputs(problem: Problem, device: str, *, seed: int | None = None) -> Inputs:
-    """Fresh random operands (never zeros) for ``problem`` and their float64 product."""
+    """Fresh random operands (never zeros) for ``problem``, their float64 product and each
+    element's error bound."""
     a, b, bias = make_operands(problem, device, seed=seed)
-    return Inputs(a, b, bias, reference(problem, a, b, bias))
+    pre, scale = _product(problem, a, b, bias)
+    reference = activation.apply(pre.clone(), problem.activation)
+    return Inputs(a, b, bias, reference, _bound(problem, pre, scale, bias, reference))
 
 
 def make_operands(problem: Problem, device: str, *, seed: int | None = None) -> tuple:
@@ -55,10 +120,29 @@ def make_operands(problem: Problem, device: str, *, seed: int | None = None) -> 
 
 
 def reference(problem: Problem, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``act(a @ b + bias)`` in float64."""
+    return activation.apply(_product(problem, a, b, bias, scale=False)[0], problem.activation)
+
+
+def _product(problem: Problem, a, b, bias, scale: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The float64 pre-activation product, and ``scale`` (see the module's docstring)."""
+    a64 = a.double()
     b64 = b.double().t() if problem.layout == "linear" else b.double()
-    out = a.double() @ b64
-    out = out if bias is None else out + bias.double()
-    return activation.apply(out, problem.activation)
+    pre = a64 @ b64
+    if bias is not None:
+        pre += bias.double()
+    return pre, (a64.square() @ b64.square()).sqrt_() if scale else None
+
+
+def _bound(problem: Problem, pre: torch.Tensor, scale: torch.Tensor, bias, ref: torch.Tensor) -> torch.Tensor:
+    rounding = ROUNDING[problem.dtype]
+    bound = scale.mul_(ACCUMULATION[tolerance_key(problem)])
+    if bias is not None or problem.activation != "none":  # the dot product may be rounded before them
+        bound.add_(pre.abs() if bias is None else (pre - bias.double()).abs_(), alpha=rounding)
+    if problem.activation != "none":
+        bound.mul_(LIPSCHITZ)
+    # the smallest normal float32: an exact zero must not demand an exact zero of fp32 rounding
+    return bound.add_(ref.abs(), alpha=rounding).add_(torch.finfo(torch.float32).tiny)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -70,17 +154,33 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(diff)) / denom if denom > 0 else float(torch.linalg.vector_norm(diff))
 
 
+def judge(out: torch.Tensor, problem: Problem, inputs: Inputs) -> Verdict:
+    """``out`` against ``inputs``' reference: element by element, and as a whole."""
+    ratio = (out.double() - inputs.reference).abs_().div_(inputs.bound)
+    ratio[~torch.isfinite(ratio)] = math.inf  # NaN compares false: make it the worst
+    flat = int(torch.argmax(ratio))
+    where = divmod(flat, ratio.shape[1]) if ratio.dim() == 2 else None
+
+    def at(t: torch.Tensor) -> float:
+        return float(t.reshape(-1)[flat])
+
+    return Verdict(rel_err(out, inputs.reference), tolerance(problem), at(ratio), where,
+                   at(out), at(inputs.reference))
+
+
 def warm_up(problem: Problem, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """The reference and the error measure run once on ``problem``'s operands, for the kernels
-    they load on first use (cuBLAS's float64 GEMM among them), while something else waits."""
-    ref = reference(problem, a, b, bias)
-    rel_err(ref.to(a.dtype), ref)
+    """The reference, the bound and the judgement run once on ``problem``'s operands, for the
+    kernels they load on first use (cuBLAS's float64 GEMM among them), while something else waits."""
+    pre, scale = _product(problem, a, b, bias)
+    ref = activation.apply(pre.clone(), problem.activation)
+    inputs = Inputs(a, b, bias, ref, _bound(problem, pre, scale, bias, ref))
+    judge(ref.to(a.dtype), problem, inputs)
 
 
-def check(kernel, problem: Problem, inputs: Inputs) -> float:
-    """Run ``kernel`` once into a NaN-poisoned output; its relative error (inf if unwritten)."""
+def check(kernel, problem: Problem, inputs: Inputs) -> Verdict:
+    """Run ``kernel`` once into a NaN-poisoned output and judge it."""
     out = torch.full((problem.m, problem.n), float("nan"), dtype=inputs.a.dtype, device=inputs.a.device)
     result = kernel(inputs.a, inputs.b, inputs.bias, out=out)
     if result.data_ptr() != out.data_ptr():
         raise RuntimeError("kernel ignored its out= argument")
-    return rel_err(out, inputs.reference)
+    return judge(out, problem, inputs)
