@@ -13,10 +13,14 @@ from gemmtune.problem import Problem
 
 
 def test_import_touches_neither_triton_nor_cuda_nor_files(tmp_path):
+    """``import gemmtune`` registers the custom ops (finding 5: they were missing until a
+    gradient or torch.compile imported gemmtune.torch_ops), which imports torch; but never
+    triton, which picks its interpreter when first imported, nor CUDA, nor the store."""
     code = (
-        "import sys, gemmtune\n"
+        "import sys, gemmtune, torch\n"
         "assert 'triton' not in sys.modules, 'triton imported'\n"
-        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "assert not torch.cuda.is_initialized(), 'CUDA initialised'\n"
+        "assert torch.ops.gemmtune.linear.default and torch.ops.gemmtune.mm.default\n"
         "print('ok')\n"
     )
     src = str(Path(gemmtune.__file__).resolve().parents[1])
@@ -37,6 +41,11 @@ def test_import_touches_neither_triton_nor_cuda_nor_files(tmp_path):
     (lambda: gemmtune.linear(torch.ones(2, 3), torch.ones(5, 3), bias=3.0), TypeError, "bias must be a torch.Tensor"),
     (lambda: gemmtune.linear(torch.ones(2, 3), torch.ones(5, 3, dtype=torch.bfloat16)), TypeError, "weight has dtype"),
     (lambda: gemmtune.tune(["4096x4096x4096"]), TypeError, "item 0 is a str"),
+    # finding 5 (issue 26): CPU and meta both have device index -1, and passed as one device
+    (lambda: gemmtune.linear(torch.ones(2, 3), torch.ones(5, 3, device="meta")), ValueError, "weight is on meta"),
+    (lambda: gemmtune.linear(torch.ones(2, 3), torch.ones(5, 3), torch.ones(5, device="meta")), ValueError,
+     "bias is on meta"),
+    (lambda: gemmtune.matmul(torch.ones(2, 3, device="meta"), torch.ones(3, 5)), ValueError, "b is on cpu"),
 ])
 def test_bad_input_names_the_argument(call, error, message):
     with pytest.raises(error, match=message):

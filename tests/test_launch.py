@@ -194,3 +194,27 @@ def test_the_front_entry_calls_cublas_linear_itself_and_flattens_only_for_two_d_
     assert torch.allclose(front_entry(two_d, x2, w, None)(x2, w, None, 0, 0, 0), F.linear(x2, w))
     assert torch.allclose(front_entry(any_rank(two_d), x, w, None)(x, w, None, 0, 0, 0), F.linear(x, w))
     assert calls == [2, 2]
+
+
+STREAM = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 1, "num_stages": 1}
+
+
+@pytest.mark.parametrize("name, config", [("triton_tiled", TILED), ("triton_splitk", FMA), ("triton_stream", STREAM)])
+def test_no_launch_is_bound_to_a_bias_the_kernels_cannot_read_in_place(name, config, monkeypatch):
+    """Finding 1 (issue 26): a bound launch passes the caller's bias address to the binary, which
+    reads element i at bias + i; for a strided or expanded bias the wrapper's own call copies
+    it, so ``bind`` must leave such calls to the wrapper. (A binary is faked: the interpreter
+    keeps none.)"""
+    import gemmtune.backends.triton_stream as stream
+
+    problem = Problem(8, 32, 32, "float16", "linear", bias=True)
+    kernel = build(problem, name, config)
+    binary = (None, (1, 1, 1), None, 0, None, (), (), None)  # what Launcher.direct returns, in shape
+    monkeypatch.setattr(kernel._launch, "direct", lambda guard, grid, scalars: binary)
+    monkeypatch.setattr(stream, "_tma_encoders", lambda launch: (None, None, None))
+    a, b, _ = verify.make_operands(problem, DEVICE, seed=0)
+    t = torch.randn(64, dtype=torch.float16, device=DEVICE)
+    for bias in (None, t[:32], t[1:33]):
+        assert kernel.bind(a, b, bias) is not None
+    for bias in (t[::2], t[:1].expand(32)):
+        assert kernel.bind(a, b, bias) is None

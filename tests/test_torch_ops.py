@@ -118,3 +118,42 @@ def test_compiling_the_public_functions_keeps_the_ops_whole():
     assert torch.allclose(out, F.silu(F.linear(x, w)) @ w2, rtol=1e-5, atol=1e-6)
     (graph,) = graphs
     assert "gemmtune.linear" in graph and "gemmtune.mm" in graph
+
+
+@pytest.mark.parametrize("x_shape, w_shape", [((4, 0), (3, 0)), ((4, 5), (0, 5)), ((2, 3, 0), (6, 0)), ((0,), (2, 0))])
+@pytest.mark.parametrize("act", ["none", "silu"])
+def test_backward_with_k_or_n_zero_matches_torch(x_shape, w_shape, act):
+    """Finding 4 (issue 26): the backward reshaped x to (-1, 0), which torch cannot infer."""
+    x, w, b = leaves(x_shape, w_shape, (w_shape[0],))
+    out = gemmtune.linear(x, w, b, activation=None if act == "none" else act)
+    grad = torch.randn(out.shape, dtype=out.dtype)
+    mine = torch.autograd.grad(out, (x, w, b), grad)
+    theirs = torch.autograd.grad(TORCH_ACTS[act](F.linear(x, w, b)), (x, w, b), grad)
+    for got, expected in zip(mine, theirs):
+        assert got.shape == expected.shape and torch.allclose(got, expected)
+
+
+@pytest.mark.parametrize("a, b, message", [
+    (torch.ones(3), torch.ones(3, 2), r"mm: a must be 2-D, got shape \(3,\)"),
+    (torch.ones(2, 3), torch.ones(1, 3, 2), r"mm: b must be 2-D, got shape \(1, 3, 2\)"),
+])
+def test_the_mm_op_names_an_operand_that_is_not_2d(a, b, message):
+    """Finding 5: the op has no torch.matmul fallback for other ranks (gemmtune.matmul does);
+    it said 'not enough values to unpack'. Its fake says the same as it."""
+    with pytest.raises(ValueError, match=message):
+        torch.ops.gemmtune.mm(a, b)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match=message):
+        torch.ops.gemmtune.mm(mode.from_tensor(a), mode.from_tensor(b))
+
+
+def test_a_compiled_malformed_call_fails_with_the_public_error():
+    """Finding 5: torch.compile runs the fake implementation, which checks as the op does; the
+    compiler wraps the error, its message stays."""
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def layer(x, w):
+        return torch.ops.gemmtune.linear(x, w, None, "none")
+
+    with pytest.raises(Exception, match="its last dimension must be weight's K=5"):
+        layer(torch.ones(2, 3), torch.ones(4, 5))

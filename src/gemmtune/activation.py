@@ -30,8 +30,8 @@ def backward(z: torch.Tensor, grad: torch.Tensor, name: str) -> torch.Tensor:
         return grad
     wide = torch.promote_types(z.dtype, torch.float32)
     zf, g = z.to(wide), grad.to(wide)
-    if name == "relu":
-        d = (zf > 0).to(wide)
+    if name == "relu":  # as torch's: a NaN input passes the gradient on (NaN <= 0 is false)
+        d = (~(zf <= 0)).to(wide)
     elif name == "gelu":
         cdf = 0.5 * (1.0 + torch.erf(zf * 0.7071067811865476))
         d = cdf + zf * torch.exp(-0.5 * zf * zf) * 0.3989422804014327  # + z * pdf(z)

@@ -100,14 +100,31 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     _require_tensor("b", b)
     if a.dim() != 2 or b.dim() != 2:
         return torch.matmul(a, b)
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"matmul: a is {tuple(a.shape)} and b is {tuple(b.shape)}; a.shape[1] must equal b.shape[0]")
-    _require_same("b", b, a)
+    _check_mm_2d(a, b)
     if _needs_grad(a, b) or torch.compiler.is_compiling():
         from gemmtune import torch_ops
 
         return torch_ops.mm(a, b)
     return matmul_forward(a, b)
+
+
+def check_mm(a, b) -> None:
+    """What ``torch.ops.gemmtune.mm`` (and its fake) requires: ``matmul``'s checks, and both
+    operands 2-D (the op has no ``torch.matmul`` fallback for other ranks). Raises the error
+    naming the argument that ``matmul`` raises."""
+    for name, operand in (("a", a), ("b", b)):
+        _require_tensor(name, operand)
+        if operand.dim() != 2:
+            raise ValueError(f"mm: {name} must be 2-D, got shape {tuple(operand.shape)} "
+                             "(gemmtune.matmul takes other ranks by torch.matmul's rules)")
+    _check_mm_2d(a, b)
+
+
+def _check_mm_2d(a: torch.Tensor, b: torch.Tensor) -> None:
+    """``matmul``'s checks of 2-D operands: K agrees, one device, one dtype."""
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul: a is {tuple(a.shape)} and b is {tuple(b.shape)}; a.shape[1] must equal b.shape[0]")
+    _require_same("b", b, a)
 
 
 def matmul_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -144,6 +161,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             front = call = None                               # activation: the checks below say which
         if call is not None:
             return call(x, weight, bias, px, pw, pb)
+    act = check_linear(x, weight, bias, activation)
+    if _needs_grad(x, weight, bias) or torch.compiler.is_compiling():
+        from gemmtune import torch_ops
+
+        return torch_ops.linear(x, weight, bias, act)
+    n, k = weight.shape
+    return _linear(x, weight, bias, act, x.shape, n, k, front)
+
+
+def check_linear(x, weight, bias, activation) -> str:
+    """What ``linear`` requires, and ``torch.ops.gemmtune.linear`` (and its fake) too: x (..., K),
+    weight (N, K) and bias (N,) or None, tensors of one dtype on one device, and a known
+    activation (None or its name). Returns the activation's name ("none" for None); raises an
+    error naming the argument."""
     act = "none" if activation is None else activation
     if act not in ACTIVATIONS:
         raise ValueError(f"linear: activation={activation!r} is not supported; accepted: None, "
@@ -163,11 +194,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if bias.shape != (n,):
             raise ValueError(f"linear: bias must have shape ({n},), got {tuple(bias.shape)}")
         _require_same("bias", bias, x)
-    if _needs_grad(x, weight, bias) or torch.compiler.is_compiling():
-        from gemmtune import torch_ops
-
-        return torch_ops.linear(x, weight, bias, act)
-    return _linear(x, weight, bias, act, x_shape, n, k, front)
+    return act
 
 
 def _front_key(x, weight, bias, activation, px: int, pw: int, pb: int) -> tuple:
@@ -258,9 +285,11 @@ def _require_tensor(name: str, value) -> None:
 
 def _require_same(name: str, tensor: torch.Tensor, like: torch.Tensor) -> None:
     """Same device and dtype as the first operand; a clear error where torch's would be vague.
-    (Device indices are compared first: building two torch.device objects costs more than the
-    rest of a cache-hit call's checks.)"""
-    if tensor.get_device() != like.get_device() or tensor.is_cuda != like.is_cuda:
+    Two CUDA tensors are told apart by their device indices alone: building two torch.device
+    objects costs more than the rest of a served call's checks. Any other pair compares its
+    devices whole: a CPU and a meta tensor both have index -1."""
+    if tensor.get_device() != like.get_device() \
+            or not (tensor.is_cuda and like.is_cuda) and tensor.device != like.device:
         raise ValueError(f"{name} is on {tensor.device} but the first operand is on {like.device}; move both to one device")
     if tensor.dtype != like.dtype:
         raise TypeError(f"{name} has dtype {tensor.dtype} but the first operand has {like.dtype}; gemmtune does not mix dtypes")

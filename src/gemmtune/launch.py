@@ -106,9 +106,10 @@ def _raw_launch(compiled) -> tuple:
 def gemm_call(a, b, bias, out, linear: bool) -> tuple:
     """What a GEMM wrapper needs for its launch, from a (M, K), b ((N, K) if ``linear``, else
     (K, N)), bias or None and the caller's ``out`` (allocated here if None): m, n, k, the output,
-    the guard, the leading tensor arguments (a, b, out, bias or out), their addresses, and the
-    strides of a, of b as (K, N), and of the output. With no ``out``, a may have any rank
-    (..., K): its M = a.numel() // K rows make an output (..., N)."""
+    the guard, the leading tensor arguments (a, b, out, bias or out; a bias of another stride
+    copied by ``unit_stride_bias``), their addresses, and the strides of a, of b as (K, N), and
+    of the output. With no ``out``, a may have any rank (..., K): its M = a.numel() // K rows
+    make an output (..., N)."""
     n = b.shape[0] if linear else b.shape[1]
     out_shape = a.shape
     if len(out_shape) != 2:  # a model's (batch, tokens, K): no views made where it is contiguous
@@ -127,6 +128,7 @@ def gemm_call(a, b, bias, out, linear: bool) -> tuple:
         out_shape = (m, n)
         sa = a.stride()
     sb = b.stride()
+    bias = unit_stride_bias(bias)
     has_bias = bias is not None
     pa, pb, pbias = a.data_ptr(), b.data_ptr(), bias.data_ptr() if has_bias else 0
     guard = gemm_guard(a, b, bias, out, sa, sb, pa, pb, pbias)
@@ -139,6 +141,20 @@ def gemm_call(a, b, bias, out, linear: bool) -> tuple:
     strides = (sa[0], sa[1], sb[1], sb[0], so[0], so[1]) if linear else (sa[0], sa[1], sb[0], sb[1], so[0], so[1])
     return (m, n, k, out, guard, (a, b, out, bias if has_bias else out), (pa, pb, po, pbias if has_bias else po),
             strides)
+
+
+def reads_bias_in_place(bias) -> bool:
+    """Whether a kernel can read ``bias`` (N,) where it lies: every kernel reads element ``i`` at
+    ``bias_ptr + i``, so its stride must be 1 (or N at most 1). A strided view (``t[::2]``) or
+    an expanded one (``t[:1].expand(N)``, stride 0) would be misread, the latter past its
+    allocation."""
+    return bias is None or bias.stride(0) == 1 or bias.shape[0] <= 1
+
+
+def unit_stride_bias(bias):
+    """``bias`` itself where a kernel reads it in place, else a contiguous copy (one small copy
+    per call, for views that a model's layers never pass)."""
+    return bias if reads_bias_in_place(bias) else bias.contiguous()
 
 
 def any_rank(kernel):
@@ -179,9 +195,10 @@ def bind_gemm(kernel, launcher: Launcher, a, b, bias, linear: bool) -> Callable 
     that has ``launch_args(a, m, n, k, strides) -> (grid, scalars, scratch addresses)``: a call
     ``call(a, b, bias, pa, pb, pbias)`` for operands like these in all their guard holds (pbias
     0 without bias), launching the binary from the addresses with nothing recomputed. None until
-    a call with these operands made the binary, and for a non-contiguous a of rank above 2 (its
-    rows are copied per call)."""
-    if a.dim() != 2 and not a.is_contiguous():
+    a call with these operands made the binary, for a non-contiguous a of rank above 2 (its rows
+    are copied per call) and for a bias the kernel cannot read in place (copied per call: the
+    bound launch would get the caller's address)."""
+    if (a.dim() != 2 and not a.is_contiguous()) or not reads_bias_in_place(bias):
         return None
     m, n, k, out, guard, _, _, strides = gemm_call(a, b, bias, None, linear)
     grid, scalars, scratch = kernel.launch_args(a, m, n, k, strides)

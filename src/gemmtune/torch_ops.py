@@ -6,8 +6,10 @@ differentiates them: the backward GEMMs go through the same ops, so they are tun
 tensors gemmtune does not serve (CPU, float64, ...) they compute with torch, as
 ``gemmtune.linear`` and ``gemmtune.matmul`` document.
 
-Importing this module registers the ops; ``gemmtune.linear`` and ``gemmtune.matmul`` import it
-when an input needs a gradient.
+The ops check their operands as the public functions do (``api.check_linear``,
+``api.check_mm``), their fake implementations too, so a malformed call raises the same error
+naming the argument whether it runs, is traced or is compiled. ``import gemmtune`` imports this
+module, which registers the ops.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from gemmtune import api
 @torch.library.custom_op("gemmtune::linear", mutates_args=())
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
     """``act(x @ weight.T + bias)``; x (..., K), weight (N, K), bias (N,) or None."""
+    api.check_linear(x, weight, bias, activation)
     return api.linear_forward(x, weight, bias, activation)
 
 
 @linear.register_fake
 def _linear_fake(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+    api.check_linear(x, weight, bias, activation)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -38,7 +42,9 @@ def _linear_setup(ctx, inputs, output) -> None:
 
 def _linear_backward(ctx, grad: Tensor):
     x, weight, bias = ctx.saved_tensors
-    x2, g2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+    # as (M, K) and (M, N), M counted: reshape(-1, 0) cannot infer it where K or N is 0
+    (n, k), rows = weight.shape, x.shape[:-1].numel()
+    x2, g2 = x.reshape(rows, k), grad.reshape(rows, n)
     if ctx.activation != "none":  # the pre-activation is recomputed: one GEMM instead of a saved (M, N)
         g2 = activations.backward(linear(x2, weight, bias, "none"), g2, ctx.activation)
     dx = mm(g2, weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
@@ -53,11 +59,13 @@ linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 @torch.library.custom_op("gemmtune::mm", mutates_args=())
 def mm(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` for a (M, K) and b (K, N)."""
+    api.check_mm(a, b)
     return api.matmul_forward(a, b)
 
 
 @mm.register_fake
 def _mm_fake(a: Tensor, b: Tensor) -> Tensor:
+    api.check_mm(a, b)
     return a.new_empty((a.shape[0], b.shape[1]))
 
 

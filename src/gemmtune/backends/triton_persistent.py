@@ -14,6 +14,7 @@ import torch
 from gemmtune import costmodel
 from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_runs
 from gemmtune.device import Device
+from gemmtune.launch import unit_stride_bias
 from gemmtune.problem import Problem
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -117,7 +118,7 @@ class PersistentKernel:
 
     def __call__(self, a, b, bias, out=None):
         c = self._config
-        a, b = tma_ready(a), tma_ready(b)
+        a, b, bias = tma_ready(a), tma_ready(b), unit_stride_bias(bias)
         m, k = a.shape
         n = b.shape[0] if self._linear else b.shape[1]
         result = torch.empty((m, n), dtype=a.dtype, device=a.device)

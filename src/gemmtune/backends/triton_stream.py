@@ -17,7 +17,7 @@ from gemmtune import costmodel
 from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_runs
 from gemmtune.backends.triton_persistent import tma_ready
 from gemmtune.device import Device
-from gemmtune.launch import Launcher, gemm_guard
+from gemmtune.launch import Launcher, gemm_guard, reads_bias_in_place, unit_stride_bias
 from gemmtune.problem import Problem
 
 BLOCK_M = (16, 32, 64)  # the rows of A: the MMA's narrow side, M rounded up to a power of two
@@ -116,7 +116,7 @@ class StreamKernel:
             n = b.shape[0] if self._linear else b.shape[1]
             return self(a.reshape(-1, a.shape[-1]), b, bias).view(*a.shape[:-1], n)
         c = self._config
-        a, b = tma_ready(a), tma_ready(b)
+        a, b, bias = tma_ready(a), tma_ready(b), unit_stride_bias(bias)
         m, k = a.shape
         n = b.shape[0] if self._linear else b.shape[1]
         pa, pb, pbias = a.data_ptr(), b.data_ptr(), bias.data_ptr() if bias is not None else 0
@@ -146,13 +146,14 @@ class StreamKernel:
 
     def bind(self, a, b, bias):
         """For linear's front path: a call ``call(x, w, bias, px, pw, pbias)`` for operands laid
-        out as these (contiguous x of any rank), once a call like this one has made the binary;
-        else None. It encodes x's TMA map from its address and calls Triton's C launcher itself,
-        skipping the descriptor objects and the launcher's Python wrapper that the plain call
-        pays: the weights' maps are encoded once per weight address (the front path's key fixes
-        their shape, not which tensor they are)."""
+        out as these (contiguous x of any rank, a bias read in place), once a call like this one
+        has made the binary; else None. It encodes x's TMA map from its address and calls
+        Triton's C launcher itself, skipping the descriptor objects and the launcher's Python
+        wrapper that the plain call pays: the weights' maps are encoded once per weight address
+        (the front path's key fixes their shape, not which tensor they are)."""
         k = a.shape[-1]
-        if not a.is_contiguous() or tma_ready(b) is not b or a.data_ptr() % 16 or (k * a.element_size()) % 16:
+        if not a.is_contiguous() or tma_ready(b) is not b or a.data_ptr() % 16 or (k * a.element_size()) % 16 \
+                or not reads_bias_in_place(bias):
             return None
         a2 = a.reshape(-1, k)
         m, n = a2.shape[0], (b.shape[0] if self._linear else b.shape[1])
