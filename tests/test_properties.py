@@ -161,26 +161,24 @@ def matmul_inputs(draw, two_d: bool):
 @given(inputs=matmul_inputs(two_d=False), grad=st.booleans())
 def test_matmul_matches_torch_at_every_rank(inputs, grad):
     """Findings 4 and 1 (views): 2-D operands through the op, others by torch.matmul's rules."""
-    a, b = inputs
-    for t in inputs:
-        t.requires_grad_(grad)
-    got, expected = gemmtune.matmul(a, b), torch.matmul(a, b)
-    assert_close(got, expected, "output")
-    if grad:
-        assert_same_gradients(got, expected, [a, b])
+    matches_with_gradients(gemmtune.matmul, torch.matmul, inputs, grad)
 
 
 @CPU_EXAMPLES
 @given(inputs=matmul_inputs(two_d=True), grad=st.booleans())
 def test_the_mm_op_matches_torch(inputs, grad):
     """Finding 4: the op's backward at zero sizes; finding 1: its operands' views."""
-    a, b = inputs
+    matches_with_gradients(torch.ops.gemmtune.mm, torch.mm, inputs, grad)
+
+
+def matches_with_gradients(call, reference, inputs, grad: bool) -> None:
+    """``call`` and torch's ``reference`` agree on ``inputs``, and so do their gradients."""
     for t in inputs:
         t.requires_grad_(grad)
-    got, expected = torch.ops.gemmtune.mm(a, b), torch.mm(a, b)
+    got, expected = call(*inputs), reference(*inputs)
     assert_close(got, expected, "output")
     if grad:
-        assert_same_gradients(got, expected, [a, b])
+        assert_same_gradients(got, expected, list(inputs))
 
 
 # Each makes valid float32 operands x (2, 3), weight (4, 3), bias (4,) malformed one way.
