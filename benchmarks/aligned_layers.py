@@ -1,6 +1,6 @@
 """Misaligned nn.Linear layers, side by side: torch's layer (cuBLAS on the raw operands),
 gemmtune's layer with its weight as given (``align=False``), and gemmtune's layer with the weight
-stored padded (``gemmtune.aligned``) three ways: as the layer calls it (``layer``: the way its
+stored padded (``gemmtune.nn.padded``) three ways: as the layer calls it (``layer``: the way its
 first call of that many rows measured faster), always through the padded GEMM (only x copied),
 and always as a plain layer on the padded parameter (its rows 16-byte aligned, K and N as they are). Each gemmtune layer is
 tuned from an example first; each output is checked against float64.
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import gemmtune
-from gemmtune import bench, verify
+from gemmtune.tuning import measure, verify
 from gemmtune.device import current
 from gemmtune import nn as gnn
 from gemmtune.nn import tune_calls
@@ -49,7 +49,7 @@ def main() -> None:
                        "gemmtune_padded": lambda: padded.aligned.padded(padded, x),
                        "gemmtune_view": lambda: gnn.Linear.forward(padded, x)}
                 errs = {label: verify.rel_err(fn(), expected) for label, fn in fns.items()}
-                t = bench.measure(fns, dev, budget_ms=1200, min_rounds=30)
+                t = measure.measure(fns, dev, budget_ms=1200, min_rounds=30)
             ms = {label: v.median for label, v in t.items()}
             row = {"layer": name, "m": m, "ms": ms, "spread": {label: v.spread for label, v in t.items()},
                    "rel_err": errs, "padded_vs_torch": ms["torch"] / ms["gemmtune_padded"],

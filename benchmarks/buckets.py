@@ -1,6 +1,6 @@
 """Bucket validation report: for each shape of a shapes file, the config tuned for its bucket's
 representative measured on shapes sampled from the bucket beside each sample's own tuned config
-(``gemmtune.buckets.validate``). Writes a JSON report with the device and a loss summary.
+(``gemmtune.tuning.buckets.validate``). Writes a JSON report with the device and a loss summary.
 
     PYTHONPATH=src python3 benchmarks/buckets.py --out buckets.json [--policy pow2] [--samples 2]
 
@@ -21,11 +21,12 @@ import torch
 import triton
 
 import gemmtune
-from gemmtune import buckets, shapes
+from gemmtune import shapes
+from gemmtune.tuning import buckets
 from gemmtune.device import current
 from gemmtune.problem import BUCKETS
-from gemmtune.tuner import TuneOptions
-from gemmtune.worker import IsolatedRunner
+from gemmtune.tuning.tuner import TuneOptions
+from gemmtune.tuning.worker import IsolatedRunner
 
 ROOT = Path(__file__).resolve().parent
 

@@ -31,10 +31,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from gemmtune import backends, bench, shapes, verify
+from gemmtune import backends, shapes
+from gemmtune.tuning import measure, verify
 from gemmtune.backends.cublas_padded import copy_padded, padded_size
 from gemmtune.device import current
-from gemmtune.kernels.pad import pad_copy
+from gemmtune.backends.kernels.pad import pad_copy
 from gemmtune.problem import Problem
 
 ROOT = Path(__file__).resolve().parent
@@ -76,7 +77,7 @@ def reads(numel: int, device) -> tuple[float, str]:
         fns[f"BLOCK={block},UNROLL={unroll},num_warps={warps}"] = (
             lambda out=out, programs=programs, block=block, unroll=unroll, warps=warps:
             read_once[(programs,)](x, out, numel, BLOCK=block, UNROLL=unroll, num_warps=warps))
-    timings = bench.measure(fns, device, min_rounds=30, budget_ms=600)
+    timings = measure.measure(fns, device, min_rounds=30, budget_ms=600)
     best = min(timings, key=lambda name: timings[name].median)
     return timings[best].median, best
 
@@ -87,7 +88,7 @@ def decode_rows(named, device) -> list[dict]:
         p = item.problem
         x = torch.randn(p.m, p.k, dtype=torch.bfloat16, device="cuda")
         w = torch.randn(p.n, p.k, dtype=torch.bfloat16, device="cuda")
-        cublas_ms = bench.measure({"cublas": lambda: F.linear(x, w)}, device, min_rounds=50)["cublas"].median
+        cublas_ms = measure.measure({"cublas": lambda: F.linear(x, w)}, device, min_rounds=50)["cublas"].median
         read_ms, config = reads(p.n * p.k, device)
         weight_bytes = p.n * p.k * 2
         row = {"name": item.name, "m": p.m, "n": p.n, "k": p.k, "weight_mb": weight_bytes / 1e6,
@@ -162,7 +163,7 @@ def prefill_rows(named, device) -> list[dict]:
         else:
             b = torch.randn(p.k, p.n, dtype=dtype, device="cuda")
             fn = lambda a=a, b=b: torch.mm(a, b)  # noqa: E731
-        ms = bench.measure({"cublas": fn}, device, min_rounds=30)["cublas"].median
+        ms = measure.measure({"cublas": fn}, device, min_rounds=30)["cublas"].median
         clock_mhz, watts = sustained(fn)
         tflops = 2 * p.m * p.n * p.k / (ms * 1e-3) / 1e12
         row = {"name": item.name, "m": p.m, "n": p.n, "k": p.k, "cublas_ms": ms, "tflops": tflops,
@@ -205,7 +206,7 @@ def misaligned(device) -> dict:
         grid = (-(-m // br), -(-kp // bc))
         fns[f"pad_a_{br}x{bc}_w{warps}"] = (lambda grid=grid, br=br, bc=bc, warps=warps: pad_copy[grid](
             a, a_p, m, k, m, kp, a.stride(0), a.stride(1), a_p.stride(0), BLOCK_R=br, BLOCK_C=bc, num_warps=warps))
-    t = {name: timing.median for name, timing in bench.measure(fns, device, min_rounds=30).items()}
+    t = {name: timing.median for name, timing in measure.measure(fns, device, min_rounds=30).items()}
     for name in sorted(t, key=t.get):
         print(f"    {name:44s} {t[name]:.4f} ms  x{t['cublas'] / t[name]:.2f} over cuBLAS", flush=True)
     odd4k = {"m": m, "n": n, "k": k, "padded_k": kp, "padded_n": np_, **{f"{name}_ms": v for name, v in t.items()},
@@ -225,7 +226,7 @@ def misaligned(device) -> dict:
         small[f"cublas_{size}"] = lambda x=x, y=y: torch.mm(x, y)
     dummy = torch.empty(1, device="cuda")
     small["empty_kernel"] = lambda: empty_kernel[(1,)](dummy)
-    t = {name: timing.median for name, timing in bench.measure(small, device, min_rounds=50).items()}
+    t = {name: timing.median for name, timing in measure.measure(small, device, min_rounds=50).items()}
     odd1k = {f"{name}_ms": v for name, v in t.items()}
     print(f"odd-1k: cublas {t['cublas_1000']:.4f} ms at 1000^3, {t['cublas_1024']:.4f} ms at 1024^3; "
           f"an empty kernel {t['empty_kernel']:.4f} ms", flush=True)

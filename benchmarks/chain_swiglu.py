@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from gemmtune import bench
+from gemmtune.tuning import measure
 from gemmtune.backends.triton_stream import StreamConfig, StreamKernel
 from gemmtune.device import current
 from gemmtune.problem import Problem
@@ -173,9 +173,9 @@ def main() -> None:
             return y
         return run
 
-    alone = bench.measure({label: (lambda mlp=mlp: mlp(x, w_gate_up[0])) for label, mlp in mlps.items()}, dev,
+    alone = measure.measure({label: (lambda mlp=mlp: mlp(x, w_gate_up[0])) for label, mlp in mlps.items()}, dev,
                           budget_ms=600, min_rounds=30)
-    in_chain = bench.measure({label: chain(mlp) for label, mlp in mlps.items()}, dev, budget_ms=1500, min_rounds=30)
+    in_chain = measure.measure({label: chain(mlp) for label, mlp in mlps.items()}, dev, budget_ms=1500, min_rounds=30)
     base = in_chain["unfused"].median
     rows = []
     for label in sorted(mlps, key=lambda lab: in_chain[lab].median):

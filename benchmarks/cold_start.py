@@ -24,7 +24,7 @@ from pathlib import Path
 
 from gemmtune.device import current
 from gemmtune.problem import Problem
-from gemmtune.tuner import TuneOptions, _plan
+from gemmtune.tuning.tuner import TuneOptions, _plan
 
 CHILD = r"""
 import collections, json, sys, time
@@ -32,7 +32,7 @@ t = {}
 t0 = time.perf_counter(); import torch; t["import_torch"] = time.perf_counter() - t0
 t0 = time.perf_counter(); import triton; t["import_triton"] = time.perf_counter() - t0
 t0 = time.perf_counter(); torch.zeros(1, device="cuda"); torch.cuda.synchronize(); t["cuda_start"] = time.perf_counter() - t0
-t0 = time.perf_counter(); import gemmtune.backends, gemmtune.verify; t["import_gemmtune"] = time.perf_counter() - t0
+t0 = time.perf_counter(); import gemmtune.backends, gemmtune.tuning.verify; t["import_gemmtune"] = time.perf_counter() - t0
 #PROBLEM
 
 from triton.runtime import build
@@ -53,7 +53,8 @@ timed(build, "_build", "c_build")
 for stage in ("make_ttir", "make_ttgir", "make_llir", "make_ptx", "make_cubin"):
     timed(nv.CUDABackend, stage, stage)
 
-from gemmtune import backends, verify
+from gemmtune import backends
+from gemmtune.tuning import verify
 from gemmtune.device import current
 rows = []
 for backend, config in json.loads(sys.argv[1]):
@@ -74,7 +75,7 @@ t0 = time.perf_counter()
 import torch
 torch.zeros(1, device="cuda")
 from gemmtune.device import current
-from gemmtune.runner import LocalRunner
+from gemmtune.tuning.runner import LocalRunner
 #PROBLEM
 t["main_start"] = time.perf_counter() - t0
 runner = LocalRunner(current())

@@ -47,7 +47,7 @@ def main() -> int:
     timed(triton.compiler.compiler, "compile", "compile")
     triton.compiler.compile = triton.compiler.compiler.compile  # the name the JIT imports
 
-    from gemmtune import tuner
+    from gemmtune.tuning import tuner
     from gemmtune.device import current
     from gemmtune.problem import Problem
 

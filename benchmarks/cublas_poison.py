@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from gemmtune import verify
+from gemmtune.tuning import verify
 from gemmtune.device import current
 from gemmtune.problem import Problem
 

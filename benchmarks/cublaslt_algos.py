@@ -1,6 +1,6 @@
 """Does cuBLAS hold a faster kernel than the one torch's call gets? cuBLASLt's heuristic ranks
 algorithms for a problem; torch takes its first. This probe takes the others it ranks (through
-``gemmtune.cublaslt``, as the ``cublaslt`` backend does), checks each one's product against
+``gemmtune.backends.cublaslt_binding``, as the ``cublaslt`` backend does), checks each one's product against
 float64, and times every one beside torch's own call in the suite's way (interleaved rounds, L2
 flushed, CUDA-graph replays).
 
@@ -14,9 +14,10 @@ import time
 
 import torch
 
-from gemmtune import backends, bench, shapes, verify
+from gemmtune import backends, shapes
+from gemmtune.tuning import measure, verify
 from gemmtune.device import current
-from gemmtune.sidebyside import torch_call
+from gemmtune.cli.sidebyside import torch_call
 
 
 def main(path: str, groups: list[str]) -> None:
@@ -41,7 +42,7 @@ def main(path: str, groups: list[str]) -> None:
             if verdict.ok:
                 fns[f"lt{i + 1}"] = (lambda k: lambda: k(inputs.a, inputs.b, None))(kernel)
         t0 = time.perf_counter()
-        timings = bench.measure(fns, device, budget_ms=600, min_rounds=15)
+        timings = measure.measure(fns, device, budget_ms=600, min_rounds=15)
         ref = timings["torch"]
         for name, info in algos.items():
             if name in timings:

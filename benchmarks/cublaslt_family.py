@@ -22,7 +22,7 @@ import sys
 import torch
 
 from cublaslt_space import caps, report, rows_of, screen_and_final, verified, write
-from gemmtune import verify
+from gemmtune.tuning import verify
 from gemmtune.device import current
 
 BAND = 48

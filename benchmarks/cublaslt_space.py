@@ -16,9 +16,11 @@ import time
 
 import torch
 
-from gemmtune import backends, bench, cublaslt, shapes, verify
+from gemmtune import backends, shapes
+from gemmtune.tuning import measure, verify
+from gemmtune.backends import cublaslt_binding
 from gemmtune.device import current
-from gemmtune.sidebyside import torch_call
+from gemmtune.cli.sidebyside import torch_call
 
 CAP_SWIZZLING, CAP_TILE_IDS, CAP_CUSTOM_MAX, CAP_STAGES_IDS = 2, 6, 7, 13
 CLUSTERS = range(0, 16)
@@ -27,12 +29,12 @@ FINALISTS = 6
 
 
 def caps(algo_id: int, types: tuple) -> dict:
-    lib = cublaslt.library()
+    lib = cublaslt_binding.library()
     get = lib.cublasLtMatmulAlgoCapGetAttribute
     get.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     get.restype = ctypes.c_int
-    algo = cublaslt.Algo()
-    lib.cublasLtMatmulAlgoInit(cublaslt.handle(torch.cuda.current_device()), *types, algo_id, ctypes.byref(algo))
+    algo = cublaslt_binding.Algo()
+    lib.cublasLtMatmulAlgoInit(cublaslt_binding.handle(torch.cuda.current_device()), *types, algo_id, ctypes.byref(algo))
 
     def array(attr):
         written = ctypes.c_size_t()
@@ -72,7 +74,7 @@ def rows_of(groups: list[str]):
         if named.group in (groups or ["prefill", "mid"]) and not p.bias and p.rows_aligned:
             t0 = time.perf_counter()
             torch.set_float32_matmul_precision("high" if p.tf32 else "highest")
-            matmul = cublaslt.Matmul(p, torch.cuda.current_device())
+            matmul = cublaslt_binding.Matmul(p, torch.cuda.current_device())
             yield named, t0, matmul, matmul.heuristics(8)
 
 
@@ -84,7 +86,7 @@ def verified(named, inputs, candidates: list[tuple[str, dict, dict]], device) ->
     for name, config, record in candidates:
         try:
             kernel = backend.build(named.problem, backend.parse_config(config), device)
-        except (cublaslt.CublasLtError, ValueError):
+        except (cublaslt_binding.CublasLtError, ValueError):
             rejected += 1
             continue
         if not verify.check(kernel, named.problem, inputs).ok:
@@ -98,7 +100,7 @@ def timed(named, inputs, kernels: dict, names: list[str], device, budget_ms: flo
     """Torch's call's timing and each named kernel's time relative to it (above 1: faster), side by side."""
     fns = {n: (lambda k: lambda: k(inputs.a, inputs.b, None))(kernels[n][1]) for n in names}
     fns["torch"] = torch_call(named, inputs)
-    timings = bench.measure(fns, device, budget_ms=budget_ms, min_rounds=min_rounds)
+    timings = measure.measure(fns, device, budget_ms=budget_ms, min_rounds=min_rounds)
     return timings, {n: timings["torch"].median / timings[n].median for n in names}
 
 

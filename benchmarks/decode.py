@@ -26,14 +26,15 @@ import torch
 import triton
 
 import gemmtune
-from gemmtune import backends, bench, shapes, verify
+from gemmtune import backends, shapes
+from gemmtune.tuning import measure, verify
 from gemmtune.backends.triton_persistent import PersistentConfig
 from gemmtune.backends.triton_splitk import SplitKConfig
 from gemmtune.backends.triton_stream import StreamConfig
 from gemmtune.backends.triton_tiled import TiledConfig
 from gemmtune.device import current
-from gemmtune.tuner import TuneOptions, tune_problem
-from gemmtune.worker import IsolatedRunner
+from gemmtune.tuning.tuner import TuneOptions, tune_problem
+from gemmtune.tuning.worker import IsolatedRunner
 from suite import ROOT, bound, copy_tbps, inductor, operands, read_tbps
 
 BACKENDS = ("cublas", "triton_splitk", "triton_stream", "triton_tiled", "triton_persistent", "cublas_padded")
@@ -177,7 +178,7 @@ def run_shape(named, runner, with_inductor: bool, with_sweep: bool, code_dir: Pa
         (code_dir / f"{named.name}.py").write_text("\n\n# ---- next module ----\n\n".join(sources))
     elif with_inductor:
         fns["inductor"], inductor_s = inductor(fns["cublas"])
-    timings = bench.measure(fns, device, budget_ms=1000, min_rounds=50)
+    timings = measure.measure(fns, device, budget_ms=1000, min_rounds=50)
     weights = p.n * p.k * p.element_size
     return {"name": named.name, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype,
             "best": result.label(), "swept": best_swept.label() if best_swept else None,

@@ -35,9 +35,9 @@ import triton
 import gemmtune
 from gemmtune.backends.triton_tiled import BACKEND, TiledConfig
 from gemmtune.device import current
-from gemmtune.dispatch import DISPATCHER
-from gemmtune.kernels.tiled import tiled_matmul
-from gemmtune.launch import gemm_hints
+from gemmtune.serving.dispatch import DISPATCHER
+from gemmtune.backends.kernels.tiled import tiled_matmul
+from gemmtune.backends.launch import gemm_hints
 from gemmtune.problem import Problem
 
 SHAPES = ((16, 16, 16), (1, 256, 256), (256, 1024, 1024))
@@ -122,7 +122,7 @@ def launch_rows(calls: int) -> list[dict]:
     from triton.runtime import driver
 
     from gemmtune.api import _front_key
-    from gemmtune.launch import gemm_guard
+    from gemmtune.backends.launch import gemm_guard
 
     front = _front_key(x, w, None, None, x.data_ptr(), w.data_ptr(), 0)
     DISPATCHER.front[front] = lambda x, w, bias, px, pw, pb: out  # the API's front path alone, no launch

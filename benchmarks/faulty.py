@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from gemmtune.runner import LocalRunner
+from gemmtune.tuning.runner import LocalRunner
 
 
 def _first_small_tile(backend_name: str, config: dict) -> bool:

@@ -26,10 +26,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from gemmtune import backends, bench, shapes, verify
+from gemmtune import backends, shapes
+from gemmtune.tuning import measure, verify
 from gemmtune.backends.triton_splitk import GEMV_TILES
 from gemmtune.device import current
-from gemmtune.tuner import tune_problem
+from gemmtune.tuning.tuner import tune_problem
 
 PTX: dict[str, str] = {}  # the PTX of each Triton launch checked, by name (--ptx)
 ROWS = ("llama3-8b.qkv.m1", "llama3-8b.o.m1", "llama3-8b.gate_up.m1", "llama3-8b.down.m1")
@@ -143,20 +144,20 @@ def tiles(p, inputs) -> dict:
     fns["cublas"] = lambda: F.linear(x, w)
     registers = checked(fns, inputs, y)
     fns["inductor"], _ = inductor(fns["cublas"])
-    timed = bench.measure(fns, current(), budget_ms=3000, min_rounds=40)
+    timed = measure.measure(fns, current(), budget_ms=3000, min_rounds=40)
     alone = {}
     for rep in range(2):  # gemmtune's tiles screened one at a time, as the tuner does, in shuffled orders
         names = [name for name in fns if name.startswith("gemmtune ")]
         random.Random(rep).shuffle(names)
         for name in names:
             alone.setdefault(name, []).append(
-                bench.measure({name: fns[name]}, current(), budget_ms=6.0, min_rounds=3)[name].median * 1e3)
+                measure.measure({name: fns[name]}, current(), budget_ms=6.0, min_rounds=3)[name].median * 1e3)
     return {"choice": result.label(), "us": {name: t.median * 1e3 for name, t in timed.items()}, "alone_us": alone,
             "registers": registers}
 
 
 def forms(p, inputs) -> dict:
-    from gemmtune.kernels.splitk import splitk_matmul
+    from gemmtune.backends.kernels.splitk import splitk_matmul
 
     x, w = inputs.a, inputs.b
     n, k = p.n, p.k
@@ -185,7 +186,7 @@ def forms(p, inputs) -> dict:
         kernel = splitk(p, bn, bk, warps)
         fns[f"split-K through gemmtune {tag}"] = lambda kernel=kernel: kernel(x, w, None)
     launched = checked(fns, inputs, y)
-    timed = bench.measure(fns, current(), budget_ms=3000, min_rounds=60)
+    timed = measure.measure(fns, current(), budget_ms=3000, min_rounds=60)
     return {"us": {name: t.median * 1e3 for name, t in timed.items()}, "registers": launched}
 
 

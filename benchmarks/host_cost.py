@@ -1,4 +1,4 @@
-"""The host's own time per call (``bench.host_times``: a loop of 100 calls timed up to its last
+"""The host's own time per call (``measure.host_times``: a loop of 100 calls timed up to its last
 launch) of the call the front path makes for each kind of kernel, on the m=16 decode rows: what
 selection's host rule compares. ``F.linear`` itself, cuBLAS through the front path, a bound
 split-K launch, and ``triton_stream``'s call (two TMA descriptors built and encoded per call).
@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gemmtune import backends, bench, verify
+from gemmtune import backends
+from gemmtune.tuning import measure, verify
 from gemmtune.device import current
-from gemmtune.launch import front_entry
+from gemmtune.backends.launch import front_entry
 from gemmtune.problem import Problem
 
 ROWS = {"qkv.m16": (16, 6144, 4096), "down.m16": (16, 4096, 14336)}
@@ -49,7 +50,7 @@ def row(name: str, m: int, n: int, k: int, repeats: int) -> dict:
     loop = {label: [] for label in calls}
     for _ in range(repeats):  # alternated, so the host's drift hits every call alike
         for label, call in calls.items():
-            t_loop, t_issue = bench.host_times(call, current())
+            t_loop, t_issue = measure.host_times(call, current())
             loop[label].append(t_loop * 1e3)
             issue[label].append(t_issue * 1e3)
     result = {"name": name, "m": m, "n": n, "k": k,

@@ -45,8 +45,9 @@ def count_calls(owner, name: str, counter: dict) -> None:
 
 def layer_rows(linears, step, tag: str, args) -> list[dict]:
     """Each gemmtune layer's host time on the input ``step()`` gives it, against torch's."""
-    from gemmtune import activation, api
-    from gemmtune.dispatch import DISPATCHER
+    from gemmtune import activation
+    from gemmtune.serving import calls
+    from gemmtune.serving.dispatch import DISPATCHER
 
     seen = {}
     # the last input each layer sees; the hook returns None, so the input is left as it is
@@ -60,9 +61,9 @@ def layer_rows(linears, step, tag: str, args) -> list[dict]:
         x, w, b, act = seen[name], module.weight, module.bias, module.activation
         ours_us, torch_us, ratio = paired_us(lambda: module(x), lambda: activation.apply(F.linear(x, w, b), act),
                                              args.calls, args.rounds)
-        front = DISPATCHER.front.get(api._front_key(x, w, b, None if act == "none" else act, x.data_ptr(),
+        front = DISPATCHER.front.get(calls.front_key(x, w, b, None if act == "none" else act, x.data_ptr(),
                                                     w.data_ptr(), 0 if b is None else b.data_ptr()))
-        kernel = DISPATCHER.kernels.get(api._key("linear", x, b, x.numel() // x.shape[-1], w.shape[0], w.shape[1],
+        kernel = DISPATCHER.kernels.get(calls.dispatch_key("linear", x, b, x.numel() // x.shape[-1], w.shape[0], w.shape[1],
                                                  act))
         how = ("NOT ON THE FRONT PATH" if front is None
                else "bound launch" if getattr(front, "__qualname__", "").startswith("bound_call")
@@ -104,7 +105,9 @@ def main() -> int:
         return 2
     os.environ.setdefault("GEMMTUNE_CACHE_DIR", tempfile.mkdtemp(prefix="gemmtune-hotpath-"))
     import gemmtune
-    from gemmtune import api, compare, launch
+    from gemmtune import api
+    from gemmtune.cli import compare
+    from gemmtune.backends import launch
 
     doc = {"kind": "hotpath", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "gemmtune": gemmtune.__version__, "date": datetime.date.today().isoformat(), "model": args.model,
@@ -116,7 +119,7 @@ def main() -> int:
             x = torch.randn(256, 1024, device="cuda", dtype=getattr(torch, args.dtype))
             eager = compare.seed_mlp().to(device="cuda", dtype=x.dtype)
             model = gemmtune.optimize(copy.deepcopy(eager), (x,))
-            count_calls(api, "_linear", counter)
+            count_calls(api, "serve_linear", counter)
             count_calls(launch.Launcher, "_jit", counter)
             linears = [(name, m) for name, m in model.named_modules() if isinstance(m, gemmtune.nn.Linear)]
             doc["rows"].append(counted_steps(lambda: model(x), 4, counter, args.dtype, len(linears)))
@@ -130,7 +133,7 @@ def main() -> int:
             prompts = [torch.randint(0, config.vocab_size, (b, 64), device="cuda") for b in args.batches]
             runner = Runner(model, config, "gemmtune", 64 + 16)
             tune_with_gemmtune(model, {"prefill": prompts[0][:, :32], "decode": prompts}, runner)
-            count_calls(api, "_linear", counter)
+            count_calls(api, "serve_linear", counter)
             count_calls(launch.Launcher, "_jit", counter)
             linears = [(name, m) for name, m in model.named_modules() if isinstance(m, gemmtune.nn.Linear)]
             for prompt in prompts:

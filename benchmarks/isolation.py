@@ -24,11 +24,11 @@ import triton
 
 import gemmtune
 from faulty import Dies, Hangs, Scribbles
-from gemmtune import verify
+from gemmtune.tuning import verify
 from gemmtune.device import current
 from gemmtune.problem import Problem
-from gemmtune.tuner import TuneOptions, tune_problem
-from gemmtune.worker import IsolatedRunner
+from gemmtune.tuning.tuner import TuneOptions, tune_problem
+from gemmtune.tuning.worker import IsolatedRunner
 
 PROBLEM = Problem(256, 512, 512, "bfloat16", "linear")
 OPTIONS = TuneOptions(strategy="exhaustive", backends=("cublas", "triton_tiled"))

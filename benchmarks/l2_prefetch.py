@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from gemmtune import bench
+from gemmtune.tuning import measure
 from gemmtune.backends.triton_splitk import SplitKConfig, SplitKKernel
 from gemmtune.backends.triton_stream import StreamConfig, StreamKernel
 from gemmtune.device import current
@@ -149,7 +149,7 @@ def hot_rows(dev, g) -> list[dict]:
             continue
         fns[f"{label}|once"] = lambda kern=kern: kern(x, w)
         fns[f"{label}|twice"] = lambda kern=kern: (kern(x, w), kern(x, w))[1]
-    t = bench.measure(fns, dev, budget_ms=1500, min_rounds=30)
+    t = measure.measure(fns, dev, budget_ms=1500, min_rounds=30)
     rows = []
     for label in sorted({f.split("|")[0] for f in fns}, key=lambda lab: t[f"{lab}|twice"].median - t[f"{lab}|once"].median):
         once, twice = t[f"{label}|once"].median * 1e3, t[f"{label}|twice"].median * 1e3
@@ -163,7 +163,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     side = torch.cuda.Stream()
     # the sleep kernel's cycles per microsecond, from a graph of 8 long sleeps
-    probe = bench.measure({"sleep": lambda: [torch.cuda._sleep(100_000) for _ in range(LAYERS)]}, dev, budget_ms=200)
+    probe = measure.measure({"sleep": lambda: [torch.cuda._sleep(100_000) for _ in range(LAYERS)]}, dev, budget_ms=200)
     cycles_per_us = 100_000 * LAYERS / (probe["sleep"].median * 1e3)
     print(f"sleep: {cycles_per_us:.0f} cycles/us", flush=True)
     hot = hot_rows(dev, g)
@@ -181,7 +181,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 err = float((outs["none"].double() - ref).norm() / ref.norm())
                 same = {how: bool(torch.equal(out, outs["none"])) for how, out in outs.items()}
-                t = bench.measure(fns, dev, budget_ms=800, min_rounds=30)
+                t = measure.measure(fns, dev, budget_ms=800, min_rounds=30)
                 gap_ms = t["gap only"].median
                 for how in fns:
                     if how == "gap only":

@@ -1,6 +1,6 @@
 """What a cuBLASLt candidate's call costs the host, beside F.linear's and a Triton kernel's bound
 launch: each decode shape's cuBLASLt candidates through ``api.linear``'s front path (their bound
-call), the host's time per call up to the last launch (``bench.host_times``), best of five
+call), the host's time per call up to the last launch (``measure.host_times``), best of five
 alternating rounds. Selection drops a candidate whose call takes the host more than HOST_SLACK
 longer than cuBLAS's.
 
@@ -14,9 +14,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from gemmtune import backends, bench
+from gemmtune import backends
+from gemmtune.tuning import measure
 from gemmtune.device import current
-from gemmtune.launch import front_entry
+from gemmtune.backends.launch import front_entry
 from gemmtune.problem import Problem
 
 SHAPES = ((1, 6144, 4096), (16, 6144, 4096), (16, 28672, 4096), (16, 4096, 14336), (128, 4096, 4096))
@@ -48,7 +49,7 @@ def main(path: str) -> None:
         best = {name: float("inf") for name in calls}
         for _ in range(ROUNDS):
             for name, call in calls.items():
-                best[name] = min(best[name], bench.host_times(call, device, calls=200)[1] * 1e3)
+                best[name] = min(best[name], measure.host_times(call, device, calls=200)[1] * 1e3)
         row = {"m": m, "n": n, "k": k, "host_us": best}
         rows.append(row)
         print(f"{m}x{n}x{k}: " + ", ".join(f"{name} {us:.1f} us" for name, us in best.items()), flush=True)

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from ceiling import HOPPER_FLOPS_PER_SM_CLOCK, Sampler
-from gemmtune import bench, shapes
+from gemmtune import shapes
+from gemmtune.tuning import measure
 from gemmtune.device import current
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64  # the tiles the problem is counted in
@@ -99,7 +100,7 @@ def main() -> None:
         cublas = (lambda: F.linear(a, bt)) if p.layout == "linear" else (lambda: torch.mm(a, b))
         mma, mma_flops = runner(a, b, dev.sm_count)
         mma()
-        rounds = bench.measure({"cublas": cublas, "mma_only": mma}, dev, budget_ms=800, min_rounds=30)
+        rounds = measure.measure({"cublas": cublas, "mma_only": mma}, dev, budget_ms=800, min_rounds=30)
         hot = {"cublas": back_to_back(cublas, 1.0), "mma_only": back_to_back(mma, 1.0)}
         flops = p.flops
         row = {"name": item.name, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype,

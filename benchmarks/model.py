@@ -121,7 +121,7 @@ def tune_with_gemmtune(model, runner_inputs, runner, siblings: bool = False,
     joined first; ``backends``: only these); the seconds it took."""
     import gemmtune
     from gemmtune.nn import tune_calls
-    from gemmtune.tuner import TuneOptions
+    from gemmtune.tuning.tuner import TuneOptions
 
     def steps():
         runner.prefill(runner_inputs["prefill"])
@@ -234,7 +234,7 @@ def main() -> int:
            "gpu_timings": device == "cuda", "rounds": args.rounds, "siblings": args.siblings, "rows": []}
     setup_s = tune_with_gemmtune(tuned, inputs, Runner(tuned, config, "eager", max_len), args.siblings,
                                  None if args.backends is None else tuple(args.backends))
-    from gemmtune.dispatch import DISPATCHER
+    from gemmtune.serving.dispatch import DISPATCHER
 
     doc["backends"] = args.backends
     doc["choices"] = {r.problem_key: r.label() for r in DISPATCHER.store.choices()}

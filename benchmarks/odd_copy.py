@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemmtune import bench
+from gemmtune.tuning import measure
 from gemmtune.backends.cublas_padded import copy_padded
 from gemmtune.device import current
 
@@ -93,7 +93,7 @@ def main() -> None:
                 else:
                     fns[label] = lambda b=block, w=warps: cut_out(src, cols, b, w)
         equal = {label: bool(torch.equal(fn(), expected)) for label, fn in fns.items() if label != "torch_aligned_copy"}
-        t = bench.measure(fns, dev, budget_ms=1000, min_rounds=30)
+        t = measure.measure(fns, dev, budget_ms=1000, min_rounds=30)
         us = {label: v.median * 1e3 for label, v in t.items()}
         moved = 2 * src.numel() * src.element_size()
         best = min((v, k) for k, v in us.items() if k != "torch_aligned_copy")

@@ -1,7 +1,7 @@
 """Host time of the padded paths' copies: what a decode-sized call through ``copy_padded``, the
 ``cublas_padded`` kernel and a misaligned ``AlignedLinear`` layer costs the host, against
 ``F.linear`` on the same operands (calls queued back to back, timed to the last launch:
-``bench.host_times``), and the GPU time of each beside it.
+``measure.host_times``), and the GPU time of each beside it.
 
     PYTHONPATH=src python3 benchmarks/padded_host.py OUT.json
 """
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gemmtune
-from gemmtune import bench
+from gemmtune.tuning import measure
 from gemmtune.backends.cublas_padded import CublasPaddedBackend, PaddedConfig, copy_padded
 from gemmtune.device import current
 from gemmtune.problem import Problem
@@ -30,7 +30,7 @@ CASES = {  # name: (m, n, k)
 
 def host_us(fn, dev) -> float:
     """The host's own time per call, up to its last launch (the fastest of five loops)."""
-    return 1e3 * bench.host_times(fn, dev, calls=200, repeats=5)[1]
+    return 1e3 * measure.host_times(fn, dev, calls=200, repeats=5)[1]
 
 
 def main() -> None:
@@ -53,7 +53,7 @@ def main() -> None:
             errs = {label: float((fn().double() - ref).norm() / ref.norm()) for label, fn in ways.items()
                     if label.startswith(("cublas", "Aligned"))}
             host = {label: host_us(fn, dev) for label, fn in ways.items()}
-            gpu = bench.measure(ways, dev, budget_ms=300, min_rounds=20)
+            gpu = measure.measure(ways, dev, budget_ms=300, min_rounds=20)
         for label in ways:
             rows.append({"case": name, "m": m, "n": n, "k": k, "way": label, "host_us": host[label],
                          "gpu_us": gpu[label].median * 1e3, "rel_err": errs.get(label)})

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from gemmtune import bench, verify
+from gemmtune.tuning import measure, verify
 from gemmtune.backends.cublas_padded import copy_padded
 from gemmtune.device import current
 from gemmtune.problem import Problem
@@ -43,7 +43,7 @@ def main() -> None:
                 errs[lab] = verify.rel_err(got, inputs.reference)
                 if lab == "path_odd_ldc":
                     errs["path_odd_ldc_contiguous"] = got.is_contiguous()
-            t = bench.measure(fns, dev, budget_ms=1500, min_rounds=30)
+            t = measure.measure(fns, dev, budget_ms=1500, min_rounds=30)
             row = {"name": name, "n_padded": npad, "ms": {k2: v.median for k2, v in t.items()}, "errs": errs}
             res["rows"].append(row)
             print(name, npad, {k2: round(v.median * 1e3, 1) for k2, v in t.items()}, errs, flush=True)

@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from gemmtune import bench, verify
+from gemmtune.tuning import measure, verify
 from gemmtune.backends.cublas_padded import PaddedConfig, PaddedKernel, copy_padded
 from gemmtune.device import current
 from gemmtune.problem import Problem
@@ -112,7 +112,7 @@ def _time(p: Problem, inp, fns) -> dict:
     for label, fn in fns.items():
         got = fn()
         errs[label] = verify.rel_err(got, inp.reference)
-    t = bench.measure(fns, current(), budget_ms=1500, min_rounds=30)
+    t = measure.measure(fns, current(), budget_ms=1500, min_rounds=30)
     row = {"shape": p.describe(), "ms": {k: v.median for k, v in t.items()},
            "spread": {k: v.spread for k, v in t.items()}, "rel_err": errs}
     print(row["shape"], {k: round(v * 1e3, 1) for k, v in row["ms"].items()},

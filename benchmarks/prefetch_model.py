@@ -38,7 +38,7 @@ VARIANTS = {  # label: (programs of the load kernel (0: one per 16 KB), the GEMM
 def install(tuned, side: torch.cuda.Stream, programs: int, join: str, gate_up_bytes: int) -> None:
     """After each q/k/v GEMM of ``tuned``, o_proj's weights (and the first ``gate_up_bytes`` of
     gate/up's) loaded on ``side``; the GEMM named by ``join`` (o or down) waits for it."""
-    from gemmtune import api
+    from gemmtune.serving import calls
 
     fetches, joins = {}, {}
     for layer in tuned.model.layers:
@@ -47,7 +47,7 @@ def install(tuned, side: torch.cuda.Stream, programs: int, join: str, gate_up_by
         fetches[qkv.data_ptr()] = [(o, None)] + ([(gate_up, gate_up_bytes)] if gate_up_bytes else [])
         joins[qkv.data_ptr()] = (o if join == "o" else layer.mlp.down_proj.weight).data_ptr()
     pending = set()
-    run = api._run
+    run = calls.run
     load(o, programs)  # its sink allocated now, not inside a graph's memory pool
     torch.cuda.synchronize()
 
@@ -65,7 +65,7 @@ def install(tuned, side: torch.cuda.Stream, programs: int, join: str, gate_up_by
             pending.add(joins[ptr])
         return out
 
-    api._run = fetching_run
+    calls.run = fetching_run
 
 
 def profile_step(runner, prompt) -> list[dict]:

@@ -1,5 +1,5 @@
 """The measuring noise between identical kernels: one ``F.linear`` call captured in three CUDA
-graphs and timed side by side (``bench.measure``, as the suite times cuBLAS against gemmtune's
+graphs and timed side by side (``measure.measure``, as the suite times cuBLAS against gemmtune's
 choice), three times, on two decode rows. Where gemmtune keeps cuBLAS, the suite's two columns
 are the same kernel, and their ratio reads within this spread of 1.0.
 
@@ -12,7 +12,7 @@ import sys
 
 import torch.nn.functional as F
 
-from gemmtune import bench, verify
+from gemmtune.tuning import measure, verify
 from gemmtune.device import current
 from gemmtune.problem import Problem
 
@@ -28,7 +28,7 @@ def main() -> None:
         rows = []
         for trial in range(3):
             fns = {f"copy{i}": (lambda: F.linear(a, b)) for i in range(3)}
-            t = bench.measure(fns, current(), budget_ms=1500, min_rounds=50, seed=trial)
+            t = measure.measure(fns, current(), budget_ms=1500, min_rounds=50, seed=trial)
             rows.append({k2: round(v.median * 1e3, 2) for k2, v in t.items()})
         out[name] = rows
         print(name, rows, flush=True)

@@ -12,10 +12,11 @@ import time
 
 import torch
 
-from gemmtune import backends, bench, shapes
+from gemmtune import backends, shapes
+from gemmtune.tuning import measure
 from gemmtune.device import current
-from gemmtune.runner import LocalRunner
-from gemmtune.tuner import TuneOptions
+from gemmtune.tuning.runner import LocalRunner
+from gemmtune.tuning.tuner import TuneOptions
 
 NAMES = ("llama3-8b.o.m128", "llama3-8b.gate_up.m16", "llama3-8b.o.m2048", "llama3-8b.down.m2048",
          "llama3-8b.qkv.m8192", "blog-mlp")
@@ -45,7 +46,7 @@ def main(path: str) -> None:
             evaluate_s.append(time.perf_counter() - t0)
         labels = [label for label in runner._ready if label.startswith("cublaslt")]
         t0 = time.perf_counter()
-        bench.measure({label: runner._bound(label) for label in labels}, device, budget_ms=budget, min_rounds=3)
+        measure.measure({label: runner._bound(label) for label in labels}, device, budget_ms=budget, min_rounds=3)
         together_s = time.perf_counter() - t0
         row = {"name": named.name, "sm_count": device.sm_count, "candidates": len(configs),
                "build_verify_s": sum(verify_s), "evaluate_s": sum(evaluate_s), "together_s": together_s}

@@ -20,7 +20,7 @@ CHILD = """
 import logging, time, torch
 t0 = time.perf_counter()
 import gemmtune
-from gemmtune import compare
+from gemmtune.cli import compare
 t_import = time.perf_counter() - t0
 logging.basicConfig(level=logging.DEBUG, format="%(relativeCreated)7.0f ms %(name)s %(message)s")
 for name in ("torch", "triton", "urllib3", "matplotlib"):

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from gemmtune import bench, verify
+from gemmtune.tuning import measure, verify
 from gemmtune.backends import triton_stream
 from gemmtune.backends.cublas import BACKEND as CUBLAS
 from gemmtune.backends.triton_stream import StreamConfig, StreamKernel
@@ -47,7 +47,7 @@ def main() -> None:
                 errs[label] = verify.check(kernel, p, inp).rel_err
                 fns[label] = lambda kern=kernel: kern(inp.a, inp.b, None)
         triton_stream.MAX_RESIDENT = 2
-        t = bench.measure(fns, dev, budget_ms=1500, min_rounds=30)
+        t = measure.measure(fns, dev, budget_ms=1500, min_rounds=30)
         us = {label: v.median * 1e3 for label, v in t.items()}
         best = min((v, lab) for lab, v in us.items() if lab != "cublas")
         row = {"row": name, "us": us, "rel_err": errs, "best": best[1], "best_vs_cublas": us["cublas"] / best[0]}

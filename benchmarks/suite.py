@@ -29,14 +29,16 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import gemmtune  # noqa: E402
-from gemmtune import backends, bench, shapes, sidebyside, verify  # noqa: E402
+from gemmtune import backends, shapes  # noqa: E402
+from gemmtune.tuning import measure, verify
+from gemmtune.cli import sidebyside
 from gemmtune.device import current  # noqa: E402
-from gemmtune.dispatch import DISPATCHER  # noqa: E402
+from gemmtune.serving.dispatch import DISPATCHER  # noqa: E402
 from gemmtune.results import Timing  # noqa: E402
 from gemmtune.search import STRATEGIES  # noqa: E402
 from gemmtune.store import Store  # noqa: E402
-from gemmtune.tuner import TuneOptions, tune_problem  # noqa: E402
-from gemmtune.worker import IsolatedRunner  # noqa: E402
+from gemmtune.tuning.tuner import TuneOptions, tune_problem  # noqa: E402
+from gemmtune.tuning.worker import IsolatedRunner  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 
@@ -52,14 +54,14 @@ def copy_tbps() -> float:
     while time.perf_counter() < until:  # out of idle clocks first (a cold card read 35% low)
         torch.neg(src, out=dst)
         torch.cuda.synchronize()
-    timing = bench.measure({"copy": lambda: torch.neg(src, out=dst)}, current(), min_rounds=20)["copy"]
+    timing = measure.measure({"copy": lambda: torch.neg(src, out=dst)}, current(), min_rounds=20)["copy"]
     return 2 * src.numel() * 4 / (timing.median * 1e-3) / 1e12
 
 
 def read_tbps() -> float:
     """Read-only bandwidth: a sum over 1 GiB of bf16, the bytes a weight stream moves."""
     x = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
-    timing = bench.measure({"sum": lambda: x.sum()}, current(), min_rounds=20)["sum"]
+    timing = measure.measure({"sum": lambda: x.sum()}, current(), min_rounds=20)["sum"]
     return x.numel() * 2 / (timing.median * 1e-3) / 1e12
 
 
@@ -99,13 +101,13 @@ def run_shape(named, args, runner) -> dict:
         exhaustive = tune_problem(p, current(), options=dataclasses.replace(args.options, strategy="exhaustive"),
                                   runner=runner)
         fns["exhaustive"] = bound(exhaustive, p, inputs)
-    timings = bench.measure(fns, current(), budget_ms=args.budget_ms, min_rounds=args.rounds)
+    timings = measure.measure(fns, current(), budget_ms=args.budget_ms, min_rounds=args.rounds)
     inductor_ms = inductor_s = inductor_cublas_ms = None
     if args.inductor:
         # Its own rounds beside cuBLAS, after gemmtune's: with the compiled wrapper in the same
         # rounds, the other two read tens of microseconds slow on small shapes (seen on an H200).
         compiled, inductor_s = sidebyside.compiled(cublas_fn)
-        paired = bench.measure({"cublas": cublas_fn, "inductor": compiled}, current(),
+        paired = measure.measure({"cublas": cublas_fn, "inductor": compiled}, current(),
                                budget_ms=args.budget_ms / 2, min_rounds=args.rounds // 2)
         inductor_ms, inductor_cublas_ms = paired["inductor"].median, paired["cublas"].median
     verdict = verify.judge(out, p, inputs)

@@ -18,7 +18,7 @@ print(triton.compile(source, target=target, options=options).asm["ptx"])
 
 
 def sm90_source(module: str, scalars: tuple, constexprs: dict, descriptors: dict | None = None) -> tuple:
-    """``gemmtune.kernels.<module>.<module>_matmul`` as ``triton.compile`` takes it (source,
+    """``gemmtune.backends.kernels.<module>.<module>_matmul`` as ``triton.compile`` takes it (source,
     target, options) for sm_90, with bf16 operands on 16-byte boundaries, its integer arguments
     ``scalars`` specialized as the JIT would, ``constexprs`` (num_warps and num_stages among
     them), and ``descriptors``: each TMA descriptor argument's block shape. Outside Triton's
@@ -28,7 +28,7 @@ def sm90_source(module: str, scalars: tuple, constexprs: dict, descriptors: dict
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = getattr(importlib.import_module("gemmtune.kernels." + module), module + "_matmul")
+    fn = getattr(importlib.import_module("gemmtune.backends.kernels." + module), module + "_matmul")
     constexprs = dict(constexprs)
     options = {name: constexprs.pop(name) for name in ("num_warps", "num_stages")}
     constexprs = {name: tuple(v) if isinstance(v, list) else v for name, v in constexprs.items()}

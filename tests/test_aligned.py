@@ -1,4 +1,4 @@
-"""Misaligned layers stored padded (gemmtune.aligned): which layers, outputs and parameters
+"""Misaligned layers stored padded (gemmtune.nn.padded): which layers, outputs and parameters
 unchanged, the padded GEMM recorded, and every way the parameters can change under it."""
 
 import copy
@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 import gemmtune
-from gemmtune import aligned
 from gemmtune import nn as gnn
 from gemmtune.device import Device
+from gemmtune.nn import padded as aligned
 from gemmtune.problem import Problem
 from gemmtune.results import Timing
 
@@ -23,7 +23,7 @@ def on_cpu(monkeypatch):
     monkeypatch.setattr(aligned, "MIN_ROWS", 1)
     monkeypatch.setattr(aligned, "MIN_ROWS_K_ODD", 1)
     monkeypatch.setattr(aligned, "current", lambda: Device("H100", (9, 0), 132, 232448, 50 << 20))
-    monkeypatch.setattr(aligned.bench, "measure", lambda ways, device, **kwargs: {
+    monkeypatch.setattr(aligned.measure, "measure", lambda ways, device, **kwargs: {
         "plain": Timing((2.0,) * 10), "padded": Timing((1.0,) * 10)})
 
 
@@ -89,7 +89,7 @@ def test_the_first_call_of_each_row_count_measures_both_ways(on_cpu, monkeypatch
         samples = {"plain": (2.0,) * 10, "padded": (verdict["padded_ms"],) * 10}
         return {way: Timing(samples[way]) for way in ways}
 
-    monkeypatch.setattr(aligned.bench, "measure", measure)
+    monkeypatch.setattr(aligned.measure, "measure", measure)
     monkeypatch.setenv("GEMMTUNE_MODE", "lookup")  # serving measures too: it never tunes, but may time
     torch.manual_seed(0)
     reference = nn.Linear(13, 7, bias=False)
@@ -166,7 +166,7 @@ def test_traced_by_torch_compile(on_cpu):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_padded_layers_on_the_gpu(dtype):
     """Every layer misaligned in K, N or both, tuned from an example and checked against float64."""
-    from gemmtune import verify
+    from gemmtune.tuning import verify
 
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(4100, 1003), nn.SiLU(), nn.Linear(1003, 33), nn.Linear(33, 4096),
@@ -188,7 +188,7 @@ def test_padded_layers_on_the_gpu(dtype):
 def test_padded_layers_under_torch_compile_and_cuda_graphs():
     """The padded path as traced (torch's pad and slice in place of the copy kernels), inside
     reduce-overhead's CUDA graphs."""
-    from gemmtune import verify
+    from gemmtune.tuning import verify
 
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(4100, 1003), nn.ReLU(), nn.Linear(1003, 4096)).to("cuda", torch.bfloat16)

@@ -10,11 +10,12 @@ import torch.nn.functional as F
 
 import gemmtune
 from gemmtune.problem import Problem
+from gemmtune.serving import calls
 
 
 def test_import_touches_neither_triton_nor_cuda_nor_files(tmp_path):
     """``import gemmtune`` registers the custom ops (finding 5: they were missing until a
-    gradient or torch.compile imported gemmtune.torch_ops), which imports torch; but never
+    gradient or torch.compile imported gemmtune.serving.torch_ops), which imports torch; but never
     triton, which picks its interpreter when first imported, nor CUDA, nor the store."""
     code = (
         "import sys, gemmtune, torch\n"
@@ -98,7 +99,7 @@ def test_a_shape_with_another_epilogue_tries_the_first_ones_best(tmp_path):
     """The seeds' MLP has one shape twice, with bias + ReLU and with bias alone: the second tries
     cuBLAS and the first's fastest candidates, nothing else, and is verified like any other."""
     from gemmtune.device import current
-    from gemmtune.tuner import SHORTLIST, TuneOptions, follower_plan, labels
+    from gemmtune.tuning.tuner import SHORTLIST, TuneOptions, follower_plan, labels
 
     relu = Problem(33, 40, 72, "float32", "linear", bias=True, activation="relu")
     plain = Problem(33, 40, 72, "float32", "linear", bias=True)
@@ -164,15 +165,14 @@ class BindingKernel(CountingKernel):
 def test_a_served_call_takes_the_front_path_and_a_different_one_is_checked_again(monkeypatch):
     """Served from the dispatcher once, the same call skips the checks; a call that differs in
     any operand's shape, dtype or device, or in the bias, goes through them (and errors)."""
-    from gemmtune import api
-    from gemmtune.dispatch import DISPATCHER
+    from gemmtune.serving.dispatch import DISPATCHER
 
-    monkeypatch.setattr(api, "_falls_back", lambda first, n: False)  # CPU tensors served as if on a GPU
+    monkeypatch.setattr(calls, "falls_back", lambda first, n: False)  # CPU tensors served as if on a GPU
     monkeypatch.setattr(DISPATCHER, "kernels", {})
     monkeypatch.setattr(DISPATCHER, "front", {})
     x, w, bias = torch.randn(5, 8), torch.randn(3, 8), torch.randn(3)
     kernel = CountingKernel()
-    DISPATCHER.kernels[api._key("linear", x, bias, 5, 3, 8, "relu")] = kernel
+    DISPATCHER.kernels[calls.dispatch_key("linear", x, bias, 5, 3, 8, "relu")] = kernel
     with torch.no_grad():
         first = gemmtune.linear(x, w, bias, activation="relu")
         assert len(DISPATCHER.front) == 1
@@ -188,7 +188,7 @@ def test_a_served_call_takes_the_front_path_and_a_different_one_is_checked_again
             gemmtune.linear(x, w, bias, activation=["relu"])
         # a model's 3-D activations: served as (B*T, K) by the same kernel, from the front path
         x3 = torch.randn(2, 3, 8)
-        DISPATCHER.kernels[api._key("linear", x3, bias, 6, 3, 8, "none")] = kernel
+        DISPATCHER.kernels[calls.dispatch_key("linear", x3, bias, 6, 3, 8, "none")] = kernel
         outs = [gemmtune.linear(x3, w, bias) for _ in range(2)]
         assert len(DISPATCHER.front) == 2 and kernel.calls == 4 and kernel.ranks == [2, 2, 2, 2]
         assert outs[1].shape == (2, 3, 3) and torch.allclose(outs[1], F.linear(x3, w, bias), atol=1e-6)
@@ -196,12 +196,12 @@ def test_a_served_call_takes_the_front_path_and_a_different_one_is_checked_again
         any_rank = CountingKernel()
         any_rank.serves_any_rank = True
         x4 = torch.randn(2, 2, 8)
-        DISPATCHER.kernels[api._key("linear", x4, bias, 4, 3, 8, "none")] = any_rank
+        DISPATCHER.kernels[calls.dispatch_key("linear", x4, bias, 4, 3, 8, "none")] = any_rank
         outs = [gemmtune.linear(x4, w, bias) for _ in range(2)]
         assert any_rank.ranks == [3, 3] and torch.allclose(outs[1], F.linear(x4, w, bias), atol=1e-6)
         # a kernel that binds its launch to a call's operands gets later calls' addresses
         bound = BindingKernel()
-        DISPATCHER.kernels[api._key("linear", x, None, 5, 3, 8, "none")] = bound
+        DISPATCHER.kernels[calls.dispatch_key("linear", x, None, 5, 3, 8, "none")] = bound
         # (the first call through the wrapper, which binds; the next launches with its own
         # addresses; a view of other strides is a new key, served by the wrapper and bound in turn)
         operands = [torch.randn(5, 8), torch.randn(5, 8), torch.randn(5, 9)[:, 1:], torch.randn(5, 8)]

@@ -2,10 +2,10 @@
 
 import pytest
 
-from gemmtune.buckets import samples, validate
 from gemmtune.device import current
 from gemmtune.problem import Problem, bucket
-from gemmtune.tuner import TuneOptions
+from gemmtune.tuning.buckets import samples, validate
+from gemmtune.tuning.tuner import TuneOptions
 
 
 def test_policies():
@@ -60,7 +60,7 @@ def test_bucket_setting_is_validated(monkeypatch):
 
 def test_a_bucket_result_serves_only_shapes_its_backend_can_run():
     from gemmtune.device import Device
-    from gemmtune.dispatch import _serves
+    from gemmtune.serving.dispatch import _serves
 
     h100 = Device("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, 50 << 20)
     assert _serves("triton_persistent", Problem(4096, 4096, 4096), h100)

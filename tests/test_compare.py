@@ -5,8 +5,7 @@ import json
 import pytest
 import torch
 
-from gemmtune import compare
-from gemmtune.cli import main
+from gemmtune.cli import compare, main
 
 
 def test_cpu_runs_eager_and_gemmtune_only():

@@ -11,12 +11,13 @@ import threading
 import pytest
 import torch
 
-from gemmtune import compiler, search, tuner, verify
+from gemmtune import search
 from gemmtune.backends import get
 from gemmtune.device import Device, current
 from gemmtune.problem import Problem
 from gemmtune.results import Status
-from gemmtune.runner import LocalRunner
+from gemmtune.tuning import compiler, tuner, verify
+from gemmtune.tuning.runner import LocalRunner
 
 H100 = Device("H100", (9, 0), 132, 232448, 50 << 20)
 PROBLEM = Problem(7, 33, 65, "float32", "linear", bias=True)

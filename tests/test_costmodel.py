@@ -5,8 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from gemmtune import costmodel
-from gemmtune.backends import get
+from gemmtune.backends import costmodel, get
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 from gemmtune.search import DEFAULT_TOPK

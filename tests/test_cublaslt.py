@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gemmtune import backends, tuner, verify
+from gemmtune import backends
 from gemmtune.backends import cublaslt as lt
 from gemmtune.device import current, interpreter_device
 from gemmtune.problem import Problem
+from gemmtune.tuning import tuner, verify
 
 CONFIG = {"algo": 66, "tile": 24, "splitk": 1, "reduction": 0, "swizzle": 0, "custom": 7, "stages": 35, "inner": 0,
           "cluster": 0}
@@ -66,10 +67,10 @@ def test_every_ranked_algorithm_matches_float64(m, n, k, layout, dtype, tf32):
 @pytest.mark.gpu
 def test_a_rebuilt_algorithm_is_the_ranked_one():
     """Rebuilt from its nine integers, an algorithm has the heuristic's configuration again."""
-    from gemmtune import cublaslt
+    from gemmtune.backends import cublaslt_binding
 
     problem = Problem(2048, 4096, 4096)
-    matmul = cublaslt.Matmul(problem, torch.cuda.current_device())
+    matmul = cublaslt_binding.Matmul(problem, torch.cuda.current_device())
     for config in matmul.heuristics(8):
         algo, workspace = matmul.algo(config)
         assert matmul._config(algo) == config and workspace >= 0
@@ -77,9 +78,9 @@ def test_a_rebuilt_algorithm_is_the_ranked_one():
 
 @pytest.mark.gpu
 def test_rejected_configs_fail_to_build():
-    from gemmtune import cublaslt
+    from gemmtune.backends import cublaslt_binding
 
-    with pytest.raises(cublaslt.CublasLtError):
+    with pytest.raises(cublaslt_binding.CublasLtError):
         backends.get("cublaslt").build(Problem(64, 64, 64), lt.LtConfig(**{**CONFIG, "algo": 9999}), current())
 
 

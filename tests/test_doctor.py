@@ -6,12 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-
 import torch
 import triton
 from rich.console import Console
 
-from gemmtune import doctor
+from gemmtune.cli import doctor
 from gemmtune.device import INDUCTOR_MIN_SMS, Device
 
 RTX_3060 = Device(name="NVIDIA GeForce RTX 3060", capability=(8, 6), sm_count=28, smem_per_block=101376,
@@ -215,7 +214,7 @@ def test_cublas_products_are_right_on_the_whole_gpu(cache_dir):
 
 
 def test_cublaslt_callable_or_said_not_to_be():
-    from gemmtune.cublaslt import CublasLtError
+    from gemmtune.backends.cublaslt_binding import CublasLtError
 
     def missing():
         raise CublasLtError("libcublasLt is not loaded in this process")

@@ -6,11 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gemmtune import backends, search, verify
+from gemmtune import backends, search
 from gemmtune.device import current
 from gemmtune.problem import Problem
 from gemmtune.results import Status
-from gemmtune.tuner import TuneOptions, tune_problem
+from gemmtune.tuning import verify
+from gemmtune.tuning.tuner import TuneOptions, tune_problem
 
 BF16 = Problem(256, 256, 64, "bfloat16", "linear")  # 65,536 outputs
 FP32 = Problem(64, 96, 128, "float32", "linear", bias=True)

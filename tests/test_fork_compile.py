@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 from ptx import outside_interpreter
 
-from gemmtune import compiler, fork_compile, settings
+from gemmtune import settings
+from gemmtune.tuning import compiler, fork_compile
 
 TILE = dict(HAS_BIAS=True, ACTIVATION="relu", EVEN_K=True, PRECISION="ieee", BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
             GROUP_M=8, HINTS=(1,) * 8, num_warps=4, num_stages=3)
@@ -22,7 +23,7 @@ import json, sys
 import triton
 import ptx
 from triton.compiler import ASTSource
-from gemmtune import fork_compile
+from gemmtune.tuning import fork_compile
 
 target_tile, broken_tile, scalars = json.loads(sys.argv[1])
 source = fork_compile.Source(*ptx.sm90_source("tiled", scalars, target_tile))
@@ -78,7 +79,7 @@ def test_options_keep_their_cache_key_through_the_hooks_json():
 KEYS = """
 import json, sys
 import ptx
-from gemmtune import fork_compile
+from gemmtune.tuning import fork_compile
 
 tiles, scalars = json.loads(sys.argv[1])
 keys = [fork_compile.launcher_key(fork_compile.Source(*ptx.sm90_source("tiled", scalars, t))) for t in tiles]
@@ -123,10 +124,10 @@ def test_compiling_ahead_loads_what_children_compiled(monkeypatch, tmp_path):
     from the cache by its thread, and each launches."""
     from triton import knobs
 
-    from gemmtune import verify
     from gemmtune.device import current
     from gemmtune.problem import Problem
     from gemmtune.results import Status
+    from gemmtune.tuning import verify
 
     monkeypatch.setattr(knobs.cache, "dir", str(tmp_path))
     problem = Problem(300, 520, 264, "bfloat16", "linear", bias=True, activation="gelu_tanh")

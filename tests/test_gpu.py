@@ -5,11 +5,11 @@ import torch
 import torch.nn.functional as F
 
 import gemmtune
-from gemmtune import verify
 from gemmtune.backends.triton_tiled import BACKEND, TiledConfig
 from gemmtune.device import current
-from gemmtune.dispatch import DISPATCHER
 from gemmtune.problem import Problem
+from gemmtune.serving.dispatch import DISPATCHER
+from gemmtune.tuning import verify
 
 pytestmark = pytest.mark.gpu
 
@@ -98,7 +98,7 @@ def test_a_shape_first_seen_inside_capture_runs_cublas_and_is_said(fresh_dispatc
 def test_graph_timing_keeps_host_stalls_out_of_gpu_time():
     import time
 
-    from gemmtune import bench
+    from gemmtune.tuning import measure
 
     x = torch.randn(1024, 1024, device="cuda")
 
@@ -106,8 +106,8 @@ def test_graph_timing_keeps_host_stalls_out_of_gpu_time():
         time.sleep(0.002)  # a host path far longer than the flush that precedes the kernel
         return x @ x
 
-    graphed = bench.measure({"stalls": stalls, "plain": lambda: x @ x}, current(), min_rounds=10)
-    plain = bench.measure({"stalls": stalls, "plain": lambda: x @ x}, current(), min_rounds=10, graphs=False)
+    graphed = measure.measure({"stalls": stalls, "plain": lambda: x @ x}, current(), min_rounds=10)
+    plain = measure.measure({"stalls": stalls, "plain": lambda: x @ x}, current(), min_rounds=10, graphs=False)
     assert graphed["stalls"].median < 1.5 * graphed["plain"].median
     assert plain["stalls"].median > 1.0  # ms: without graphs the stall is in the sample
 
@@ -117,32 +117,32 @@ def test_the_rounds_that_size_a_measurement_are_samples_and_the_budget_is_wall_t
     with no budget left a measurement takes its minimum rounds, and a budget buys rounds at
     what a round costs on the host's clock (a 1 ms kernel plus its flush: a 20 ms budget buys
     fewer than 20 rounds)."""
-    from gemmtune import bench
+    from gemmtune.tuning import measure
 
     x = torch.randn(256, 256, device="cuda")
     for min_rounds, expected in ((1, 2), (2, 2), (5, 5)):
-        timing = bench.measure({"mm": lambda: x @ x}, current(), budget_ms=0.0, min_rounds=min_rounds)["mm"]
+        timing = measure.measure({"mm": lambda: x @ x}, current(), budget_ms=0.0, min_rounds=min_rounds)["mm"]
         assert len(timing.samples) == expected
-    stopped = bench.measure({"mm": lambda: x @ x}, current(), budget_ms=50.0, min_rounds=10, stop=lambda t: True)
+    stopped = measure.measure({"mm": lambda: x @ x}, current(), budget_ms=50.0, min_rounds=10, stop=lambda t: True)
     assert len(stopped["mm"].samples) == 2  # a stop after the two pricing rounds ends it there
     big = torch.randn(4096, 4096, device="cuda")
-    rounds = len(bench.measure({"mm": lambda: big @ big}, current(), budget_ms=20.0, min_rounds=2)["mm"].samples)
-    per_call = bench.measure({"mm": lambda: big @ big}, current(), budget_ms=0.0, min_rounds=3)["mm"].median
+    rounds = len(measure.measure({"mm": lambda: big @ big}, current(), budget_ms=20.0, min_rounds=2)["mm"].samples)
+    per_call = measure.measure({"mm": lambda: big @ big}, current(), budget_ms=0.0, min_rounds=3)["mm"].median
     assert 2 <= rounds <= max(2, int(20.0 / per_call))
 
 
 def test_a_candidate_that_syncs_falls_back_to_plain_timing(caplog):
-    from gemmtune import bench
+    from gemmtune.tuning import measure
 
     x = torch.randn(256, 256, device="cuda")
-    timings = bench.measure({"syncs": lambda: (x @ x).sum().item(), "plain": lambda: x @ x}, current(),
+    timings = measure.measure({"syncs": lambda: (x @ x).sum().item(), "plain": lambda: x @ x}, current(),
                             min_rounds=5)
     assert set(timings) == {"syncs", "plain"} and "cannot be captured" in caplog.text
     assert torch.randn(4, device="cuda").isfinite().all()  # the random generator is left usable
 
 
 def test_after_a_failed_capture_the_random_generator_still_works():
-    from gemmtune.bench import _reset_rng_capture_state
+    from gemmtune.tuning.measure import _reset_rng_capture_state
 
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -156,9 +156,9 @@ def test_after_a_failed_capture_the_random_generator_still_works():
 
 
 def test_a_graphed_call_returns_its_output_for_the_current_inputs():
-    from gemmtune import bench
+    from gemmtune.tuning import measure
 
     x = torch.randn(64, 64, device="cuda")
-    replay = bench.graphed({"square": lambda: x @ x})["square"]
+    replay = measure.graphed({"square": lambda: x @ x})["square"]
     x.copy_(torch.randn(64, 64, device="cuda"))  # the graph reads x's memory at replay
     torch.testing.assert_close(replay(), x @ x)

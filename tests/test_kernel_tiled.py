@@ -6,10 +6,10 @@ import re
 import pytest
 import torch
 
-from gemmtune import verify
 from gemmtune.backends.triton_tiled import BACKEND, TiledConfig
 from gemmtune.device import current
 from gemmtune.problem import Problem
+from gemmtune.tuning import verify
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = ["float32", "float16", "bfloat16"]
@@ -102,7 +102,7 @@ def test_hinted_rows_of_1000_compile_to_16_byte_copies():
     """The failure the hints fix, checked in the PTX: bf16 1000x1000x1000, rows 2000 bytes."""
     from ptx import sm90_ptx
 
-    from gemmtune.launch import gemm_hints
+    from gemmtune.backends.launch import gemm_hints
 
     scalars = (1000, 1000, 1000, 1000, 1, 1000, 1, 1000, 1)  # m, n, k, then the strides
     constexprs = dict(HAS_BIAS=False, ACTIVATION="none", EVEN_K=False, PRECISION="ieee", BLOCK_M=128,
@@ -112,5 +112,5 @@ def test_hinted_rows_of_1000_compile_to_16_byte_copies():
     assert "cp.async.cg.shared.global" in hinted and "ld.global.b16" not in hinted
     assert "cp.async" not in plain and "ld.global.b16" in plain  # what Triton does unaided
     # bf16 products on Hopper's own instruction: the interpreter's widening of bf16 operands
-    # (gemmtune.kernels.mma) never reaches a compiled kernel
+    # (gemmtune.backends.kernels.mma) never reaches a compiled kernel
     assert re.search(r"wgmma\.mma_async\S*\.bf16\.bf16", hinted)

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gemmtune import verify
 from gemmtune.backends import get
 from gemmtune.device import current
 from gemmtune.problem import Problem
+from gemmtune.tuning import verify
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -84,7 +84,7 @@ def test_launch_hooks_send_calls_through_the_jit():
 def test_a_hook_counts_only_when_one_is_set():
     from triton.knobs import HookChain
 
-    from gemmtune.launch import _hooked
+    from gemmtune.backends.launch import _hooked
 
     chain = HookChain()
     assert not _hooked(chain) and not _hooked(None) and _hooked(print)
@@ -93,7 +93,7 @@ def test_a_hook_counts_only_when_one_is_set():
 
 
 def test_the_guard_tells_apart_what_the_jit_specializes_on():
-    from gemmtune.launch import gemm_guard
+    from gemmtune.backends.launch import gemm_guard
 
     def guard(a, b, bias=None, out=None):
         return gemm_guard(a, b, bias, out, a.stride(), b.stride(), a.data_ptr(), b.data_ptr(),
@@ -109,7 +109,7 @@ def test_the_guard_tells_apart_what_the_jit_specializes_on():
 
 
 def test_hints_mark_the_alignment_triton_cannot_see():
-    from gemmtune.launch import gemm_hints
+    from gemmtune.backends.launch import gemm_hints
 
     # (m, n, k, then the strides of a, of b as (K, N), of the output): rows of 1000 and 4100
     # elements, a linear layout's weight (N, K), a contiguous output.
@@ -176,7 +176,7 @@ def test_the_front_entry_calls_cublas_linear_itself_and_flattens_only_for_two_d_
     caller's x of any rank; a kernel that serves only 2-D x is called as it is for 2-D calls,
     through a flattening wrapper for 3-D. Neither binds: the addresses are not used."""
     import gemmtune.backends.cublas as cublas
-    from gemmtune.launch import any_rank, front_entry
+    from gemmtune.backends.launch import any_rank, front_entry
 
     seen = []
     monkeypatch.setattr(cublas._linear, "front", lambda a, b, bias: seen.append(a.dim()) or F.linear(a, b, bias))

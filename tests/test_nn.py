@@ -87,8 +87,8 @@ def test_bad_arguments_are_named():
 
 @pytest.mark.gpu
 def test_on_the_gpu_an_optimized_mlp_matches_the_original():
-    from gemmtune import verify
-    from gemmtune.dispatch import DISPATCHER
+    from gemmtune.serving.dispatch import DISPATCHER
+    from gemmtune.tuning import verify
 
     model = mlp().to("cuda", torch.bfloat16)
     x = torch.randn(33, 16, device="cuda", dtype=torch.bfloat16)

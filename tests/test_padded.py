@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from gemmtune import verify
 from gemmtune.backends import get
 from gemmtune.backends.cublas_padded import PaddedConfig, padded_size
 from gemmtune.device import current
 from gemmtune.problem import Problem
+from gemmtune.tuning import verify
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -83,7 +83,7 @@ def test_copies_too_large_for_int32_offsets_go_through_torch(monkeypatch):
     """Past the kernels' int32 offsets (here a limit lowered to 30 elements) the copy is torch's:
     the same cut and zero fill, never an offset that wrapped around."""
     import gemmtune.backends.cublas_padded as padded
-    import gemmtune.kernels.pad as kernels
+    import gemmtune.backends.kernels.pad as kernels
 
     monkeypatch.setattr(padded, "INDEX_LIMIT", 30)
     monkeypatch.setattr(padded, "_PLANS", {})  # no plan an earlier call made for these shapes

@@ -4,10 +4,10 @@ on Hopper with one. Aligned rows only (the backend's contract); any M, N, K othe
 import pytest
 import torch
 
-from gemmtune import verify
 from gemmtune.backends.triton_persistent import BACKEND, PersistentConfig, space
 from gemmtune.device import Device, current
 from gemmtune.problem import Problem
+from gemmtune.tuning import verify
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (9, 0)

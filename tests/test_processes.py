@@ -14,7 +14,7 @@ with open({mark!r}, "a") as f:  # what a training script without a main guard wo
     f.write("x")
 from gemmtune.device import current
 from gemmtune.problem import Problem
-from gemmtune.worker import IsolatedRunner
+from gemmtune.tuning.worker import IsolatedRunner
 
 with IsolatedRunner(current()) as runner:
     runner.start(Problem(4, 4, 4, "float32"), 0)

@@ -27,12 +27,14 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import gemmtune
-from gemmtune import api, backends, verify
+from gemmtune import backends
 from gemmtune.device import current
-from gemmtune.dispatch import DISPATCHER
 from gemmtune.problem import Problem
 from gemmtune.results import TuneResult
+from gemmtune.serving import calls
+from gemmtune.serving.dispatch import DISPATCHER
 from gemmtune.store import Store
+from gemmtune.tuning import verify
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
           "float64": torch.float64}
@@ -310,10 +312,10 @@ def test_linear_s_front_path_serves_every_view_like_the_wrapper(name, data, rank
     x = a if rank == 2 else a.unsqueeze(0)
     act = None if problem.activation == "none" else problem.activation
     with pytest.MonkeyPatch.context() as patch, torch.no_grad():
-        patch.setattr(api, "_falls_back", lambda first, n: False)
+        patch.setattr(calls, "falls_back", lambda first, n: False)
         patch.setattr(DISPATCHER, "kernels", {})
         patch.setattr(DISPATCHER, "front", {})
-        key = api._key("linear", x, bias, problem.m, problem.n, problem.k, problem.activation)
+        key = calls.dispatch_key("linear", x, bias, problem.m, problem.n, problem.k, problem.activation)
         DISPATCHER.kernels[key] = backends.build(problem, name, config.as_dict(), current())
         first = gemmtune.linear(x, b, bias, act)
         assert len(DISPATCHER.front) == 1

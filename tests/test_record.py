@@ -10,8 +10,8 @@ import torch
 import gemmtune
 from gemmtune import shapes
 from gemmtune.cli import main
-from gemmtune.dispatch import Dispatcher
 from gemmtune.problem import Problem
+from gemmtune.serving.dispatch import Dispatcher
 from gemmtune.store import Store
 
 
@@ -24,7 +24,7 @@ def test_record_counts_forward_and_backward_gemms(tmp_path):
             gemmtune.linear(x, w, activation="relu").sum().backward()
         gemmtune.matmul(torch.randn(4, 6), torch.randn(6, 2))
         torch.matmul(torch.randn(4, 6), torch.randn(6, 2))  # not through gemmtune: not recorded
-    assert gemmtune.record.__module__ == "gemmtune.recording" and recording.path == path
+    assert gemmtune.record.__module__ == "gemmtune.serving.recording" and recording.path == path
     entries = {(e["m"], e["n"], e["k"], e["layout"], e["activation"]): e["count"]
                for e in json.loads(path.read_text())["shapes"]}
     assert entries == {
@@ -109,7 +109,7 @@ def test_a_recording_without_a_path_is_kept_in_memory_only(tmp_path, monkeypatch
 
 
 def test_a_deferred_miss_is_served_by_cublas_untuned_and_dropped_after(tmp_path, monkeypatch):
-    from gemmtune import dispatch
+    from gemmtune.serving import dispatch
 
     monkeypatch.setattr(dispatch, "tune_problem", lambda *a, **k: pytest.fail("tuned while deferring"))
     dispatcher = Dispatcher(Store(tmp_path / "store"))
@@ -135,7 +135,7 @@ def test_deferring_holds_back_tuning_in_its_own_thread_only(tmp_path, monkeypatc
     """A server thread's miss is tuned as usual while another thread runs optimize's example."""
     import threading
 
-    from gemmtune import dispatch
+    from gemmtune.serving import dispatch
 
     tuned = []
 

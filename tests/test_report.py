@@ -4,8 +4,7 @@ import json
 
 import pytest
 
-from gemmtune import report
-from gemmtune.cli import main
+from gemmtune.cli import main, report
 
 SUITE = {
     "kind": "suite", "device": "NVIDIA H200", "sm_count": 132, "torch": "2.11", "triton": "3.6.0",

@@ -1,10 +1,10 @@
 """The in-process runner: verification before timing, and the early abort of hopeless candidates."""
 
-from gemmtune import bench
 from gemmtune.device import current, interpreter_device
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing
-from gemmtune.runner import ABORT_FACTOR, LocalRunner
+from gemmtune.tuning import measure
+from gemmtune.tuning.runner import ABORT_FACTOR, LocalRunner
 
 
 def test_a_clearly_slower_candidate_is_not_screened_further(monkeypatch):
@@ -23,7 +23,7 @@ def test_a_clearly_slower_candidate_is_not_screened_further(monkeypatch):
         stopped.append(early)
         return two if early else {n: Timing((1.0,)) for n in fns} | {name: Timing((full,))}
 
-    monkeypatch.setattr(bench, "measure", fake_measure)
+    monkeypatch.setattr(measure, "measure", fake_measure)
     runner = LocalRunner(current())
     runner.start(Problem(8, 16, 32, "float32", "nn"), seed=1)
     reference = runner.evaluate("cublas", {}, 40.0)
@@ -51,7 +51,7 @@ def test_screening_pairs_each_candidate_with_cublas(monkeypatch):
 
     runner = LocalRunner(current())
     runner.start(Problem(8, 16, 32, "float32", "nn"), seed=1)
-    monkeypatch.setattr(bench, "measure", drifting_measure)
+    monkeypatch.setattr(measure, "measure", drifting_measure)
     config = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 1, "num_stages": 1}
     first = runner.evaluate("triton_tiled", config, 40.0)
     second = runner.evaluate("triton_tiled", dict(config, BLOCK_N=32), 40.0)
@@ -66,15 +66,15 @@ def test_measuring_stops_after_two_rounds_when_asked_and_long_rounds_take_fewer(
     minimum would overrun the budget LONG_ROUNDS times, and what the budget buys otherwise."""
     seen = []
     cpu = interpreter_device()
-    timings = bench.measure({"a": lambda: None, "b": lambda: None}, cpu, min_rounds=30,
+    timings = measure.measure({"a": lambda: None, "b": lambda: None}, cpu, min_rounds=30,
                             stop=lambda t: seen.append({k: len(v.samples) for k, v in t.items()}) or True)
     assert seen == [{"a": 2, "b": 2}] and all(len(t.samples) == 2 for t in timings.values())
-    assert len(bench.measure({"a": lambda: None}, cpu, min_rounds=30, stop=lambda t: False)["a"].samples) == 10
-    assert bench._rounds(budget_ms=45.0, min_rounds=20, per_round_ms=0.5) == 90  # the budget buys more
-    assert bench._rounds(budget_ms=45.0, min_rounds=20, per_round_ms=5.0) == 20  # 100 ms: within 4 budgets
-    assert bench._rounds(budget_ms=45.0, min_rounds=20, per_round_ms=15.0) == 12  # 300 ms: 180 ms buys 12
-    assert bench._rounds(budget_ms=45.0, min_rounds=20, per_round_ms=60.0) == bench.FEWEST_ROUNDS
-    assert bench._rounds(budget_ms=0.5, min_rounds=3, per_round_ms=60.0) == 3  # never above min_rounds
+    assert len(measure.measure({"a": lambda: None}, cpu, min_rounds=30, stop=lambda t: False)["a"].samples) == 10
+    assert measure._rounds(budget_ms=45.0, min_rounds=20, per_round_ms=0.5) == 90  # the budget buys more
+    assert measure._rounds(budget_ms=45.0, min_rounds=20, per_round_ms=5.0) == 20  # 100 ms: within 4 budgets
+    assert measure._rounds(budget_ms=45.0, min_rounds=20, per_round_ms=15.0) == 12  # 300 ms: 180 ms buys 12
+    assert measure._rounds(budget_ms=45.0, min_rounds=20, per_round_ms=60.0) == measure.FEWEST_ROUNDS
+    assert measure._rounds(budget_ms=0.5, min_rounds=3, per_round_ms=60.0) == 3  # never above min_rounds
 
 
 def test_a_config_that_does_not_parse_is_a_failed_trial():
@@ -91,16 +91,16 @@ PADDED_CONFIGS = [{"align": 8}, {"align": 64}, {"align": 3}]
 def test_a_library_backends_candidates_are_screened_in_one_measurement(monkeypatch):
     """evaluate_many verifies each config, measures the verified ones side by side in one
     measurement of GROUP_BUDGET screening budgets, and keeps the failed ones as failed trials."""
-    from gemmtune.runner import GROUP_BUDGET
+    from gemmtune.tuning.runner import GROUP_BUDGET
 
     calls = []
-    real = bench.measure
+    real = measure.measure
 
     def counting_measure(fns, device, **kwargs):
         calls.append((sorted(fns), kwargs["budget_ms"]))
         return real(fns, device, **kwargs)
 
-    monkeypatch.setattr(bench, "measure", counting_measure)
+    monkeypatch.setattr(measure, "measure", counting_measure)
     runner = LocalRunner(interpreter_device())
     runner.start(PADDED, seed=3)
     trials = runner.evaluate_many("cublas_padded", PADDED_CONFIGS, 5.0)

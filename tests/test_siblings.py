@@ -1,4 +1,4 @@
-"""Sibling layers (gemmtune.siblings): which layers the example run joins, outputs unchanged,
+"""Sibling layers (gemmtune.nn.joined): which layers the example run joins, outputs unchanged,
 parameters kept, and every call that the joined GEMM cannot serve running alone."""
 
 import pytest
@@ -9,7 +9,8 @@ from torch import nn
 import gemmtune
 from gemmtune import api
 from gemmtune import nn as gnn
-from gemmtune import siblings
+from gemmtune.nn import joined as siblings
+from gemmtune.serving import calls as serving_calls
 
 
 class Block(nn.Module):
@@ -124,8 +125,8 @@ def test_torch_compile_traces_the_joined_layers(monkeypatch):
     reference, model = Block(), Block()
     gemmtune.optimize(model, (torch.randn(4, 16),), siblings=True)
     ran = []
-    real = api.linear_forward
-    monkeypatch.setattr(api, "linear_forward", lambda x, w, b, act: ran.append(tuple(w.shape)) or real(x, w, b, act))
+    real = serving_calls.linear_forward
+    monkeypatch.setattr(serving_calls, "linear_forward", lambda x, w, b, act: ran.append(tuple(w.shape)) or real(x, w, b, act))
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     x = torch.randn(5, 16)
     with torch.no_grad():
@@ -136,7 +137,7 @@ def test_torch_compile_traces_the_joined_layers(monkeypatch):
 
 @pytest.mark.gpu
 def test_on_the_gpu_joined_siblings_match_the_original_eager_and_compiled():
-    from gemmtune import verify
+    from gemmtune.tuning import verify
 
     reference = Block().to("cuda", torch.bfloat16)
     model = Block().to("cuda", torch.bfloat16)

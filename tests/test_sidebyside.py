@@ -1,13 +1,15 @@
-"""One problem side by side (``gemmtune.sidebyside``): the stored choice beside torch's own call,
+"""One problem side by side (``gemmtune.cli.sidebyside``): the stored choice beside torch's own call,
 through Triton's interpreter on the CPU, on the GPU where there is one."""
 
 import pytest
 import torch
 
-from gemmtune import api, backends, sidebyside, verify
+from gemmtune import api, backends
+from gemmtune.cli import sidebyside
 from gemmtune.device import current
 from gemmtune.problem import Problem
 from gemmtune.shapes import NamedProblem
+from gemmtune.tuning import verify
 
 
 @pytest.fixture(scope="module")

@@ -134,7 +134,7 @@ def test_tiles_follow_the_sm_count():
 
 
 def test_the_cost_model_and_the_persistent_grid_see_the_share():
-    from gemmtune import costmodel
+    from gemmtune.backends import costmodel
     from gemmtune.backends.triton_persistent import PersistentConfig, PersistentKernel
 
     square = Problem(8192, 8192, 8192)

@@ -7,11 +7,11 @@ import re
 import pytest
 import torch
 
-from gemmtune import verify
 from gemmtune.backends import get
 from gemmtune.backends.triton_splitk import BACKEND, GEMV_TILES, SplitKConfig, space
 from gemmtune.device import Device, current
 from gemmtune.problem import Problem
+from gemmtune.tuning import verify
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = ["float32", "float16", "bfloat16"]
@@ -91,7 +91,7 @@ def test_hinted_weight_rows_of_1000_are_read_16_bytes_at_a_time():
     hints, 2-byte loads without (Triton marks only integers divisible by 16)."""
     from ptx import sm90_ptx
 
-    from gemmtune.launch import gemm_hints
+    from gemmtune.backends.launch import gemm_hints
 
     scalars = (1, 1000, 1000, 1024, 1000, 1, 1, 1000, 1000, 1)  # m, n, k, k_per_split, then the strides
     constexprs = dict(HAS_BIAS=False, ACTIVATION="none", EVEN_K=False, EVEN_N=True, PRECISION="ieee", USE_DOT=False,
@@ -106,7 +106,7 @@ def _qkv_gemv_ptx(**constexprs) -> str:
     compiled for sm_90, with gemmtune's alignment hints and ``constexprs`` on top."""
     from ptx import sm90_ptx
 
-    from gemmtune.launch import gemm_hints
+    from gemmtune.backends.launch import gemm_hints
 
     scalars = (1, 6144, 4096, 4096, 4096, 1, 1, 4096, 6144, 1)  # m, n, k, k_per_split, then the strides
     base = dict(HAS_BIAS=False, ACTIVATION="none", EVEN_K=True, EVEN_N=True, PRECISION="ieee", USE_DOT=False,
@@ -129,7 +129,7 @@ def test_gemv_issues_two_k_steps_of_loads_before_multiplying(block_k, warps):
     so a program waits on memory once. Scheduled the other way they read 7% slower."""
     from ptx import sm90_sass
 
-    from gemmtune.launch import gemm_hints
+    from gemmtune.backends.launch import gemm_hints
 
     scalars = (1, 6144, 4096, 4096, 4096, 1, 1, 4096, 6144, 1)
     constexprs = dict(HAS_BIAS=False, ACTIVATION="none", EVEN_K=True, EVEN_N=True, PRECISION="ieee", USE_DOT=False,

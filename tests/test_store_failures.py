@@ -21,11 +21,11 @@ import gemmtune.store
 from gemmtune import backends
 from gemmtune.cli import main
 from gemmtune.device import current
-from gemmtune.dispatch import Dispatcher
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing, Trial, TuneResult
+from gemmtune.serving.dispatch import Dispatcher
 from gemmtune.store import APPLICATION_ID, DEFAULT_FILENAME, Store, StoreError
-from gemmtune.tuner import TuneOptions
+from gemmtune.tuning.tuner import TuneOptions
 
 DEVICE = "nvidia-h100-80gb-hbm3-9.0-132-abc123def456"
 PROBLEM = Problem(8, 16, 16, "float32", "nn")

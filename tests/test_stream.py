@@ -4,10 +4,10 @@ Hopper with one. Aligned rows only (the backend's contract); M from 2 to 64, any
 import pytest
 import torch
 
-from gemmtune import verify
 from gemmtune.backends.triton_stream import BACKEND, StreamConfig, space
 from gemmtune.device import Device, current
 from gemmtune.problem import Problem
+from gemmtune.tuning import verify
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
@@ -23,7 +23,7 @@ def _configs(problem):
     return space(problem, H100)
 
 
-# bfloat16 too under the interpreter: gemmtune.kernels.mma widens its operands there.
+# bfloat16 too under the interpreter: gemmtune.backends.kernels.mma widens its operands there.
 DTYPES = ["float16", "float32", "bfloat16"]
 
 
@@ -138,7 +138,7 @@ def test_on_hopper_the_weights_are_the_warpgroup_mma_side():
         pytest.skip("a Hopper GPU is needed")
     from triton.tools.disasm import get_sass
 
-    from gemmtune.kernels.stream import stream_matmul
+    from gemmtune.backends.kernels.stream import stream_matmul
 
     kernel_cache = stream_matmul.device_caches[torch.cuda.current_device()][0]
     kernel_cache.clear()  # so that the one binary left is this test's
@@ -167,7 +167,7 @@ def test_later_calls_launch_the_binary_directly():
 def test_the_bound_launch_matches_the_call_and_follows_the_weights():
     """linear's front path: the bound call encodes x's map per call and each weight's once per
     address; two layers of one shape share the entry, so the same call must serve both."""
-    from gemmtune.launch import front_entry
+    from gemmtune.backends.launch import front_entry
 
     problem = Problem(16, 4096, 4096, bias=True, activation="gelu_tanh")
     kernel = BACKEND.build(problem, StreamConfig(16, 64, 256, 4, 4), current())

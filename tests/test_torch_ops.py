@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import gemmtune
-from gemmtune import activation, torch_ops
+from gemmtune import activation
+from gemmtune.serving import torch_ops
 
 ACTS = ["none", "relu", "gelu", "gelu_tanh", "silu"]
 TORCH_ACTS = {"none": lambda t: t, "relu": torch.relu, "gelu": F.gelu,
@@ -81,7 +82,7 @@ def test_compiled_fullgraph_traces_the_ops():
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", ["none", "silu"])
 def test_on_the_gpu_tuned_forward_and_backward_match_float64(act):
-    from gemmtune import verify
+    from gemmtune.tuning import verify
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     x, w, b = (torch.randn(*s, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()

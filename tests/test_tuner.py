@@ -13,7 +13,7 @@ from gemmtune import backends, search
 from gemmtune.device import current
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing
-from gemmtune.tuner import TuneOptions, select, tune_problem
+from gemmtune.tuning.tuner import TuneOptions, select, tune_problem
 
 
 def timing(median, spread=0.0, order_seed=None):
@@ -94,7 +94,7 @@ def test_a_faster_kernel_with_a_costlier_launch_does_not_win():
     but in a model whose other operators keep the host busy, the 20 us are what the step pays.
     So a candidate whose host time per call is over cuBLAS's by more than HOST_SLACK is not
     chosen, however fast its kernel; the next cheapest one may be."""
-    from gemmtune.tuner import HOST_SLACK
+    from gemmtune.tuning.tuner import HOST_SLACK
 
     timings = {"cublas": timing(0.043, 0.005), "tma": timing(0.040, 0.005), "bound": timing(0.0415, 0.005)}
     costs = {label: t.median for label, t in timings.items()}
@@ -186,7 +186,7 @@ def test_a_trial_budget_caps_each_modelled_backend():
 def test_cublas_runs_at_the_problems_float32_precision():
     import torch
 
-    from gemmtune.runner import matmul_precision
+    from gemmtune.tuning.runner import matmul_precision
 
     before = torch.get_float32_matmul_precision()
     with matmul_precision(Problem(8, 8, 8, "float32", tf32=True)):

@@ -10,9 +10,9 @@ import torch
 from gemmtune.device import current
 from gemmtune.problem import Problem
 from gemmtune.results import Status
-from gemmtune.runner import LocalRunner
-from gemmtune.tuner import TuneOptions, tune_problem
-from gemmtune.worker import IsolatedRunner
+from gemmtune.tuning.runner import LocalRunner
+from gemmtune.tuning.tuner import TuneOptions, tune_problem
+from gemmtune.tuning.worker import IsolatedRunner
 
 PROBLEM = Problem(16, 32, 64, "float32", "nn")
 OPTIONS = TuneOptions(strategy="exhaustive", seed=5, backends=("cublas", "triton_tiled"))

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-import gemmtune
+from gemmtune.version import __version__
 
 log = logging.getLogger("gemmtune")
 
@@ -48,7 +48,7 @@ def _versions() -> dict[str, str]:
     import torch
     import triton
 
-    versions = {"gemmtune": gemmtune.__version__, "torch": torch.__version__, "triton": triton.__version__,
+    versions = {"gemmtune": __version__, "torch": torch.__version__, "triton": triton.__version__,
                 "cuda": str(torch.version.cuda)}
     driver = driver_version()
     if driver:

@@ -27,10 +27,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
 
-import gemmtune
 from gemmtune import backends, settings
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing, Trial, TuneResult
+from gemmtune.version import __version__
 
 DEFAULT_FILENAME = "gemmtune.sqlite"
 SCHEMA_VERSION = 1
@@ -144,7 +144,7 @@ class Store:
         if problems:
             raise ValueError(f"result for {result.problem_key!r} cannot be stored: {'; '.join(problems)}")
         now = _now()
-        choice = _choice_row(entry, gemmtune.__version__, now)
+        choice = _choice_row(entry, __version__, now)
         trials = [_trial_row(result.device, result.problem_key, trial, now) for trial in result.trials]
 
         def write(conn: sqlite3.Connection) -> None:
@@ -180,7 +180,7 @@ class Store:
 
     def export_json(self, path: str | Path, device: str | None = None) -> int:
         entries = [_entry_of_result(result) for result in self._choices(device, empty=_REFUSE)]
-        document = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "gemmtune": gemmtune.__version__,
+        document = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "gemmtune": __version__,
                     "choices": entries}
         _write_atomically(Path(path), json.dumps(document, indent=1, allow_nan=False) + "\n")
         return len(entries)

@@ -87,8 +87,8 @@ _LAUNCHERS: list = []  # the flat and the 2-D copy's launchers, made on first us
 def _plan(src: torch.Tensor, dst: torch.Tensor):
     """How ``copy_padded`` copies ``src`` into ``dst`` and all like them: ``_BY_TORCH`` past
     int32 element offsets, else (launcher, grid, scalars, constexprs) of the flat or the 2-D copy."""
-    from gemmtune.kernels.pad import pad_copy, pad_copy_flat
-    from gemmtune.launch import Launcher
+    from gemmtune.backends.kernels.pad import pad_copy, pad_copy_flat
+    from gemmtune.backends.launch import Launcher
 
     rows, cols = dst.shape
     if dst.stride(1) != 1:  # checked once per guard, which holds the strides

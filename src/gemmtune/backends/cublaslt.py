@@ -1,4 +1,4 @@
-"""``cublaslt``: cuBLAS's own kernels beyond the one its heuristic picks (``gemmtune.cublaslt``).
+"""``cublaslt``: cuBLAS's own kernels beyond the one its heuristic picks (``gemmtune.backends.cublaslt_binding``).
 
 The candidates are the second to eighth algorithms cuBLASLt's heuristic ranks for the problem
 (its first is what torch's call runs), each stored as the integers of its configuration. A GPU
@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from gemmtune import activation, cublaslt
-from gemmtune.backends import cublas
+from gemmtune import activation
+from gemmtune.backends import cublas, cublaslt_binding
 from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
-log = logging.getLogger("gemmtune.cublaslt")
+log = logging.getLogger("gemmtune.backends.cublaslt_binding")
 
 # Algorithms asked of the heuristic per problem (torch 2.11's cuBLAS answers 8 on the H200). Its first is
 # the one torch's call runs, measured already as cuBLAS: the candidates are the others.
@@ -38,7 +38,7 @@ MAX_SHAPES = 64  # (GPU, row count) pairs a kernel keeps checked algorithms for;
 class LtConfig(FieldConfig):
     """cuBLASLt's cublasLtMatmulAlgoConfigAttributes_t, as cuBLAS numbers them."""
 
-    FIELDS = {name: name for name, _ in cublaslt.ATTRIBUTES}  # persisted name -> attribute
+    FIELDS = {name: name for name, _ in cublaslt_binding.ATTRIBUTES}  # persisted name -> attribute
 
     algo: int
     tile: int
@@ -53,7 +53,7 @@ class LtConfig(FieldConfig):
     def __post_init__(self) -> None:
         where = " (its C type's range; cuBLAS checks the value itself when the kernel is built)"
         check_bounds("cublaslt", [(name, getattr(self, name), _range(ctype), where)
-                                  for name, ctype in cublaslt.ATTRIBUTES])
+                                  for name, ctype in cublaslt_binding.ATTRIBUTES])
 
 
 def _range(ctype) -> range:
@@ -64,7 +64,7 @@ def _range(ctype) -> range:
 
 @functools.lru_cache(maxsize=256)
 def _ranked(problem: Problem, device_index: int) -> tuple[LtConfig, ...]:
-    ranked = cublaslt.Matmul(problem, device_index).heuristics(HEURISTICS)
+    ranked = cublaslt_binding.Matmul(problem, device_index).heuristics(HEURISTICS)
     return tuple(LtConfig(**config) for config in ranked[1:])
 
 
@@ -80,7 +80,7 @@ class LtKernel:
         self._fallback = cublas.BACKEND.build(problem, cublas.CublasConfig(), device)
         self._plans: dict[tuple[int, int], tuple | None] = {}  # (GPU index, M) -> plan
         if self._plan(torch.cuda.current_device(), problem.m) is None:
-            raise cublaslt.CublasLtError(f"cuBLASLt rejects {self._config} for {problem.describe()}")
+            raise cublaslt_binding.CublasLtError(f"cuBLASLt rejects {self._config} for {problem.describe()}")
 
     def _plan(self, index: int, m: int) -> tuple | None:
         """(launch, workspace bytes, the descriptors) of the algorithm for ``m`` rows on GPU
@@ -91,9 +91,9 @@ class LtKernel:
             return None
         p = dataclasses.replace(self._problem, m=m)
         try:
-            matmul = cublaslt.Matmul(p, index)
+            matmul = cublaslt_binding.Matmul(p, index)
             algo, workspace = matmul.algo(self._config)
-        except cublaslt.CublasLtError as exc:
+        except cublaslt_binding.CublasLtError as exc:
             log.debug("%s at M=%d: %s", self._config, m, exc)
             plan = None
         else:
@@ -107,7 +107,7 @@ class LtKernel:
         if bias is not None or a.dim() != 2 or a.shape[0] < 1 or a.shape[1] != k or tuple(b.shape) != self._b_shape \
                 or a.dtype != self._dtype or b.dtype != self._dtype or not a.is_cuda or b.device != a.device \
                 or a.stride() != (k, 1) or b.stride() != self._b_stride \
-                or (a.data_ptr() | b.data_ptr()) % cublaslt.ALIGNMENT:
+                or (a.data_ptr() | b.data_ptr()) % cublaslt_binding.ALIGNMENT:
             return None
         return self._plan(a.device.index, a.shape[0])
 
@@ -119,7 +119,7 @@ class LtKernel:
         m, n = a.shape[0], self._problem.n
         result = out
         if out is None or out.shape != (m, n) or out.stride() != (n, 1) or out.dtype != self._dtype \
-                or out.device != a.device or out.data_ptr() % cublaslt.ALIGNMENT:
+                or out.device != a.device or out.data_ptr() % cublaslt_binding.ALIGNMENT:
             result = torch.empty((m, n), dtype=self._dtype, device=a.device)
         # the workspace from the caching allocator, on this stream: safe beside other streams and in graphs
         workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=a.device) if workspace_bytes else None
@@ -144,7 +144,7 @@ class LtKernel:
         stream, uint8 = torch._C._cuda_getCurrentRawStream, torch.uint8
 
         def call(a, b, bias, pa: int, pb: int, pbias: int):
-            if (pa | pb) % cublaslt.ALIGNMENT:
+            if (pa | pb) % cublaslt_binding.ALIGNMENT:
                 return fallback(a, b, bias)
             out = a.new_empty(out_shape)
             workspace = a.new_empty(workspace_bytes, dtype=uint8).data_ptr() if workspace_bytes else 0
@@ -162,8 +162,8 @@ class CublasLtBackend:
         if device.interpreter or not torch.cuda.is_available():
             return False
         try:
-            cublaslt.library()
-        except (cublaslt.CublasLtError, OSError) as exc:
+            cublaslt_binding.library()
+        except (cublaslt_binding.CublasLtError, OSError) as exc:
             log.debug("cuBLASLt cannot be called directly: %s", exc)
             return False
         return True
@@ -173,7 +173,7 @@ class CublasLtBackend:
             return []
         try:
             return list(_ranked(problem, torch.cuda.current_device()))
-        except (cublaslt.CublasLtError, ValueError) as exc:  # tuning goes on without them
+        except (cublaslt_binding.CublasLtError, ValueError) as exc:  # tuning goes on without them
             log.warning("gemmtune: no cuBLASLt algorithms for %s: %s", problem.describe(), exc)
             return []
 

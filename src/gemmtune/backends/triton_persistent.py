@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from gemmtune import costmodel
+from gemmtune.backends import costmodel
 from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_runs
+from gemmtune.backends.launch import unit_stride_bias
 from gemmtune.device import Device
-from gemmtune.launch import unit_stride_bias
 from gemmtune.problem import Problem
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -103,7 +103,7 @@ class PersistentKernel:
     def __init__(self, problem: Problem, config: PersistentConfig, device: Device) -> None:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        from gemmtune.kernels.persistent import persistent_matmul
+        from gemmtune.backends.kernels.persistent import persistent_matmul
 
         self._kernel = persistent_matmul
         self._descriptor = TensorDescriptor

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from gemmtune import costmodel
+from gemmtune.backends import costmodel
 from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_runs
+from gemmtune.backends.launch import Launcher, bind_gemm, gemm_call, gemm_hints
 from gemmtune.device import Device
-from gemmtune.launch import Launcher, bind_gemm, gemm_call, gemm_hints
 from gemmtune.problem import Problem
 
 MAX_M = 64  # larger M is compute-bound enough for triton_tiled and cuBLAS
@@ -179,7 +179,7 @@ class SplitKKernel:
     serves_any_rank = True  # x (..., K) in layout linear: launch.gemm_call takes its rows in place
 
     def __init__(self, problem: Problem, config: SplitKConfig) -> None:
-        from gemmtune.kernels.splitk import splitk_matmul  # imports triton: only once a kernel is built
+        from gemmtune.backends.kernels.splitk import splitk_matmul  # imports triton: only once a kernel is built
 
         self._launch = Launcher(splitk_matmul, gemm_hints)
         self._linear = problem.layout == "linear"

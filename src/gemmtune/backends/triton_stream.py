@@ -11,13 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
-
-from gemmtune import costmodel
+from gemmtune.backends import costmodel
 from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_runs
+from gemmtune.backends.launch import Launcher, gemm_guard, reads_bias_in_place, unit_stride_bias
 from gemmtune.backends.triton_persistent import tma_ready
 from gemmtune.device import Device
-from gemmtune.launch import Launcher, gemm_guard, reads_bias_in_place, unit_stride_bias
 from gemmtune.problem import Problem
 
 BLOCK_M = (16, 32, 64)  # the rows of A: the MMA's narrow side, M rounded up to a power of two
@@ -95,7 +93,7 @@ class StreamKernel:
     def __init__(self, problem: Problem, config: StreamConfig, device: Device) -> None:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        from gemmtune.kernels.stream import stream_matmul
+        from gemmtune.backends.kernels.stream import stream_matmul
 
         self._launch = Launcher(stream_matmul)
         self._descriptor = TensorDescriptor

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gemmtune import costmodel
+from gemmtune.backends import costmodel
 from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_runs
+from gemmtune.backends.launch import Launcher, bind_gemm, gemm_call, gemm_hints
 from gemmtune.device import Device
-from gemmtune.launch import Launcher, bind_gemm, gemm_call, gemm_hints
 from gemmtune.problem import Problem
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -111,12 +111,12 @@ def space(problem: Problem, device: Device) -> list[TiledConfig]:
 
 class TiledKernel:
     """A compiled-on-first-call launcher for one (problem, config); later calls with operands
-    of the same dtypes, strides and alignment launch the binary directly (gemmtune.launch)."""
+    of the same dtypes, strides and alignment launch the binary directly (gemmtune.backends.launch)."""
 
     serves_any_rank = True  # x (..., K) in layout linear: launch.gemm_call takes its rows in place
 
     def __init__(self, problem: Problem, config: TiledConfig) -> None:
-        from gemmtune.kernels.tiled import tiled_matmul  # imports triton: only once a kernel is built
+        from gemmtune.backends.kernels.tiled import tiled_matmul  # imports triton: only once a kernel is built
 
         self._launch = Launcher(tiled_matmul, gemm_hints)
         self._linear = problem.layout == "linear"

@@ -6,8 +6,8 @@ A replaced layer keeps its identity: the module object, its parameters, hooks an
 stay; only its class becomes ``gemmtune.nn.Linear`` (an ``nn.Linear`` whose forward calls
 ``gemmtune.linear``). A fused activation module is replaced by ``nn.Identity``. With
 ``siblings=True`` layers called one after another on one input share one GEMM
-(``gemmtune.siblings``): their class becomes ``JoinedLinear``, and their parameters stay, as views
-of the joined weight. A layer whose K or N leaves cuBLAS's fast path (``gemmtune.aligned``) keeps
+(``gemmtune.nn.joined``): their class becomes ``JoinedLinear``, and their parameters stay, as views
+of the joined weight. A layer whose K or N leaves cuBLAS's fast path (``gemmtune.nn.padded``) keeps
 its weight zero-padded to aligned sizes: its class becomes ``AlignedLinear``, and its parameters
 stay, as views of the padded buffers.
 """
@@ -21,12 +21,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from gemmtune import aligned as aligned_layers
-from gemmtune import api, recording
-from gemmtune import siblings as sibling_layers
+from gemmtune import api
 from gemmtune.device import current
-from gemmtune.dispatch import DISPATCHER
-from gemmtune.tuner import TuneOptions
+from gemmtune.nn import joined as sibling_layers
+from gemmtune.nn import padded as aligned_layers
+from gemmtune.serving import recording
+from gemmtune.serving.dispatch import DISPATCHER
+from gemmtune.tuning.tuner import TuneOptions
 
 log = logging.getLogger("gemmtune")
 
@@ -44,7 +45,7 @@ class Linear(nn.Linear):
 
 
 class JoinedLinear(Linear):
-    """A ``Linear`` joined with its siblings (``gemmtune.siblings``): served from their one GEMM
+    """A ``Linear`` joined with its siblings (``gemmtune.nn.joined``): served from their one GEMM
     where it can be, else as a ``Linear``. A class of its own, so that the other layers' calls
     check nothing more."""
 
@@ -56,7 +57,7 @@ class JoinedLinear(Linear):
 
 
 class AlignedLinear(Linear):
-    """A ``Linear`` whose weight is stored zero-padded to aligned sizes (``gemmtune.aligned``):
+    """A ``Linear`` whose weight is stored zero-padded to aligned sizes (``gemmtune.nn.padded``):
     served by the aligned GEMM where it can be, else as a ``Linear``."""
 
     aligned: aligned_layers.Aligned
@@ -96,14 +97,14 @@ def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
 
     ``siblings`` (off by default; needs ``example_inputs``): layers that the example run calls
     one after another on the same input (a Llama's q, k and v projections; its gate and up)
-    are joined, and one GEMM over their weights serves them (``gemmtune.siblings`` says when a
+    are joined, and one GEMM over their weights serves them (``gemmtune.nn.joined`` says when a
     call runs alone instead, and what torch.compile cannot check). Each returns a view of the
     joined output, whose rows are the joined width apart.
 
     ``align`` (on by default): a CUDA layer whose in_features or out_features is not a multiple
     of 16 bytes keeps its weight and bias zero-padded to aligned sizes, the parameters becoming
     views of the padded buffers (only the padding is added), so that a call of enough rows copies
-    its input, not the weight, and runs the aligned GEMM (``gemmtune.aligned`` says when).
+    its input, not the weight, and runs the aligned GEMM (``gemmtune.nn.padded`` says when).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize(model=...): expected a torch.nn.Module, got {type(model).__name__}")

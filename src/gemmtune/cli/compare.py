@@ -127,26 +127,26 @@ def _start_compilers(x: torch.Tensor) -> None:
 
 
 def _graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    from gemmtune import bench
+    from gemmtune.tuning import measure
 
-    replay = bench.graphed({"model": fn})["model"]
+    replay = measure.graphed({"model": fn})["model"]
     if replay is fn:
         raise RuntimeError("compare: the gemmtune model cannot be captured in a CUDA graph (see the log)")
     return replay
 
 
 def _gpu_ms(fn) -> float:
-    from gemmtune import bench
     from gemmtune.device import current
+    from gemmtune.tuning import measure
 
-    return bench.measure({"model": fn}, current(), graphs=False)["model"].median
+    return measure.measure({"model": fn}, current(), graphs=False)["model"].median
 
 
 def _host_us(fn, calls: int) -> float:
-    from gemmtune import bench
     from gemmtune.device import current
+    from gemmtune.tuning import measure
 
-    return bench.host_loop_ms(fn, current(), calls=calls) * 1e3
+    return measure.host_loop_ms(fn, current(), calls=calls) * 1e3
 
 
 def _sync(x: torch.Tensor) -> None:
@@ -158,7 +158,7 @@ def document(rows: list[Row], *, model: str, dtype: str, input_shape, device: st
     """The ``compare`` file of RESULTS.md."""
     import triton
 
-    from gemmtune import __version__
+    from gemmtune.version import __version__
 
     return {"kind": "compare", "device": device, "torch": torch.__version__, "triton": triton.__version__,
             "gemmtune": __version__, "date": datetime.date.today().isoformat(), "model": model, "dtype": dtype,

@@ -9,8 +9,8 @@ works without masks; they need 16-byte aligned rows, which the backend checks. B
 import triton
 import triton.language as tl
 
-from gemmtune.kernels.epilogue import activate
-from gemmtune.kernels.mma import mma
+from gemmtune.backends.kernels.epilogue import activate
+from gemmtune.backends.kernels.mma import mma
 
 
 @triton.jit

@@ -40,10 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemmtune import api, bench, recording, settings
+from gemmtune import api
 from gemmtune.backends.cublas_padded import copy_padded
 from gemmtune.device import current
-from gemmtune.dispatch import DISPATCHER
+from gemmtune.serving import recording
+from gemmtune.serving.dispatch import DISPATCHER
+from gemmtune.tuning import measure
 
 MIN_ROWS_K_ODD = 2  # rows from which a call takes the padded GEMM with K odd, where none is measured
 MIN_ROWS = 65  # and with K aligned (only N odd): past the decode GEMMs' 64
@@ -121,7 +123,7 @@ class Aligned:
             return rule
         for way in ways.values():
             way()  # the first call of each tunes its GEMM (in lookup mode: the store's kernel, or cuBLAS)
-        t = bench.measure(ways, current(), budget_ms=MEASURE_MS, graphs=False)
+        t = measure.measure(ways, current(), budget_ms=MEASURE_MS, graphs=False)
         noise = t["padded"].spread_against(t["plain"])
         self.padded_for[rows] = t["padded"].median < t["plain"].median * (1.0 - noise)
         return self.padded_for[rows]

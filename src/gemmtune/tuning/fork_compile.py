@@ -35,7 +35,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
-log = logging.getLogger("gemmtune.fork_compile")
+log = logging.getLogger("gemmtune.tuning.fork_compile")
 
 DEADLINE_S = 30.0
 MESSAGE_BYTES = 1000  # a child's report: "ok" or its error, within one atomic pipe write

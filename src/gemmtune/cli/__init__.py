@@ -195,7 +195,7 @@ def _configure_logging(verbose: int) -> None:
 
 
 def _doctor(args, console: Console) -> int:
-    from gemmtune import doctor
+    from gemmtune.cli import doctor
 
     checks = [_store_problem(args.cache) or check if check.name == "store" else check
               for check in doctor.collect(store_path=_store_path(args.cache))]
@@ -209,7 +209,7 @@ def _doctor(args, console: Console) -> int:
 def _store_problem(cache: Path | None):
     """The doctor's store line as a warning where the store that ``tune`` and ``cache`` would use
     cannot be used (the doctor's own line says only where it is and how large), or None."""
-    from gemmtune.doctor import Check
+    from gemmtune.cli.doctor import Check
     from gemmtune.store import Store, StoreError
 
     try:
@@ -228,7 +228,8 @@ def _store_path(cache: Path | None) -> Path:
 
 
 def _tune(args, console: Console) -> int:
-    from gemmtune import api, report
+    from gemmtune import api
+    from gemmtune.cli import report
     from gemmtune.device import current
     from gemmtune.store import Store
 
@@ -246,7 +247,8 @@ def _tune(args, console: Console) -> int:
 
 
 def _bench(args, console: Console) -> int:
-    from gemmtune import api, sidebyside
+    from gemmtune import api
+    from gemmtune.cli import sidebyside
     from gemmtune.device import current
 
     device = current()
@@ -304,7 +306,7 @@ def _bench_table(rows: list[dict], device, inductor: bool):
 
 
 def _tune_with_progress(api, named, args, console: Console, store):
-    from gemmtune.tuner import TuneOptions
+    from gemmtune.tuning.tuner import TuneOptions
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TimeRemainingColumn())
@@ -328,10 +330,10 @@ def _tune_with_progress(api, named, args, console: Console, store):
 def _validate_buckets(named, args, console: Console) -> int:
     from rich.table import Table
 
-    from gemmtune import buckets
     from gemmtune.device import current
-    from gemmtune.tuner import TuneOptions
-    from gemmtune.worker import IsolatedRunner
+    from gemmtune.tuning import buckets
+    from gemmtune.tuning.tuner import TuneOptions
+    from gemmtune.tuning.worker import IsolatedRunner
 
     if args.bucket == "exact":
         raise ValueError("--validate needs --bucket pow2 or --bucket log2m")
@@ -381,7 +383,7 @@ def _compare(args, console: Console) -> int:
     import torch
     from rich.table import Table
 
-    from gemmtune import compare
+    from gemmtune.cli import compare
 
     try:
         shape = tuple(int(v) for v in args.input_shape.split(","))
@@ -420,7 +422,7 @@ def _compare(args, console: Console) -> int:
 
 
 def _report(args, console: Console) -> int:
-    from gemmtune import report
+    from gemmtune.cli import report
 
     doc = report.read_suite(args.results)
     out = args.out or args.results.parent
@@ -437,7 +439,7 @@ def _report(args, console: Console) -> int:
 
 
 def _cache(args, console: Console) -> int:
-    from gemmtune import report
+    from gemmtune.cli import report
     from gemmtune.store import Store
 
     store = Store(args.cache, strict=True)  # a store that cannot be used is this command's error

@@ -14,7 +14,7 @@ from gemmtune.device import Device, current
 from gemmtune.problem import Problem, bucket
 from gemmtune.shapes import entry
 from gemmtune.store import Store
-from gemmtune.tuner import TuneOptions, tune_problem
+from gemmtune.tuning.tuner import TuneOptions, tune_problem
 
 log = logging.getLogger("gemmtune")
 

@@ -8,8 +8,8 @@ are visited in groups of GROUP_M rows so that neighbouring programs share B tile
 import triton
 import triton.language as tl
 
-from gemmtune.kernels.epilogue import activate
-from gemmtune.kernels.mma import mma
+from gemmtune.backends.kernels.epilogue import activate
+from gemmtune.backends.kernels.mma import mma
 
 
 @triton.jit

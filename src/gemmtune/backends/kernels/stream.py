@@ -11,8 +11,8 @@ edges, so any M, N, K works without load masks; they need 16-byte aligned rows.
 import triton
 import triton.language as tl
 
-from gemmtune.kernels.epilogue import activate
-from gemmtune.kernels.mma import mma
+from gemmtune.backends.kernels.epilogue import activate
+from gemmtune.backends.kernels.mma import mma
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 The tuner talks to a runner only through ``start``, ``compile``, ``evaluate`` and ``final`` with
 plain data (backend names, config dicts, Trials), so the same flow runs here or, through
-``gemmtune.worker``, in a child process that a crashing candidate cannot take down with it.
+``gemmtune.tuning.worker``, in a child process that a crashing candidate cannot take down with it.
 """
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 
-from gemmtune import backends, bench, compiler, verify
-from gemmtune.compiler import Compiled
+from gemmtune import backends
+from gemmtune.backends.launch import front_entry
 from gemmtune.device import Device
-from gemmtune.launch import front_entry
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing, Trial
+from gemmtune.tuning import compiler, measure, verify
+from gemmtune.tuning.compiler import Compiled, classify
 
-log = logging.getLogger("gemmtune.runner")
+log = logging.getLogger("gemmtune.tuning.runner")
 
 HOST_BOUND_MS = 0.1  # below this a call's cost is checked with a back-to-back loop too
 # A candidate whose first two rounds are this much slower than the best so far is not screened
@@ -111,7 +112,7 @@ class LocalRunner:
         def ratios(timings: dict[str, Timing]) -> dict[str, float]:
             return {label: _ratio(timings[label], timings.get(reference)) for label in labels}
 
-        timings = bench.measure(fns, self.device, budget_ms=budget_ms, min_rounds=3,
+        timings = measure.measure(fns, self.device, budget_ms=budget_ms, min_rounds=3,
                                 stop=None if stop is None else lambda timings: stop(ratios(timings)))
         found = ratios(timings)
         self._best_ratio = min([self._best_ratio, *found.values()])
@@ -138,7 +139,7 @@ class LocalRunner:
             label = Trial(backend_name, config, Status.OK).label()
             if label in self._ready or self._build_and_verify(backend_name, config).ok:
                 labels.append(label)
-        timings = bench.measure({label: self._bound(label) for label in labels}, self.device,
+        timings = measure.measure({label: self._bound(label) for label in labels}, self.device,
                                 budget_ms=budget_ms, min_rounds=min_rounds)
         return {label: (timing, *self._cost(label, timing), self._recheck(label)) for label, timing in timings.items()}
 
@@ -179,7 +180,7 @@ class LocalRunner:
         """What a call costs: the kernel's median, or the back-to-back wall time if that is larger
         (for layout linear, of the call linear's front path makes: a bound launch where the
         kernel has one, which costs the host several microseconds less than its wrapper); and
-        the host's own time per call (``bench.host_times``), measured for kernels under
+        the host's own time per call (``measure.host_times``), measured for kernels under
         HOST_BOUND_MS only."""
         if self.device.interpreter or timing.median >= HOST_BOUND_MS:
             return timing.median, None
@@ -190,24 +191,10 @@ class LocalRunner:
             call = lambda: front(a, b, bias, pa, pb, pbias)  # noqa: E731
         else:
             call = self._bound(label)
-        loop, issue = bench.host_times(call, self.device)
+        loop, issue = measure.host_times(call, self.device)
         return max(timing.median, loop), issue
 
 
 def _ratio(timing: Timing, reference: Timing | None) -> float:
     """``timing`` over ``reference`` (timed in the same rounds), or its own median without one."""
     return timing.median if reference is None else timing.ratio_to(reference)
-
-
-def classify(exc: Exception) -> tuple[Status, str]:
-    reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
-    try:
-        from triton.compiler.errors import CompilationError
-        from triton.runtime.errors import OutOfResources, PTXASError
-    except ImportError:
-        return Status.LAUNCH_ERROR, reason
-    if isinstance(exc, OutOfResources):
-        return Status.OUT_OF_RESOURCES, reason
-    if isinstance(exc, (CompilationError, PTXASError)):
-        return Status.COMPILE_ERROR, reason
-    return Status.LAUNCH_ERROR, reason

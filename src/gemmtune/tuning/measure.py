@@ -19,12 +19,13 @@ import gc
 import logging
 import random
 import time
+import warnings
 from collections.abc import Callable, Mapping
 
 from gemmtune.device import Device
 from gemmtune.results import Timing
 
-log = logging.getLogger("gemmtune.bench")
+log = logging.getLogger("gemmtune.tuning.measure")
 
 MIN_ROUNDS = 10
 MAX_ROUNDS = 200
@@ -149,7 +150,9 @@ def _syncing(fns: Mapping[str, Callable[[], object]]) -> str | None:
     import torch
 
     previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
+    with warnings.catch_warnings():  # torch's note that the mode is a prototype is not the user's
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
+        torch.cuda.set_sync_debug_mode("error")
     try:
         for name, fn in fns.items():
             try:

@@ -16,13 +16,14 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from gemmtune import backends, compiler, search
+from gemmtune import backends, search
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing, Trial, TuneResult
-from gemmtune.runner import LocalRunner, matmul_precision
+from gemmtune.tuning import compiler
+from gemmtune.tuning.runner import LocalRunner, matmul_precision
 
-log = logging.getLogger("gemmtune.tuner")
+log = logging.getLogger("gemmtune.tuning.tuner")
 
 MIN_GAIN = 0.02  # a win smaller than this is not worth leaving cuBLAS for
 SHORTLIST = 3  # candidates a problem inherits from one that differs from it in its epilogue alone
@@ -79,7 +80,7 @@ def compile_batch(problems: list[Problem], device: Device, options: TuneOptions 
     each of them on its own). Empty where compiling ahead is off or nothing would run on a GPU."""
     if not options.compile_ahead or device.interpreter or not problems:
         return {}
-    from gemmtune import verify
+    from gemmtune.tuning import verify
 
     jobs, room, fitting, kinds = [], BATCH_MEMORY_SHARE * _free_gpu_bytes(), [], {}
     for problem in problems:

@@ -15,13 +15,13 @@ import logging
 import multiprocessing
 import os
 
-from gemmtune.compiler import Compiled
 from gemmtune.device import Device
 from gemmtune.problem import Problem
-from gemmtune.processes import main_hidden
 from gemmtune.results import Status, Timing, Trial
+from gemmtune.tuning.compiler import Compiled
+from gemmtune.tuning.processes import main_hidden
 
-log = logging.getLogger("gemmtune.worker")
+log = logging.getLogger("gemmtune.tuning.worker")
 
 BOOT_TIMEOUT_S = 180.0  # a fresh child imports torch and triton and creates a CUDA context
 
@@ -169,7 +169,7 @@ def serve(conn, device_index: int, runner_factory=None) -> None:
     import torch
 
     from gemmtune.device import current
-    from gemmtune.runner import LocalRunner
+    from gemmtune.tuning.runner import LocalRunner
 
     if torch.cuda.is_available():
         torch.cuda.set_device(device_index)
@@ -197,7 +197,7 @@ def _handle(runner, request: dict) -> dict:
     if op == "start":
         import torch
 
-        from gemmtune.runner import float32_precision
+        from gemmtune.tuning.runner import float32_precision
 
         problem = Problem.from_key(request["problem"])
         torch.set_float32_matmul_precision(float32_precision(problem))  # this process tunes, nothing else

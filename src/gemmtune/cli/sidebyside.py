@@ -1,7 +1,7 @@
 """One problem measured side by side: torch's own call (cuBLAS on a GPU), the kernel gemmtune
 chose for it, and optionally inductor's (torch.compile max-autotune, without CUDA graphs),
 on the same fresh random operands, in one process, in interleaved rounds with the L2 flushed
-(``bench.measure``: CUDA-graph replays, so GPU time alone). The chosen kernel's output is checked
+(``timing.measure``: CUDA-graph replays, so GPU time alone). The chosen kernel's output is checked
 against float64 first. A row of the suite file that ``gemmtune report`` renders; ``gemmtune
 bench`` writes one per shape.
 
@@ -17,10 +17,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from gemmtune import activation, backends, bench, verify
+from gemmtune import activation, backends
 from gemmtune.device import Device
 from gemmtune.results import TuneResult
 from gemmtune.shapes import NamedProblem
+from gemmtune.tuning import measure as timing
+from gemmtune.tuning import verify
 
 
 def torch_call(named: NamedProblem, inputs: verify.Inputs) -> Callable[[], torch.Tensor]:
@@ -33,7 +35,7 @@ def torch_call(named: NamedProblem, inputs: verify.Inputs) -> Callable[[], torch
 
 
 def compiled(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], torch.Tensor], float]:
-    """``fn`` under torch.compile max-autotune (no CUDA graphs: bench.measure captures its own),
+    """``fn`` under torch.compile max-autotune (no CUDA graphs: timing.measure captures its own),
     from scratch, and the seconds its first call took (inductor's tuning and compiling)."""
     torch._dynamo.reset()  # from scratch for every shape, and clear of dynamo's recompile limit
     fast = torch.compile(fn, mode="max-autotune-no-cudagraphs", dynamic=False)
@@ -66,7 +68,7 @@ def _measure(named: NamedProblem, result: TuneResult, device: Device, *, inducto
     kernel = backends.build(p, result.backend, result.config, device)
     verdict = verify.judge(kernel(inputs.a, inputs.b, inputs.bias), p, inputs)
     theirs = torch_call(named, inputs)
-    timings = bench.measure({"cublas": theirs, "gemmtune": lambda: kernel(inputs.a, inputs.b, inputs.bias)}, device,
+    timings = timing.measure({"cublas": theirs, "gemmtune": lambda: kernel(inputs.a, inputs.b, inputs.bias)}, device,
                             budget_ms=budget_ms, min_rounds=rounds)
     mine, ref = timings["gemmtune"], timings["cublas"]
     row = {
@@ -80,7 +82,7 @@ def _measure(named: NamedProblem, result: TuneResult, device: Device, *, inducto
     }
     if inductor and not device.interpreter:
         fast, seconds = compiled(theirs)
-        paired = bench.measure({"cublas": theirs, "inductor": fast}, device, budget_ms=budget_ms / 2,
+        paired = timing.measure({"cublas": theirs, "inductor": fast}, device, budget_ms=budget_ms / 2,
                                min_rounds=max(rounds // 2, 1))
         row |= {"inductor_ms": paired["inductor"].median, "inductor_tune_s": seconds,
                 "inductor_cublas_ms": paired["cublas"].median}
@@ -93,8 +95,8 @@ def document(rows: list[dict], device: Device) -> dict:
 
     import triton
 
-    import gemmtune
+    from gemmtune.version import __version__
 
     return {"kind": "suite", "device": device.name, "sm_count": device.sm_count, "torch": torch.__version__,
-            "triton": triton.__version__, "gemmtune": gemmtune.__version__, "date": datetime.date.today().isoformat(),
+            "triton": triton.__version__, "gemmtune": __version__, "date": datetime.date.today().isoformat(),
             "gpu_timings": not device.interpreter, "rows": rows}

@@ -186,8 +186,8 @@ def cublas_check(product: Callable | None = None, device: str = "cuda") -> Check
     and the CPU for ``device``)."""
     import torch
 
-    from gemmtune import verify
     from gemmtune.problem import Problem
+    from gemmtune.tuning import verify
 
     if product is None:
         product = lambda p, a, b: torch.mm(a, b.t() if p.layout == "linear" else b)  # noqa: E731
@@ -214,11 +214,11 @@ def cublas_check(product: Callable | None = None, device: str = "cuda") -> Check
 def cublaslt_check(library: Callable | None = None) -> Check:
     """Whether gemmtune can call cuBLASLt itself (the ``cublaslt`` backend: cuBLAS's algorithms
     beyond the one torch's call runs). ``library`` loads it (tests pass another)."""
-    from gemmtune import cublaslt
+    from gemmtune.backends import cublaslt_binding
 
     try:
-        lib = (library or cublaslt.library)()
-    except (cublaslt.CublasLtError, OSError, AttributeError) as error:
+        lib = (library or cublaslt_binding.library)()
+    except (cublaslt_binding.CublasLtError, OSError, AttributeError) as error:
         return Check("cuBLASLt", f"not callable ({error})", "info",
                      "The cublaslt backend is left out: cuBLAS through torch's own calls remains, "
                      "as do gemmtune's Triton kernels.")
@@ -395,8 +395,8 @@ def store_check(store_path: Path | None = None) -> Check:
 
 def compile_cache_check() -> Check:
     """Triton's on-disk kernel cache as gemmtune's workers use it: a warm one makes tuning fast."""
-    from gemmtune import fork_compile
-    from gemmtune.compiler import default_workers
+    from gemmtune.tuning import fork_compile
+    from gemmtune.tuning.compiler import default_workers
 
     path = settings.triton_cache_dir()
     workers = default_workers()

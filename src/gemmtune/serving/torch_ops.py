@@ -6,8 +6,8 @@ differentiates them: the backward GEMMs go through the same ops, so they are tun
 tensors gemmtune does not serve (CPU, float64, ...) they compute with torch, as
 ``gemmtune.linear`` and ``gemmtune.matmul`` document.
 
-The ops check their operands as the public functions do (``api.check_linear``,
-``api.check_mm``), their fake implementations too, so a malformed call raises the same error
+The ops check their operands as the public functions do (``calls.check_linear``,
+``calls.check_mm``), their fake implementations too, so a malformed call raises the same error
 naming the argument whether it runs, is traced or is compiled. ``import gemmtune`` imports this
 module, which registers the ops.
 """
@@ -18,19 +18,19 @@ import torch
 from torch import Tensor
 
 from gemmtune import activation as activations
-from gemmtune import api
+from gemmtune.serving import calls
 
 
 @torch.library.custom_op("gemmtune::linear", mutates_args=())
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
     """``act(x @ weight.T + bias)``; x (..., K), weight (N, K), bias (N,) or None."""
-    api.check_linear(x, weight, bias, activation)
-    return api.linear_forward(x, weight, bias, activation)
+    calls.check_linear(x, weight, bias, activation)
+    return calls.linear_forward(x, weight, bias, activation)
 
 
 @linear.register_fake
 def _linear_fake(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
-    api.check_linear(x, weight, bias, activation)
+    calls.check_linear(x, weight, bias, activation)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -59,13 +59,13 @@ linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 @torch.library.custom_op("gemmtune::mm", mutates_args=())
 def mm(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` for a (M, K) and b (K, N)."""
-    api.check_mm(a, b)
-    return api.matmul_forward(a, b)
+    calls.check_mm(a, b)
+    return calls.matmul_forward(a, b)
 
 
 @mm.register_fake
 def _mm_fake(a: Tensor, b: Tensor) -> Tensor:
-    api.check_mm(a, b)
+    calls.check_mm(a, b)
     return a.new_empty((a.shape[0], b.shape[1]))
 
 

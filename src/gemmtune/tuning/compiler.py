@@ -30,12 +30,13 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from gemmtune import backends, fork_compile
+from gemmtune import backends
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 from gemmtune.results import Status
+from gemmtune.tuning import fork_compile
 
-log = logging.getLogger("gemmtune.compiler")
+log = logging.getLogger("gemmtune.tuning.compiler")
 
 MAX_WORKERS = 16
 # How long a thread running Python keeps the GIL before it must hand it on, while compiling
@@ -173,8 +174,6 @@ def _long_switch_interval() -> Iterator[None]:
 
 def _compile_one(problem: Problem, backend_name: str, config: dict, device: Device, operands: tuple,
                  children: Sequence[fork_compile.Child] = ()) -> Compiled:
-    from gemmtune.runner import classify
-
     started = time.perf_counter()
     for child in children:
         if (outcome := child.wait()) != "ok":
@@ -207,3 +206,19 @@ def default_workers() -> int:
 
     asked = settings.compile_workers()
     return asked if asked is not None else max(1, min(MAX_WORKERS, (os.cpu_count() or 2) - 1))
+
+
+def classify(exc: Exception) -> tuple[Status, str]:
+    """A candidate's failure as a typed Status and a one-line reason: Triton's resource and
+    compile errors by their types, anything else a launch error."""
+    reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
+    try:
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources, PTXASError
+    except ImportError:
+        return Status.LAUNCH_ERROR, reason
+    if isinstance(exc, OutOfResources):
+        return Status.OUT_OF_RESOURCES, reason
+    if isinstance(exc, (CompilationError, PTXASError)):
+        return Status.COMPILE_ERROR, reason
+    return Status.LAUNCH_ERROR, reason

@@ -13,8 +13,8 @@ a fixed order (so the result is deterministic), applies the epilogue and stores 
 import triton
 import triton.language as tl
 
-from gemmtune.kernels.epilogue import activate
-from gemmtune.kernels.mma import mma
+from gemmtune.backends.kernels.epilogue import activate
+from gemmtune.backends.kernels.mma import mma
 
 
 @triton.jit

@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 from gemmtune.device import Device
 from gemmtune.problem import Problem, bucket, pooled
 from gemmtune.results import Status, Trial
-from gemmtune.runner import LocalRunner, matmul_precision
-from gemmtune.tuner import MIN_ROUNDS_FINAL, TuneOptions, tune_problem
+from gemmtune.tuning.runner import LocalRunner, matmul_precision
+from gemmtune.tuning.tuner import MIN_ROUNDS_FINAL, TuneOptions, tune_problem
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Serving: the hot path from a call to its tuned kernel, the custom ops, recording."""
