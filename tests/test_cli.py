@@ -87,6 +87,18 @@ def test_doctor_runs(capsys):
     assert code == 0 and json.loads(out)
 
 
+@pytest.mark.parametrize("cache", ["team.db", "stores"])
+def test_doctor_reports_the_store_that_tune_writes(capsys, tmp_path, cache):
+    """``--cache`` names one store for every command (a file, or a directory holding one)."""
+    code, _, err = run(capsys, "tune", "--shape", "7x40x33", "--dtype", "float32", "--layout", "nn",
+                       "--json", "--cache", str(tmp_path / cache))
+    assert code == 0, err
+    written = [path for path in tmp_path.rglob("*") if path.is_file() and path.suffix in (".db", ".sqlite")]
+    code, out, _ = run(capsys, "doctor", "--json", "--cache", str(tmp_path / cache))
+    store = next(check for check in json.loads(out) if check["name"] == "store")
+    assert written and store["value"].startswith(str(written[0])) and "not created" not in store["value"]
+
+
 def test_budget_flag(capsys):
     from gemmtune.cli import parse_budget
 

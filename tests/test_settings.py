@@ -19,3 +19,16 @@ def test_mode_is_validated(monkeypatch):
     monkeypatch.setenv("GEMMTUNE_MODE", "fast")
     with pytest.raises(ValueError, match="GEMMTUNE_MODE='fast' is not a mode; accepted: tune, lookup"):
         settings.mode()
+
+
+@pytest.mark.parametrize("given, expected", [
+    ("team.db", "team.db"),  # a file not made yet: its suffix says so
+    ("stores", "stores/gemmtune.sqlite"),  # a directory not made yet
+    ("a-dir.d", "a-dir.d/gemmtune.sqlite"),  # an existing directory, whatever its name
+    ("plainfile", "plainfile"),  # an existing file, whatever its name
+])
+def test_one_store_path_for_every_command(tmp_path, given, expected):
+    (tmp_path / "a-dir.d").mkdir()
+    (tmp_path / "plainfile").write_bytes(b"")
+    assert settings.store_file(tmp_path / given) == tmp_path / expected
+    assert settings.store_file(None) == settings.cache_dir() / settings.STORE_FILENAME

@@ -15,7 +15,8 @@ import pytest
 
 import gemmtune.store
 from gemmtune.results import Status, Timing, Trial, TuneResult
-from gemmtune.store import DEFAULT_FILENAME, SCHEMA_VERSION, Store, StoreError
+from gemmtune.settings import STORE_FILENAME
+from gemmtune.store import SCHEMA_VERSION, Store, StoreError
 
 DEVICE = "nvidia-h100-80gb-hbm3-9.0-132-abc123def456"
 OTHER_DEVICE = "nvidia-a100-sxm4-80gb-8.0-108-0123456789ab"
@@ -188,13 +189,13 @@ def test_a_forked_child_opens_its_own_connection(store: Store) -> None:
 def test_default_path_honours_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GEMMTUNE_CACHE_DIR", str(tmp_path / "cache"))
     with Store() as store:
-        assert store.path == tmp_path / "cache" / DEFAULT_FILENAME
+        assert store.path == tmp_path / "cache" / STORE_FILENAME
         store.put(make_result())
-    assert (tmp_path / "cache" / DEFAULT_FILENAME).is_file()
+    assert (tmp_path / "cache" / STORE_FILENAME).is_file()
 
 
 def test_directory_path_gets_the_default_filename(tmp_path: Path) -> None:
-    assert Store(tmp_path).path == tmp_path / DEFAULT_FILENAME
+    assert Store(tmp_path).path == tmp_path / STORE_FILENAME
 
 
 def test_constructing_touches_no_file(tmp_path: Path) -> None:

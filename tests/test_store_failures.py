@@ -24,7 +24,8 @@ from gemmtune.device import current
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing, Trial, TuneResult
 from gemmtune.serving.dispatch import Dispatcher
-from gemmtune.store import APPLICATION_ID, DEFAULT_FILENAME, Store, StoreError
+from gemmtune.settings import STORE_FILENAME
+from gemmtune.store import APPLICATION_ID, Store, StoreError
 from gemmtune.tuning.tuner import TuneOptions
 
 DEVICE = "nvidia-h100-80gb-hbm3-9.0-132-abc123def456"
@@ -61,13 +62,13 @@ def read_only(path: Path, mode: int) -> Path:
 
 
 def directory_at_the_store_path(tmp: Path) -> Path:
-    (tmp / DEFAULT_FILENAME).mkdir()
-    return tmp  # Store(tmp) is tmp / DEFAULT_FILENAME: a directory
+    (tmp / STORE_FILENAME).mkdir()
+    return tmp  # Store(tmp) is tmp / STORE_FILENAME: a directory
 
 
 def path_under_a_file(tmp: Path) -> Path:
     (tmp / "file").write_text("x")
-    return tmp / "file" / "sub" / DEFAULT_FILENAME
+    return tmp / "file" / "sub" / STORE_FILENAME
 
 
 def read_only_directory(tmp: Path) -> Path:

@@ -57,6 +57,20 @@ def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("gemmtune", appauthor=False))
 
 
+STORE_FILENAME = "gemmtune.sqlite"
+
+
+def store_file(path: str | Path | None = None) -> Path:
+    """The store's file, the one answer for every command and the library: ``path`` itself where
+    it is a file, or names one not made yet (``team.db``: a suffix); else the store file inside
+    that directory (existing, or to be made); without a path, inside ``cache_dir()``."""
+    if path is None:
+        return cache_dir() / STORE_FILENAME
+    path = Path(path).expanduser()
+    names_a_file = path.is_file() or (not path.exists() and bool(path.suffix))
+    return path if names_a_file else path / STORE_FILENAME
+
+
 def triton_cache_dir() -> Path:
     """Where Triton keeps compiled kernels for gemmtune's workers: TRITON_CACHE_DIR if the user
     set it, else beside the store, so clearing gemmtune's cache clears both."""

@@ -32,7 +32,6 @@ from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing, Trial, TuneResult
 from gemmtune.version import __version__
 
-DEFAULT_FILENAME = "gemmtune.sqlite"
 SCHEMA_VERSION = 1
 # PRAGMA application_id of every store gemmtune creates: the ASCII bytes "gmtu". A file with
 # another id is another program's, and gemmtune never writes into it.
@@ -92,7 +91,7 @@ class Store:
     """
 
     def __init__(self, path: str | Path | None = None, strict: bool = False) -> None:
-        self._path = _resolve(path)
+        self._path = settings.store_file(path)
         self._strict = strict
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
@@ -241,13 +240,6 @@ class Store:
 
 
 # --- opening, corruption, retries -------------------------------------------------------------
-
-
-def _resolve(path: str | Path | None) -> Path:
-    if path is None:
-        return settings.cache_dir() / DEFAULT_FILENAME
-    path = Path(path).expanduser()
-    return path / DEFAULT_FILENAME if path.is_dir() else path
 
 
 def _family(path: Path) -> tuple[Path, Path, Path]:

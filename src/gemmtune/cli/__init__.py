@@ -198,7 +198,7 @@ def _doctor(args, console: Console) -> int:
     from gemmtune.cli import doctor
 
     checks = [_store_problem(args.cache) or check if check.name == "store" else check
-              for check in doctor.collect(store_path=_store_path(args.cache))]
+              for check in doctor.collect(store_path=settings.store_file(args.cache))]
     if args.json:
         console.print_json(json.dumps(doctor.as_dict(checks)))
     else:
@@ -218,13 +218,6 @@ def _store_problem(cache: Path | None):
     except StoreError as exc:
         return Check("store", str(exc), "warn")
     return None
-
-
-def _store_path(cache: Path | None) -> Path:
-    from gemmtune.store import DEFAULT_FILENAME
-
-    base = cache if cache is not None else settings.cache_dir()
-    return base / DEFAULT_FILENAME if base.suffix != ".sqlite" else base
 
 
 def _tune(args, console: Console) -> int:

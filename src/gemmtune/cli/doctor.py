@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 STATUSES = ("ok", "warn", "info")
-STORE_NAME = "gemmtune.sqlite"
 # SQLite in WAL mode keeps recent writes beside the database; they are part of its size.
 STORE_SIDECARS = ("", "-wal", "-shm")
 
@@ -372,10 +371,6 @@ def precision_check() -> Check:
 # --- the store ---------------------------------------------------------------------------------
 
 
-def store_path_default() -> Path:
-    return settings.cache_dir() / STORE_NAME
-
-
 def store_size(path: Path) -> int:
     """Bytes of the database plus its WAL and shared-memory files, those that exist."""
     total = 0
@@ -387,7 +382,7 @@ def store_size(path: Path) -> int:
 
 
 def store_check(store_path: Path | None = None) -> Check:
-    path = Path(store_path) if store_path is not None else store_path_default()
+    path = settings.store_file(store_path)
     if not path.exists():
         return Check("store", f"{path} (not created yet)", "info")
     return Check("store", f"{path} ({_size(store_size(path))})", "ok")
