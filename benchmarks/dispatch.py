@@ -35,6 +35,7 @@ import triton
 import gemmtune
 from gemmtune.backends.triton_tiled import BACKEND, TiledConfig
 from gemmtune.device import current
+from gemmtune.serving import calls
 from gemmtune.serving.dispatch import DISPATCHER
 from gemmtune.backends.kernels.tiled import tiled_matmul
 from gemmtune.backends.launch import gemm_hints
@@ -86,7 +87,7 @@ def main() -> int:
             print(f"{m}x{n}x{k}: F.linear {torch_us:.2f} us, gemmtune.linear {ours_us:.2f} us "
                   f"(x{ratio:.2f}) [{choice}]", flush=True)
             # The same hit served by a Triton kernel: the hot-path dict pinned to a tiled config
-            key = ("linear", m, n, k, x.dtype, False, False, "none", x.get_device())
+            key = calls.dispatch_key("linear", x, None, m, n, k, "none")
             DISPATCHER.kernels[key] = BACKEND.build(Problem(m, n, k), TiledConfig(16, 64, 64, 8, 4, 3), current())
             DISPATCHER.front.clear()  # else the front path keeps serving the tuned choice
             expected = F.linear(x, w).float()
@@ -121,10 +122,10 @@ def launch_rows(calls: int) -> list[dict]:
     pointers = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in ordered]  # the launcher takes ints too
     from triton.runtime import driver
 
-    from gemmtune.api import _front_key
+    from gemmtune.serving.calls import front_key
     from gemmtune.backends.launch import gemm_guard
 
-    front = _front_key(x, w, None, None, x.data_ptr(), w.data_ptr(), 0)
+    front = front_key(x, w, None, None, x.data_ptr(), w.data_ptr(), 0)
     DISPATCHER.front[front] = lambda x, w, bias, px, pw, pb: out  # the API's front path alone, no launch
     c_launch = raw.launch  # Triton's C launcher without CudaLauncher.__call__ (launch._raw_launch)
     assert raw.global_scratch_size == 0 and raw.profile_scratch_size == 0

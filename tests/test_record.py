@@ -11,7 +11,7 @@ import gemmtune
 from gemmtune import shapes
 from gemmtune.cli import main
 from gemmtune.problem import Problem
-from gemmtune.serving.dispatch import Dispatcher
+from gemmtune.serving.dispatch import Dispatcher, DispatchKey
 from gemmtune.store import Store
 
 
@@ -61,7 +61,7 @@ def test_lookup_mode_appends_each_miss_once(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="gemmtune"):
         for _ in range(3):
             for i, problem in enumerate(problems):
-                kernel = dispatcher.kernel(("test", i, None), lambda p=problem: p)
+                kernel = dispatcher.kernel(DispatchKey.of(problem))
                 assert kernel is not None
     assert caplog.text.count("no tuned kernel") == 2  # once per shape, not per call
     assert [named.problem for named in shapes.load(misses)] == problems
@@ -84,9 +84,10 @@ def test_a_miss_inside_graph_capture_is_said_once_and_appended(tmp_path, monkeyp
     monkeypatch.setenv("GEMMTUNE_MISSES", str(misses))
     dispatcher = Dispatcher(Store(tmp_path / "store"))
     problem = Problem(16, 4096, 4096, "bfloat16", "linear")
+    key = DispatchKey.of(problem, 0)
     with caplog.at_level(logging.WARNING, logger="gemmtune"):
         for _ in range(3):
-            dispatcher.capture_miss(("key",), lambda: problem)
+            dispatcher.capture_miss(key)
     assert caplog.text.count("inside CUDA graph capture") == 1
     assert [named.problem for named in shapes.load(misses)] == [problem]
     assert dispatcher.kernels == {}  # nothing was built for it
@@ -115,7 +116,7 @@ def test_a_deferred_miss_is_served_by_cublas_untuned_and_dropped_after(tmp_path,
     dispatcher = Dispatcher(Store(tmp_path / "store"))
     problem = Problem(7, 40, 33, "float32", "nn")
     with dispatcher.deferring():
-        kernel = dispatcher.kernel(("test", 0, None), lambda: problem)
+        kernel = dispatcher.kernel(DispatchKey.of(problem))
         a, b = torch.randn(7, 33), torch.randn(33, 40)
         assert torch.allclose(kernel(a, b, None), a @ b)
         assert dispatcher.kernels  # served again from the dict within the block
@@ -127,7 +128,7 @@ def test_a_deferred_miss_is_served_by_cublas_untuned_and_dropped_after(tmp_path,
         raise RuntimeError("not here")  # the dispatcher falls back to cuBLAS and says so
 
     monkeypatch.setattr(dispatch, "tune_problem", tune)
-    dispatcher.kernel(("test", 0, None), lambda: problem)
+    dispatcher.kernel(DispatchKey.of(problem))
     assert tuned == [problem]  # after the block a miss is tuned again
 
 
@@ -147,8 +148,8 @@ def test_deferring_holds_back_tuning_in_its_own_thread_only(tmp_path, monkeypatc
     dispatcher = Dispatcher(Store(tmp_path / "store"))
     mine, theirs = Problem(7, 40, 33, "float32", "nn"), Problem(9, 40, 33, "float32", "nn")
     with dispatcher.deferring():
-        dispatcher.kernel(("mine", 0, None), lambda: mine)
-        other = threading.Thread(target=lambda: dispatcher.kernel(("theirs", 0, None), lambda: theirs))
+        dispatcher.kernel(DispatchKey.of(mine))
+        other = threading.Thread(target=lambda: dispatcher.kernel(DispatchKey.of(theirs)))
         other.start()
         other.join()
     assert tuned == [theirs]

@@ -23,7 +23,7 @@ from gemmtune.cli import main
 from gemmtune.device import current
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing, Trial, TuneResult
-from gemmtune.serving.dispatch import Dispatcher
+from gemmtune.serving.dispatch import Dispatcher, DispatchKey
 from gemmtune.settings import STORE_FILENAME
 from gemmtune.store import APPLICATION_ID, Store, StoreError
 from gemmtune.tuning.tuner import TuneOptions
@@ -147,9 +147,10 @@ def test_strict_store_raises_one_line_naming_the_file(tmp_path, make) -> None:
 def test_dispatcher_in_lookup_mode_serves_cublas(tmp_path, make, monkeypatch, caplog) -> None:
     monkeypatch.setenv("GEMMTUNE_MODE", "lookup")
     index = torch.cuda.current_device() if torch.cuda.is_available() else -1  # -1: a CPU tensor's get_device()
-    key = ("nn", PROBLEM.m, PROBLEM.n, PROBLEM.k, torch.float32, False, False, "none", index)
+    key = DispatchKey.of(PROBLEM, index)
+    assert key.problem() == PROBLEM
     with caplog.at_level(logging.WARNING, logger="gemmtune"):
-        kernel = Dispatcher(Store(make(tmp_path))).kernel(key, lambda: PROBLEM)
+        kernel = Dispatcher(Store(make(tmp_path))).kernel(key)
     assert kernel is backends.build(PROBLEM, backends.REFERENCE, {}, current(index))
     a, b = torch.randn(8, 16), torch.randn(16, 16)
     torch.testing.assert_close(kernel(a, b, None), a @ b)

@@ -4,18 +4,29 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from functools import cache
 
 LAYOUTS = ("linear", "nn")
+# The one dtype table: the names gemmtune serves, as torch names them (torch.<name>).
 DTYPES = ("float16", "bfloat16", "float32")
 # Applied to every output element after the bias, in float32, before the cast to the output dtype.
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 KEY_VERSION = "v2"
 
 _KEY_RE = re.compile(
-    r"^v2/(?P<layout>linear|nn)/(?P<dtype>float16|bfloat16|float32)(?P<tf32>\+tf32)?"
+    rf"^v2/(?P<layout>linear|nn)/(?P<dtype>{'|'.join(DTYPES)})(?P<tf32>\+tf32)?"
     r"/(?P<m>[1-9]\d*)x(?P<n>[1-9]\d*)x(?P<k>[1-9]\d*)/bias=(?P<bias>[01])"
     r"/act=(?P<act>none|relu|gelu|gelu_tanh|silu)$"
 )
+
+
+@cache
+def torch_dtypes() -> dict:
+    """``DTYPES`` as torch's dtypes, name -> torch.dtype (torch imported on first use: this
+    module is imported by code that needs no torch)."""
+    import torch
+
+    return {name: getattr(torch, name) for name in DTYPES}
 
 
 @dataclass(frozen=True)

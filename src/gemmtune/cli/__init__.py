@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from gemmtune import settings
-from gemmtune.problem import ACTIVATIONS, BUCKETS
+from gemmtune.problem import ACTIVATIONS, BUCKETS, DTYPES
 from gemmtune.search import STRATEGIES, Budget
 
 # The interpreter runs a 64^3 GEMM in about a second per candidate; far larger is hours.
@@ -124,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="seed-mlp (Linear 1024->1024, ReLU, Linear; default) or package.module:factory")
     cmp.add_argument("--input-shape", default="256,1024", metavar="B,F",
                      help="the input's shape, comma-separated (default 256,1024)")
-    cmp.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    cmp.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     cmp.add_argument("--modes", nargs="+", default=None, metavar="MODE",
                      help="modes to run (default all): eager, default, reduce-overhead, max-autotune, "
                           "max-autotune-no-cudagraphs, gemmtune, gemmtune+cudagraph")
@@ -149,7 +149,7 @@ def _shape_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
     parser.add_argument("--shapes", "--from", dest="shapes", type=Path, metavar="FILE",
                         help="a shapes file (the format of benchmarks/shapes/public.json), a file written by "
                              "gemmtune.record, or the misses GEMMTUNE_MISSES collected (JSON Lines)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                         help="dtype for --shape (default bfloat16)")
     parser.add_argument("--layout", default="linear", choices=("linear", "nn"),
                         help="linear: x @ w.T as nn.Linear; nn: a @ b (default linear)")

@@ -28,10 +28,12 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from gemmtune.problem import torch_dtypes
+
 MODES = ("eager", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs",
          "gemmtune", "gemmtune+cudagraph")
 COMPILE_MODES = MODES[1:5]
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = torch_dtypes()
 
 
 @dataclass(frozen=True)

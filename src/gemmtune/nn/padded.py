@@ -43,6 +43,7 @@ from torch import nn
 from gemmtune import api
 from gemmtune.backends.cublas_padded import copy_padded
 from gemmtune.device import current
+from gemmtune.problem import torch_dtypes
 from gemmtune.serving import recording
 from gemmtune.serving.dispatch import DISPATCHER
 from gemmtune.tuning import measure
@@ -51,7 +52,7 @@ MIN_ROWS_K_ODD = 2  # rows from which a call takes the padded GEMM with K odd, w
 MIN_ROWS = 65  # and with K aligned (only N odd): past the decode GEMMs' 64
 MEASURE_MS = 20.0  # the time a first call of a row count spends timing the two ways
 DEVICE_TYPES = ("cuda",)  # where padding pays: cuBLAS's fast path
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPES = tuple(torch_dtypes().values())
 
 
 def misaligned(layer: nn.Linear) -> bool:

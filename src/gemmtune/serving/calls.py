@@ -10,11 +10,11 @@ import torch.nn.functional as F
 
 from gemmtune import activation as activations
 from gemmtune.backends.launch import any_rank, front_entry
-from gemmtune.problem import ACTIVATIONS, Problem
+from gemmtune.problem import ACTIVATIONS, torch_dtypes
 from gemmtune.serving import recording as recorder
-from gemmtune.serving.dispatch import DISPATCHER
+from gemmtune.serving.dispatch import DISPATCHER, DispatchKey
 
-DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+DTYPE_NAMES = {dtype: name for name, dtype in torch_dtypes().items()}
 _FLOAT32 = torch.float32
 
 
@@ -100,9 +100,10 @@ def serve_linear(x, weight, bias, act: str, x_shape, n: int, k: int, front: tupl
     return run("linear", x, weight, bias, x_shape[0] if len(x_shape) == 2 else x.numel() // k, n, k, act, front)
 
 
-def dispatch_key(layout: str, a, bias, m: int, n: int, k: int, act: str) -> tuple:
-    """What the dispatcher's kernels are keyed by."""
-    return layout, m, n, k, a.dtype, bias is not None, uses_tf32(a), act, a.get_device()
+def dispatch_key(layout: str, a, bias, m: int, n: int, k: int, act: str) -> DispatchKey:
+    """What the dispatcher's kernels are keyed by, for a served call (``a``'s dtype one of
+    DTYPE_NAMES)."""
+    return DispatchKey(layout, m, n, k, DTYPE_NAMES[a.dtype], bias is not None, uses_tf32(a), act, a.get_device())
 
 
 def run(layout: str, a, b, bias, m: int, n: int, k: int, act: str, front: tuple | None = None) -> torch.Tensor:
@@ -111,12 +112,11 @@ def run(layout: str, a, b, bias, m: int, n: int, k: int, act: str, front: tuple 
     key = dispatch_key(layout, a, bias, m, n, k, act)
     kernel = DISPATCHER.kernels.get(key)
     if kernel is None:  # the slow path: store, then tuning; never while a CUDA graph is captured
-        problem_of_key = lambda: Problem(m, n, k, DTYPE_NAMES[a.dtype], layout, bias is not None, key[6], act)  # noqa: E731
         if torch.cuda.is_current_stream_capturing():
-            DISPATCHER.capture_miss(key, problem_of_key)
+            DISPATCHER.capture_miss(key)
             out = F.linear(a, b, bias) if layout == "linear" else torch_mm(a, b, bias)
             return activations.apply(out, act)
-        kernel = DISPATCHER.kernel(key, problem_of_key)
+        kernel = DISPATCHER.kernel(key)
     served = kernel if a.dim() == 2 else any_rank(kernel)
     out = served(a, b, bias)
     if front is not None:  # later calls like this one (of this rank too) take linear's front path

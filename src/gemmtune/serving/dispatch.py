@@ -8,6 +8,7 @@ import json
 import logging
 import threading
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from gemmtune import backends, settings
 from gemmtune.device import Device, current
@@ -19,9 +20,33 @@ from gemmtune.tuning.tuner import TuneOptions, tune_problem
 log = logging.getLogger("gemmtune")
 
 
+class DispatchKey(NamedTuple):
+    """What a served call's kernel is looked up by: the problem it is (sizes, dtype, layout,
+    epilogue, TF32) and the CUDA device it runs on."""
+
+    layout: str
+    m: int
+    n: int
+    k: int
+    dtype: str
+    bias: bool
+    tf32: bool
+    activation: str
+    device: int | None  # a tensor's get_device(); None: the current device
+
+    def problem(self) -> Problem:
+        return Problem(self.m, self.n, self.k, self.dtype, self.layout, self.bias, self.tf32, self.activation)
+
+    @classmethod
+    def of(cls, problem: Problem, device: int | None = None) -> DispatchKey:
+        """The key of ``problem`` on the CUDA device ``device`` (None: the current device)."""
+        p = problem
+        return cls(p.layout, p.m, p.n, p.k, p.dtype, p.bias, p.tf32, p.activation, device)
+
+
 class Dispatcher:
     def __init__(self, store: Store | None = None) -> None:
-        self.kernels: dict[tuple, object] = {}  # read directly by the hot path
+        self.kernels: dict[DispatchKey, object] = {}  # read directly by the hot path
         # api.linear's front path: its operands' own attributes -> the kernel that served them
         self.front: dict[tuple, object] = {}
         self._store = store
@@ -35,16 +60,16 @@ class Dispatcher:
             self._store = Store()
         return self._store
 
-    def kernel(self, key: tuple, problem_of_key) -> object:
-        """The kernel for ``key``; ``problem_of_key()`` builds its Problem only on a miss."""
+    def kernel(self, key: DispatchKey) -> object:
+        """The kernel for ``key``: from this table, else from the store or a tuning (a miss)."""
         kernel = self.kernels.get(key)
         if kernel is None:
             with self._lock:
-                kernel = self.kernels.get(key) or self._resolve(problem_of_key(), current(key[-1]))
+                kernel = self.kernels.get(key) or self._resolve(key.problem(), current(key.device))
                 self.kernels[key] = kernel
         return kernel
 
-    def capture_miss(self, key: tuple, problem_of_key) -> None:
+    def capture_miss(self, key: DispatchKey) -> None:
         """A shape first seen while a CUDA graph is being captured: nothing can be tuned or built
         inside a capture, so torch runs it there. Said once per shape, and appended to
         ``GEMMTUNE_MISSES`` for the next offline tune."""
@@ -52,7 +77,7 @@ class Dispatcher:
             if key in self._capture_misses:
                 return
             self._capture_misses.add(key)
-        problem = problem_of_key()
+        problem = key.problem()
         log.warning("gemmtune: %s was first seen inside CUDA graph capture, so the graph runs cuBLAS for it; "
                     "call the model once before capturing to capture the tuned kernel", problem.describe())
         _append_miss(problem)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from gemmtune import activation
-from gemmtune.problem import Problem
+from gemmtune.problem import Problem, torch_dtypes
 
 # Rounding of one value to the output dtype, relative to it: a unit in the last place (twice
 # the round-to-nearest error: Triton's interpreter truncates bfloat16 instead of rounding).
@@ -46,7 +46,7 @@ NORM_TOLERANCE = {"bfloat16": 8e-3, "float16": 2e-3, "float32+tf32": 2e-3, "floa
 # is at most this much larger after it.
 LIPSCHITZ = 1.13
 
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+TORCH_DTYPES = torch_dtypes()
 
 
 @dataclass(frozen=True)
