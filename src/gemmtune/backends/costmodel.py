@@ -24,13 +24,13 @@ DRAM_BYTES_PER_S = {9: 3.5e12, 8: 1.8e12}
 L2_OVER_DRAM = 2.5
 LAUNCH_MS = 0.003
 REFERENCE_INTENSITY = 128 * 256 / (128 + 256)  # a 128x256 tile's flops per byte loaded, relative
-MISALIGNED_PENALTY = 2.0  # measured: tiled on 4095x4097x4095 ran 2.1x below cuBLAS (NOTES step 1)
+MISALIGNED_PENALTY = 2.0  # measured: tiled on 4095x4097x4095 ran 2.1x below cuBLAS (docs/performance.md, misaligned shapes)
 # A grid streams no faster than the bytes its pipelines keep in flight over the memory latency:
 # fitted to the tiled trials of qkv decode on the H200, where 4.7 and 6.3 MB in flight read the
-# weights at 1.6 and 1.9 TB/s (NOTES step 10). Large grids keep far more in flight than needed.
+# weights at 1.6 and 1.9 TB/s (docs/performance.md, the cost model). Large grids keep far more in flight than needed.
 LATENCY_S = 3.3e-6
 # The last program of a split-K tile sums every split's partial after the weights are read: a
-# dependent tail per split (fitted with LATENCY_S on the H200's decode trials, NOTES step 11).
+# dependent tail per split (fitted with LATENCY_S on the H200's decode trials, docs/performance.md, the cost model).
 SPLIT_TAIL_S = 2e-6
 MAX_WARPS_PER_SM = 64  # sm_70 to sm_90
 REGISTERS_PER_SM = 65536
@@ -78,7 +78,7 @@ def splitk_ms(problem: Problem, device: Device, block_m: int, block_n: int, spli
     by the bytes kept in flight, plus the serial reduction tail of each extra split.
 
     In flight per SM: a pipelined or tensor-core program keeps (stages - 1) tiles in flight and
-    one is resident (fitted on the H200's decode trials, NOTES step 11); a register-direct FMA
+    one is resident (fitted on the H200's decode trials, docs/performance.md, the cost model); a register-direct FMA
     program (stage 1) keeps its whole tile in flight, and as many of them are resident as the
     SM's warps and registers allow, which is how the GEMV tiles stream fastest.
     """

@@ -3,7 +3,7 @@ heuristic ranks for a problem, each written as the nine integers of its configur
 from them (cuBLAS checks each against the problem) and launched on the current stream.
 
 torch's call runs the heuristic's first algorithm. On the H200 later ones ran 4-5% faster on
-several prefill and mid rows, and up to 9% at 38 SMs (NOTES, step 23): tuning among them is
+several prefill and mid rows, and up to 9% at 38 SMs (docs/performance.md, prefill): tuning among them is
 what cuBLAS's heuristic cannot do, since it never times anything.
 
 Row-major operands are cuBLAS's column-major transposes, so the product is computed as

@@ -47,9 +47,9 @@ FMA_TILES = ((16, 512, 4, 1), (32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 1),
 # M = 1 alone: the GEMV tiles (one row of A, no tensor cores), six so that top-k measures all of
 # them. At 132 SMs the register-direct tiles (stage 1) win: one weight row per program, each
 # thread loading one 16-byte vector per K step, led all four m=1 rows of the Llama when every
-# tile was timed side by side on the H200 (NOTES, step 18); at 38 SMs, where each SM must keep
+# tile was timed side by side on the H200 (docs/performance.md, decode); at 38 SMs, where each SM must keep
 # about three times the bytes in flight, the pipelined ones (4 stages in shared memory) win by
-# 15-40% over them (step 14).
+# 15-40% over them (docs/small-gpus.md, decode on few SMs).
 GEMV_TILES = ((1, 2048, 8, 1), (1, 1024, 4, 1), (2, 2048, 2, 1), (8, 256, 2, 4), (16, 256, 2, 4), (8, 512, 4, 4))
 # Tensor-core tiles; the 16- and 32-wide ones on 2 warps won the m=16 rows of the same sweep.
 DOT_TILES = ((32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (128, 64, 4, 4),

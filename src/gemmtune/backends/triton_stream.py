@@ -2,7 +2,7 @@
 
 For 2 <= M <= 64 with 16-byte aligned rows. Persistent programs, their K loops flattened into
 one pipeline, the weight tile on the warpgroup MMA's wide side. On the H200's m=16 decode rows
-it read the weights 1-5% faster than the best split-K tile and cuBLAS (NOTES, step 17); at M = 1
+it read the weights 1-5% faster than the best split-K tile and cuBLAS (docs/performance.md, the TMA stream kernel); at M = 1
 the split-K backend's GEMV programs read faster still, so M = 1 is left to them.
 """
 
@@ -25,7 +25,7 @@ WARPS = (1, 4)
 STAGES = (1, 2, 3, 4, 5, 6, 7, 8)
 MIN_M, MAX_M = 2, 64
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): the two best of a sweep of 40 tiles on the H200's
-# m=16 and m=32 rows (stream-h200-20261122.json): 64x256 on 4 stages won qkv, o and down,
+# m=16 and m=32 rows (stream-sweep-h200-20261122.json): 64x256 on 4 stages won qkv, o and down,
 # 128x128 on 3 stages gate_up. 64x256 on a fifth stage (205 KB: M <= 16 only) read down and kv
 # 3% and 7% faster in a model's chain of layers, qkv 3% slower (chain-stream-tiles-h200-20261123.json).
 TILES = ((64, 256, 4, 4), (64, 256, 4, 5), (128, 128, 4, 3))

@@ -1,7 +1,7 @@
 """Sibling layers: linear layers that a model calls one after another on the same input, such as
 a Llama's q, k and v projections or its gate and up projections. One GEMM over their weights
 side by side serves them all: on the H200 at batch 1, q + k + v take 29.9 us as three GEMMs and
-18.1 us as one, gate + up 65.7 and 60.1 us (NOTES, step 19).
+18.1 us as one, gate + up 65.7 and 60.1 us (docs/performance.md, the Llama).
 
 ``optimize(..., siblings=True)`` finds them in its example run (``watching``, then ``groups``)
 and joins each group (``Siblings``): the layers' weights (and biases) become views of one fused

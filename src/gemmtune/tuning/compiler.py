@@ -11,7 +11,7 @@ Python that holds it; so each job's kernels are first compiled by a child forked
 and the job's thread then loads them from Triton's cache. A pool of spawned processes was no
 answer: each imported torch and created a CUDA context first, and on the H200's host a pool of 8
 took 3.4 s to start, then 1.6-2.4 s per process before its first compile finished
-(benchmarks/cold_start.py).
+(docs/tuning-time.md).
 
 A compile failure (shared memory, registers, a compiler error) comes back as a typed failure
 that the tuner records without building the candidate again; anything else is left to the

@@ -2,7 +2,7 @@
 
 Each Triton compile starts with its front end: Python that walks the kernel's AST into MLIR,
 holding the GIL, about 85 ms of a 0.2-0.3 s compile on the H200's host. The threads of
-``compiler.compile_ahead`` therefore take at least N x 85 ms for N candidates (NOTES, step 18).
+``compiler.compile_ahead`` therefore take at least N x 85 ms for N candidates (docs/tuning-time.md, compiling ahead).
 A child forked from the process has an interpreter and a GIL of its own and starts in
 milliseconds with everything imported, so children compile side by side.
 

@@ -93,7 +93,7 @@ class LocalRunner:
         """Build and verify each config of one library backend, then screen the verified ones
         side by side in one measurement of GROUP_BUDGET screening budgets: they compile nothing,
         so a separate measurement each would be mostly its fixed cost (a graph capture, warm-up
-        and synchronizations: about 4 ms a cuBLASLt candidate on the H200, NOTES step 23)."""
+        and synchronizations: about 4 ms a cuBLASLt candidate on the H200, docs/tuning-time.md)."""
         trials = [self._build_and_verify(backend_name, config) for config in configs]
         screened = iter(self._screen([t for t in trials if t.ok], GROUP_BUDGET * screen_budget_ms))
         return [next(screened) if t.ok else t for t in trials]

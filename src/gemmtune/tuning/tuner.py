@@ -93,7 +93,7 @@ def compile_batch(problems: list[Problem], device: Device, options: TuneOptions 
         plan = plans[problem.key()] if plans and problem.key() in plans else _plan(problem, device, options)
         jobs += [(problem, name, config, operands) for name, config in plan]
     # While the compile children work, verification's kernels are loaded (CUDA loads each on its
-    # first use): about 0.1 s of the seeds' MLP's first tuning in a process (NOTES, step 20).
+    # first use): about 0.1 s of the seeds' MLP's first tuning in a process (docs/tuning-time.md, compiling ahead).
     results = compiler.compile_ahead(jobs, device, meanwhile=lambda: [
         verify.warm_up(problem, *operands) for problem, operands in kinds.values()])
     failed = {problem.key(): {} for problem in fitting}
@@ -271,7 +271,7 @@ def follower_plan(problem: Problem, device: Device, options: TuneOptions) -> lis
     ranks, the SHORTLIST configs predicted fastest; of the others, every config. It then tries
     the lead's fastest among them (``shortlist(..., among=...)``). Triton's front end holds the
     GIL for about 85 ms a compile, so the lead's whole plan again would cost the batch that much
-    per config (NOTES, step 18)."""
+    per config (docs/tuning-time.md, compiling ahead)."""
     return _plan(problem, device, options, ranked_first=SHORTLIST)
 
 

@@ -67,7 +67,7 @@ def splitk_matmul(
         # 2-D: the 3-D form below made Triton move its operands through shared memory, with
         # six barriers, on every K step. Each load's addresses are the rows' starts plus the K
         # step's offset, and rows past N are masked: the other forms' pointers advanced in place
-        # and their wrapped rows cost a GEMV 5-10% of its reading rate on the H200 (NOTES, step 18).
+        # and their wrapped rows cost a GEMV 5-10% of its reading rate on the H200 (docs/performance.md, decode).
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         b_rows = rn * stride_bn
         if HINT_BN > 1:
