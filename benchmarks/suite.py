@@ -34,7 +34,6 @@ from gemmtune.tuning import measure, verify
 from gemmtune.cli import sidebyside
 from gemmtune.device import current  # noqa: E402
 from gemmtune.serving.dispatch import DISPATCHER  # noqa: E402
-from gemmtune.results import Timing  # noqa: E402
 from gemmtune.search import STRATEGIES  # noqa: E402
 from gemmtune.store import Store  # noqa: E402
 from gemmtune.tuning.tuner import TuneOptions, tune_problem  # noqa: E402
@@ -145,12 +144,9 @@ def final_ratios(trials) -> dict:
     reference = next((t for t in trials if t.ok and t.final and t.backend == backends.REFERENCE), None)
     if reference is None:
         return {}
-    out = {}
-    for t in trials:
-        if t.ok and t.final and len(t.timing.samples) == len(reference.timing.samples):
-            ratios = Timing(tuple(x / y for x, y in zip(t.timing.samples, reference.timing.samples)))
-            out[t.label()] = [ratios.median, ratios.spread, len(ratios.samples)]
-    return out
+    paired = {t.label(): t.timing.per_round(reference.timing) for t in trials if t.ok and t.final}
+    return {label: [ratios.median, ratios.spread, len(ratios.samples)]
+            for label, ratios in paired.items() if ratios is not None}
 
 
 def best_by_backend(trials) -> dict:

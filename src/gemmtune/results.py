@@ -37,23 +37,27 @@ class Timing:
         median = self.median
         return 0.5 * (self.quantile(0.75) - self.quantile(0.25)) / median if median > 0 else 0.0
 
-    def ratio_to(self, other: "Timing") -> float:
-        """This timing over ``other``: the median of the per-round ratios where the samples were
-        taken in the same interleaved rounds (as many of each), which drift common to both does
-        not move; else the ratio of the medians."""
+    def per_round(self, other: "Timing") -> "Timing | None":
+        """This timing's samples over ``other``'s, round by round, where they were taken in the
+        same interleaved rounds (as many of each): drift common to both (clocks, power,
+        temperature) cancels in them. None where they cannot be paired."""
         if len(self.samples) != len(other.samples) or min(other.samples, default=0) <= 0:
-            return self.median / other.median
-        return Timing(tuple(x / y for x, y in zip(self.samples, other.samples))).median
+            return None
+        return Timing(tuple(x / y for x, y in zip(self.samples, other.samples)))
+
+    def ratio_to(self, other: "Timing") -> float:
+        """This timing over ``other``: the median of the per-round ratios where they pair, else
+        the ratio of the medians."""
+        paired = self.per_round(other)
+        return self.median / other.median if paired is None else paired.median
 
     def spread_against(self, other: "Timing") -> float:
-        """The noise of this timing's median relative to ``other``'s.
-
-        Samples taken in the same interleaved rounds (as many of each) are paired: the spread of
-        the per-round ratios, in which drift common to both (clocks, power, temperature) cancels.
-        Otherwise the two spreads added."""
-        if len(self.samples) != len(other.samples) or len(self.samples) < 4 or min(other.samples) <= 0:
+        """The noise of this timing's median relative to ``other``'s: the spread of the per-round
+        ratios where at least four rounds pair, else the two spreads added."""
+        paired = self.per_round(other)
+        if paired is None or len(paired.samples) < 4:
             return self.spread + other.spread
-        return Timing(tuple(x / y for x, y in zip(self.samples, other.samples))).spread
+        return paired.spread
 
 
 @dataclass(frozen=True)

@@ -98,10 +98,14 @@ def tolerance(problem: Problem) -> float:
 def make_inputs(problem: Problem, device: str, *, seed: int | None = None) -> Inputs:
     """Fresh random operands (never zeros) for ``problem``, their float64 product and each
     element's error bound."""
-    a, b, bias = make_operands(problem, device, seed=seed)
+    return inputs_of(problem, *make_operands(problem, device, seed=seed))
+
+
+def inputs_of(problem: Problem, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> Inputs:
+    """``a``, ``b`` and ``bias`` with their float64 product and each element's error bound."""
     pre, scale = _product(problem, a, b, bias)
-    reference = activation.apply(pre.clone(), problem.activation)
-    return Inputs(a, b, bias, reference, _bound(problem, pre, scale, bias, reference))
+    ref = activation.apply(pre.clone(), problem.activation)
+    return Inputs(a, b, bias, ref, _bound(problem, pre, scale, bias, ref))
 
 
 def make_operands(problem: Problem, device: str, *, seed: int | None = None) -> tuple:
@@ -173,10 +177,8 @@ def judge(out: torch.Tensor, problem: Problem, inputs: Inputs) -> Verdict:
 def warm_up(problem: Problem, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
     """The reference, the bound and the judgement run once on ``problem``'s operands, for the
     kernels they load on first use (cuBLAS's float64 GEMM among them), while something else waits."""
-    pre, scale = _product(problem, a, b, bias)
-    ref = activation.apply(pre.clone(), problem.activation)
-    inputs = Inputs(a, b, bias, ref, _bound(problem, pre, scale, bias, ref))
-    judge(ref.to(a.dtype), problem, inputs)
+    inputs = inputs_of(problem, a, b, bias)
+    judge(inputs.reference.to(a.dtype), problem, inputs)
 
 
 def check(kernel, problem: Problem, inputs: Inputs) -> Verdict:
