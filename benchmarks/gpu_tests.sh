@@ -11,16 +11,21 @@ mkdir -p "$out"
 # only check results, are spread over several processes where pytest-xdist is installed.
 spread=""
 if python3 -c "import xdist" 2>/dev/null; then spread="-n 6"; fi
-for f in tests/test_*.py; do
-  name=$(basename "$f" .py)
+# Test files sit in folders that mirror src/gemmtune/: each report is named after the file's path
+# under tests/ (tests/backends/test_launch.py -> backends_test_launch.txt).
+mapfile -t files < <(find tests -name 'test_*.py' -not -path '*/__pycache__/*' | sort)
+for f in "${files[@]}"; do
+  name=${f#tests/}
+  name=${name%.py}
+  name=${name//\//_}
   extra=""
-  if [ "$name" = test_splitk ]; then extra=$spread; fi
+  case "$f" in */test_triton_splitk.py) extra=$spread ;; esac
   # shellcheck disable=SC2086
   timeout "${GPU_TESTS_TIMEOUT_S:-480}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider $extra "$f" \
     > "$out/$name.txt" 2>&1 &
 done
 wait
 for f in "$out"/*.txt; do
-  printf '%-22s %s\n' "$(basename "$f" .txt)" "$(tail -1 "$f")"
+  printf '%-36s %s\n' "$(basename "$f" .txt)" "$(tail -1 "$f")"
 done
 grep -h "^FAILED\|^ERROR" "$out"/*.txt

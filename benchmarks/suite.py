@@ -31,7 +31,7 @@ import triton  # noqa: E402
 import gemmtune  # noqa: E402
 from gemmtune import backends, shapes  # noqa: E402
 from gemmtune.tuning import measure, verify
-from gemmtune.cli import sidebyside
+from gemmtune.cli import bench
 from gemmtune.device import current  # noqa: E402
 from gemmtune.serving.dispatch import DISPATCHER  # noqa: E402
 from gemmtune.search import STRATEGIES  # noqa: E402
@@ -70,9 +70,9 @@ def operands(named, inputs):
     a, b, bias = inputs.a, inputs.b, inputs.bias
     if p.layout == "linear":
         act = None if p.activation == "none" else p.activation
-        return sidebyside.torch_call(named, inputs), (lambda: gemmtune.linear(a, b, bias, act))
+        return bench.torch_call(named, inputs), (lambda: gemmtune.linear(a, b, bias, act))
     if bias is None and p.activation == "none":
-        return sidebyside.torch_call(named, inputs), (lambda: gemmtune.matmul(a, b))
+        return bench.torch_call(named, inputs), (lambda: gemmtune.matmul(a, b))
     raise ValueError(f"{named.name}: the suite times an epilogue only for layout linear")
 
 
@@ -105,7 +105,7 @@ def run_shape(named, args, runner) -> dict:
     if args.inductor:
         # Its own rounds beside cuBLAS, after gemmtune's: with the compiled wrapper in the same
         # rounds, the other two read tens of microseconds slow on small shapes (seen on an H200).
-        compiled, inductor_s = sidebyside.compiled(cublas_fn)
+        compiled, inductor_s = bench.compiled(cublas_fn)
         paired = measure.measure({"cublas": cublas_fn, "inductor": compiled}, current(),
                                budget_ms=args.budget_ms / 2, min_rounds=args.rounds // 2)
         inductor_ms, inductor_cublas_ms = paired["inductor"].median, paired["cublas"].median

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import gemmtune
+from gemmtune.backends.base import KernelBase
 from gemmtune.problem import Problem
 from gemmtune.serving import calls
 
@@ -85,6 +86,7 @@ def test_autograd_inputs_fall_back_and_keep_their_graph():
     torch.testing.assert_close(x.grad, w.sum(0).expand(4, 7))
 
 
+@pytest.mark.interpreter
 def test_tune_stores_and_reuses(tmp_path):
     problem = Problem(7, 40, 100, "float32", "nn")
     first = gemmtune.tune(problem, store=tmp_path)
@@ -95,6 +97,7 @@ def test_tune_stores_and_reuses(tmp_path):
     assert not retuned[0].from_store
 
 
+@pytest.mark.interpreter
 def test_a_shape_with_another_epilogue_tries_the_first_ones_best(tmp_path):
     """The seeds' MLP has one shape twice, with bias + ReLU and with bias alone: the second tries
     cuBLAS and the first's fastest candidates, nothing else, and is verified like any other."""
@@ -134,7 +137,7 @@ def test_linear_rejects_unknown_activation():
         gemmtune.linear(torch.ones(2, 3), torch.ones(4, 3), activation="tanh")
 
 
-class CountingKernel:
+class CountingKernel(KernelBase):
     def __init__(self):
         self.calls = 0
         self.ranks = []

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from gemmtune import backends, search
+from gemmtune.backends.base import function_kernel
 from gemmtune.device import current
 from gemmtune.problem import Problem
 from gemmtune.results import Status
@@ -96,7 +97,7 @@ def _with_out(fault):
         if out is None:
             out = torch.empty(a.shape[0], b.shape[0], dtype=a.dtype, device=a.device)
         return fault(a, b, bias, out)
-    return kernel
+    return function_kernel(kernel)  # a finalist's host cost is timed through launch.front_entry
 
 
 OPTIONS = TuneOptions(seed=11, backends=("cublas", "triton_tiled"), budget=search.Budget(trials=2))

@@ -12,7 +12,6 @@ the dispatcher.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from gemmtune.serving import recording as recorder
 from gemmtune.serving.calls import check_linear, check_mm_2d, front_key, matmul_forward, require_tensor, serve_linear
 from gemmtune.serving.dispatch import DISPATCHER
 from gemmtune.store import Store
-from gemmtune.tuning.tuner import TuneOptions, compile_batch, follower_plan, labels, shortlist, tune_problem
+from gemmtune.tuning.tuner import TuneOptions, tune_many
 from gemmtune.tuning.worker import IsolatedRunner
 
 # looked up once: linear's front path calls them on every call
@@ -49,39 +48,11 @@ def tune(problems: Problem | Iterable[Problem], *, store: Store | str | Path | N
             raise TypeError(f"tune(problems=...): item {i} is a {type(problem).__name__}, expected gemmtune.Problem")
     store = store if isinstance(store, Store) else Store(store)
     device = current()
-    options = options or TuneOptions()
     runner = IsolatedRunner(device, device_index=torch.cuda.current_device() if not device.interpreter else 0) \
         if isolate else None
-    known = {} if retune else {p.key(): store.get(device.fingerprint(), p.key()) for p in problems}
-    new = list({p.key(): p for p in problems if known.get(p.key()) is None}.values())
-    # A problem that differs from an earlier new one in its epilogue alone (a follower) tries
-    # cuBLAS and that lead's best candidates after it, not a whole plan of its own.
-    leads = {}
-    for problem in new:
-        leads.setdefault(problem.without_epilogue(), problem)
-    # A model's shapes compile side by side (an isolated runner compiles each in its own process),
-    # and so do the followers, each its lead's best-predicted candidates (follower_plan): which of
-    # the lead's a follower tries is known only once the lead is measured, and compiling them
-    # then would cost a second round.
-    followers = {p.key(): follower_plan(p, device, options) for p in new if leads[p.without_epilogue()] is not p}
-    compiled = compile_batch(new, device, options, followers) if runner is None and len(new) > 1 else {}
-    results = []
     try:
-        for problem in problems:
-            result = known.get(problem.key())
-            if result is None:
-                lead = leads[problem.without_epilogue()]
-                own = options
-                if lead is not problem:  # a follower compiled in the batch tries what it compiled there
-                    among = labels(followers[problem.key()]) if problem.key() in compiled else None
-                    own = dataclasses.replace(options, shortlist=shortlist(known[lead.key()], among=among))
-                result = tune_problem(problem, device, options=own, on_trial=on_trial, runner=runner,
-                                      compiled=compiled.get(problem.key()))
-                store.put(result)
-                known[problem.key()] = result  # a problem listed twice is tuned once
-            results.append(result)
-            if on_result is not None:
-                on_result(result)
+        results = tune_many(problems, device, store, options or TuneOptions(), retune=retune, runner=runner,
+                            on_result=on_result, on_trial=on_trial)
     finally:
         if runner is not None:
             runner.close()

@@ -4,7 +4,7 @@ that knows which backends exist."""
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
 from gemmtune.device import Device, interpreter_in_effect
@@ -21,13 +21,68 @@ class Config(Protocol):
     def as_dict(self) -> dict: ...
 
 
+# linear's front path's call on operands like those a kernel was bound to: call(a, b, bias, pa, pb,
+# pbias) with their addresses (pbias 0 without a bias), returning the output
+BoundCall = Callable[..., "torch.Tensor"]
+
+
 class Kernel(Protocol):
     """A built candidate. ``a`` is (M, K); ``b`` is (N, K) for layout ``linear`` and (K, N) for
     ``nn``; ``bias`` is (N,) or None. Writes into ``out`` (M, N) when given, else a new tensor,
-    and returns it."""
+    and returns it.
+
+    Its capabilities, which every backend's kernels declare (``KernelBase`` gives a kernel class
+    the defaults, ``function_kernel`` a kernel function) and ``backends.launch`` reads when a
+    served call's kernel is wrapped for x (..., K) (``any_rank``) or a front-path entry is made
+    (``front_entry``):
+
+    - ``serves_any_rank`` (default False): takes ``a`` of any rank (..., K) in layout linear and
+      returns (..., N): no flattening wrapper around it.
+    - ``bind(a, b, bias)`` (default: None): a ``BoundCall`` for operands laid out as these, which
+      the front path calls instead of the kernel, or None (nothing to bind, or not yet).
+    - ``front`` (default: the kernel itself): what the front path calls as ``front(a, b, bias)``
+      where nothing is bound (cuBLAS's ``F.linear``: the same result, one Python frame less).
+    """
+
+    serves_any_rank: bool
 
     def __call__(self, a: "torch.Tensor", b: "torch.Tensor", bias: "torch.Tensor | None",
                  out: "torch.Tensor | None" = None) -> "torch.Tensor": ...
+
+    def bind(self, a: "torch.Tensor", b: "torch.Tensor", bias: "torch.Tensor | None") -> BoundCall | None: ...
+
+    @property
+    def front(self) -> Callable[..., "torch.Tensor"]: ...
+
+
+class KernelBase:
+    """``Kernel``'s defaults for a kernel class: 2-D ``a`` only, nothing to bind, its own front.
+    A class overrides what it does otherwise."""
+
+    serves_any_rank: ClassVar[bool] = False
+
+    def bind(self, a, b, bias) -> BoundCall | None:
+        return None
+
+    @property
+    def front(self) -> Callable[..., "torch.Tensor"]:
+        return self  # type: ignore[return-value]  # a subclass defines __call__
+
+
+def function_kernel(fn: Callable[..., "torch.Tensor"], *, serves_any_rank: bool = False,
+                    front: Callable[..., "torch.Tensor"] | None = None) -> Kernel:
+    """``fn`` declared as a ``Kernel``: each capability set on it, ``Kernel``'s default where
+    not given (``front`` None: ``fn`` itself). cuBLAS's kernels stay functions: an object's
+    ``__call__`` took 148 ns where a function took 50 on the H100's host (timeit, Python 3.12),
+    on every served call (docs/architecture.md)."""
+    fn.serves_any_rank = serves_any_rank  # type: ignore[attr-defined]
+    fn.bind = _binds_nothing  # type: ignore[attr-defined]
+    fn.front = fn if front is None else front  # type: ignore[attr-defined]
+    return fn  # type: ignore[return-value]
+
+
+def _binds_nothing(a, b, bias) -> None:
+    return None
 
 
 class Backend(Protocol):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from gemmtune import activation
-from gemmtune.backends.base import FieldConfig
+from gemmtune.backends.base import FieldConfig, Kernel, function_kernel
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -27,12 +27,14 @@ def _linear(a, b, bias, out=None):
     return _mm(a, b.t(), bias, out)
 
 
-_linear.serves_any_rank = True  # F.linear takes x (..., K) itself: api.linear's front path passes it
-_linear.front = F.linear  # what the front path calls instead: the same result, one Python frame less
-
-
 def _mm(a, b, bias, out=None):
     return torch.mm(a, b, out=out) if bias is None else torch.addmm(bias, a, b, out=out)
+
+
+# F.linear takes x (..., K) itself, so api.linear's front path passes it, and calls F.linear
+# instead of _linear: the same result, one Python frame less
+_linear = function_kernel(_linear, serves_any_rank=True, front=F.linear)
+_mm = function_kernel(_mm)
 
 
 class CublasBackend:
@@ -53,7 +55,7 @@ class CublasBackend:
             raise ValueError(f"cublas takes no config parameters, got {data!r}")
         return CublasConfig()
 
-    def build(self, problem: Problem, config: CublasConfig, device: Device):
+    def build(self, problem: Problem, config: CublasConfig, device: Device) -> Kernel:
         gemm = _linear if problem.layout == "linear" else _mm
         if problem.activation == "none":
             return gemm
@@ -63,8 +65,7 @@ class CublasBackend:
             result = activation.apply(gemm(a, b, bias), name)
             return result if out is None else out.copy_(result)
 
-        gemm_then_activation.serves_any_rank = gemm is _linear
-        return gemm_then_activation
+        return function_kernel(gemm_then_activation, serves_any_rank=gemm is _linear)
 
 
 BACKEND = CublasBackend()

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from gemmtune import activation
-from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_importable
+from gemmtune.backends.base import FieldConfig, KernelBase, check_bounds, config_from_mapping, triton_importable
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -114,7 +114,9 @@ def _rows_aligned_to(src: torch.Tensor, elements: int) -> bool:
     return src.stride(1) == 1 and src.stride(0) % elements == 0 and src.shape[1] % elements == 0
 
 
-class PaddedKernel:
+class PaddedKernel(KernelBase):
+    """2-D ``a`` only, nothing to bind (``KernelBase``'s defaults)."""
+
     def __init__(self, problem: Problem, config: PaddedConfig) -> None:
         step = 16 // problem.element_size
         self._linear = problem.layout == "linear"

@@ -22,7 +22,7 @@ import torch
 
 from gemmtune import activation
 from gemmtune.backends import cublas, cublaslt_binding
-from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping
+from gemmtune.backends.base import BoundCall, FieldConfig, KernelBase, check_bounds, config_from_mapping
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -68,7 +68,9 @@ def _ranked(problem: Problem, device_index: int) -> tuple[LtConfig, ...]:
     return tuple(LtConfig(**config) for config in ranked[1:])
 
 
-class LtKernel:
+class LtKernel(KernelBase):
+    """2-D ``a`` only (``KernelBase``'s default); binds its launch for the front path."""
+
     def __init__(self, problem: Problem, config: LtConfig, device: Device) -> None:
         self._problem = problem
         self._config = config.as_dict()
@@ -130,7 +132,7 @@ class LtKernel:
             return out.copy_(result)
         return result
 
-    def bind(self, a, b, bias):
+    def bind(self, a, b, bias) -> BoundCall | None:
         """``api.linear``'s front path for operands like these (its key fixes their shapes,
         strides, dtypes and devices): ``call(a, b, bias, pa, pb, pbias)`` allocating the output
         and launching, with only the 256-byte alignment checked per call. None where these

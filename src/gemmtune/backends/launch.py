@@ -13,8 +13,12 @@ binary's launcher directly. Launch hooks (a profiler's) send every call through 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from gemmtune.backends.base import BoundCall, Kernel
 
 
 class Launcher:
@@ -157,11 +161,12 @@ def unit_stride_bias(bias):
     return bias if reads_bias_in_place(bias) else bias.contiguous()
 
 
-def any_rank(kernel):
+def any_rank(kernel: Kernel) -> Callable:
     """``kernel`` for x (..., K): itself where it serves any rank (``serves_any_rank``: cuBLAS
     through F.linear, the kernels launched through ``launch.gemm_call``), else a wrapper that
-    flattens x to (M, K) and shapes the result back (two views: a microsecond or two each)."""
-    if getattr(kernel, "serves_any_rank", False):
+    flattens x to (M, K) and shapes the result back (two views: a microsecond or two each). The
+    wrapper is made per call, and is no ``Kernel``: ``front_entry`` takes the kernel itself."""
+    if kernel.serves_any_rank:
         return kernel
 
     def flattening(x, weight, bias):
@@ -170,19 +175,22 @@ def any_rank(kernel):
     return flattening
 
 
-def front_entry(kernel, x, weight, bias) -> Callable:
+def front_entry(kernel: Kernel, x, weight, bias) -> BoundCall:
     """What ``api.linear``'s front path calls, as ``call(x, weight, bias, px, pw, pbias)`` with
     the operands' addresses (pbias 0 without a bias), for calls like this one, which ``kernel``
-    (x of this call's rank) has just served: the front path's key fixes shapes, strides, dtypes,
-    devices and 16-byte alignment, everything a launch depends on. Where the kernel can ``bind``
-    its launch to these operands, that bound launch (nothing recomputed per call but the
-    output); else the kernel, or its cheaper ``front`` (cuBLAS's F.linear). The tuner times
-    candidates' host cost through this same call."""
-    bind = getattr(kernel, "bind", None)
-    launch = None if bind is None else bind(x, weight, bias)
-    if launch is not None:
-        return launch
-    call = getattr(kernel, "front", kernel)
+    (through ``any_rank`` where x's rank is not 2) has just served: the front path's key fixes
+    shapes, strides, dtypes, devices and 16-byte alignment, everything a launch depends on. Where
+    the kernel can ``bind`` its launch to these operands, that bound launch (nothing recomputed
+    per call but the output); else the kernel's ``front`` (itself, or cuBLAS's cheaper F.linear),
+    flattening x where the kernel serves 2-D x only. The tuner times candidates' host cost
+    through this same call."""
+    if x.dim() != 2 and not kernel.serves_any_rank:
+        call = any_rank(kernel)
+    else:
+        launch = kernel.bind(x, weight, bias)
+        if launch is not None:
+            return launch
+        call = kernel.front
 
     def unbound(x, weight, bias, px: int, pw: int, pbias: int):
         return call(x, weight, bias)

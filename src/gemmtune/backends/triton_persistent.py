@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from gemmtune.backends import costmodel
-from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_runs
+from gemmtune.backends.base import FieldConfig, KernelBase, check_bounds, config_from_mapping, triton_runs
 from gemmtune.backends.launch import unit_stride_bias
 from gemmtune.device import Device
 from gemmtune.problem import Problem
@@ -99,7 +99,10 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
-class PersistentKernel:
+class PersistentKernel(KernelBase):
+    """2-D ``a`` only, nothing to bind (``KernelBase``'s defaults): each call builds its
+    descriptors and launches through the JIT."""
+
     def __init__(self, problem: Problem, config: PersistentConfig, device: Device) -> None:
         from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from gemmtune.backends import costmodel
-from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_runs
+from gemmtune.backends.base import BoundCall, FieldConfig, KernelBase, check_bounds, config_from_mapping, triton_runs
 from gemmtune.backends.launch import Launcher, bind_gemm, gemm_call, gemm_hints
 from gemmtune.device import Device
 from gemmtune.problem import Problem
@@ -167,7 +167,7 @@ def space(problem: Problem, device: Device) -> list[SplitKConfig]:
     return [c for c in configs if c.programs(problem) == most]
 
 
-class SplitKKernel:
+class SplitKKernel(KernelBase):
     """A compiled-on-first-call launcher for one (problem, config).
 
     Owns the split-K workspace (fp32 partials) and the per-tile arrival counters, allocated on
@@ -230,7 +230,7 @@ class SplitKKernel:
         scratch = self._workspace(a.device, m, n, grid[0] * grid[2])[2:] if self._config.split_k > 1 else (0, 0)
         return grid, scalars, scratch
 
-    def bind(self, a, b, bias):
+    def bind(self, a, b, bias) -> BoundCall | None:
         return bind_gemm(self, self._launch, a, b, bias, self._linear)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gemmtune.backends import costmodel
-from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_runs
+from gemmtune.backends.base import BoundCall, FieldConfig, KernelBase, check_bounds, config_from_mapping, triton_runs
 from gemmtune.backends.launch import Launcher, gemm_guard, reads_bias_in_place, unit_stride_bias
 from gemmtune.backends.triton_persistent import tma_ready
 from gemmtune.device import Device
@@ -83,7 +83,7 @@ def space(problem: Problem, device: Device) -> list[StreamConfig]:
     return configs
 
 
-class StreamKernel:
+class StreamKernel(KernelBase):
     """Launched through ``launch.Launcher``: after a guard's first call, Triton's launcher is
     called directly with the descriptors (it encodes their TMA maps), skipping the JIT's
     dispatch. ``bind`` goes further for linear's front path (see ``_bound``)."""
@@ -142,7 +142,7 @@ class StreamKernel:
             return [n, k], [b.stride(0), 1], [c.block_n, c.block_k]
         return [k, n], [b.stride(0), 1], [c.block_k, c.block_n]
 
-    def bind(self, a, b, bias):
+    def bind(self, a, b, bias) -> BoundCall | None:
         """For linear's front path: a call ``call(x, w, bias, px, pw, pbias)`` for operands laid
         out as these (contiguous x of any rank, a bias read in place), once a call like this one
         has made the binary; else None. It encodes x's TMA map from its address and calls

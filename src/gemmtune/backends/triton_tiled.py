@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gemmtune.backends import costmodel
-from gemmtune.backends.base import FieldConfig, check_bounds, config_from_mapping, triton_runs
+from gemmtune.backends.base import BoundCall, FieldConfig, KernelBase, check_bounds, config_from_mapping, triton_runs
 from gemmtune.backends.launch import Launcher, bind_gemm, gemm_call, gemm_hints
 from gemmtune.device import Device
 from gemmtune.problem import Problem
@@ -109,7 +109,7 @@ def space(problem: Problem, device: Device) -> list[TiledConfig]:
     return [c for c in configs if occupancy[c] >= best / 4]
 
 
-class TiledKernel:
+class TiledKernel(KernelBase):
     """A compiled-on-first-call launcher for one (problem, config); later calls with operands
     of the same dtypes, strides and alignment launch the binary directly (gemmtune.backends.launch)."""
 
@@ -140,7 +140,7 @@ class TiledKernel:
         (none)."""
         return (-(-m // self._config.block_m) * -(-n // self._config.block_n), 1, 1), (m, n, k, *strides), ()
 
-    def bind(self, a, b, bias):
+    def bind(self, a, b, bias) -> BoundCall | None:
         return bind_gemm(self, self._launch, a, b, bias, self._linear)
 
 

@@ -241,7 +241,7 @@ def _tune(args, console: Console) -> int:
 
 def _bench(args, console: Console) -> int:
     from gemmtune import api
-    from gemmtune.cli import sidebyside
+    from gemmtune.cli import bench
     from gemmtune.device import current
 
     device = current()
@@ -260,10 +260,10 @@ def _bench(args, console: Console) -> int:
         progress.reset(task)
         for item, result in zip(named, results):
             progress.update(task, description=f"timing {item.name}")
-            rows.append(sidebyside.measure(item, result, device, inductor=args.inductor, rounds=args.rounds,
-                                           budget_ms=args.budget_ms))
+            rows.append(bench.measure(item, result, device, inductor=args.inductor, rounds=args.rounds,
+                                      budget_ms=args.budget_ms))
             progress.advance(task)
-    doc = sidebyside.document(rows, device)
+    doc = bench.document(rows, device)
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1))
     if args.json:

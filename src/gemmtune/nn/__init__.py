@@ -16,29 +16,43 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from gemmtune import activation as activations
 from gemmtune import api
 from gemmtune.device import current
 from gemmtune.nn import joined as sibling_layers
+from gemmtune.nn import keep
 from gemmtune.nn import padded as aligned_layers
 from gemmtune.serving import recording
 from gemmtune.serving.dispatch import DISPATCHER
 from gemmtune.tuning.tuner import TuneOptions
 
 log = logging.getLogger("gemmtune")
+_is_compiling = torch.compiler.is_compiling  # looked up once: every layer call asks
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` through gemmtune, with an optional fused activation."""
+    """``nn.Linear`` through gemmtune, with an optional fused activation. While torch.compile
+    traces it, it is the ``nn.Linear`` and activation it stands for: the compiler chooses its GEMM
+    (a gemmtune custom op would cost ~60-80 us of host time per call in the compiled graph,
+    docs/host-cost.md)."""
 
     activation: str = "none"
+    fused: tuple[nn.Module, str, nn.Module] | None = None  # the activation module fused: parent, name, module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _is_compiling():
+            return self.torch_forward(x)
         return api.linear(x, self.weight, self.bias, None if self.activation == "none" else self.activation)
+
+    def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return activations.apply(F.linear(x, self.weight, self.bias), self.activation, inplace=False)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.activation == "none" else f", activation={self.activation}")
@@ -52,6 +66,8 @@ class JoinedLinear(Linear):
     siblings: sibling_layers.Siblings
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _is_compiling():
+            return self.torch_forward(x)
         out = self.siblings.output(self, x)
         return super().forward(x) if out is None else out
 
@@ -63,6 +79,8 @@ class AlignedLinear(Linear):
     aligned: aligned_layers.Aligned
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _is_compiling():
+            return self.torch_forward(x)
         out = self.aligned.output(self, x)
         return super().forward(x) if out is None else out
 
@@ -84,7 +102,8 @@ def _fusable(module: nn.Module) -> str | None:
 
 def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
              filter: Callable[[str, nn.Linear], bool] | None = None, fuse: bool = True,
-             siblings: bool = False, align: bool = True, options: TuneOptions | None = None) -> nn.Module:
+             siblings: bool = False, align: bool = True, check: bool = True,
+             options: TuneOptions | None = None) -> nn.Module:
     """Run ``model``'s ``nn.Linear`` layers (those ``filter(name, layer)`` accepts; all by
     default) through gemmtune, in place, and return the model.
 
@@ -105,6 +124,12 @@ def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
     of 16 bytes keeps its weight and bias zero-padded to aligned sizes, the parameters becoming
     views of the padded buffers (only the padding is added), so that a call of enough rows copies
     its input, not the weight, and runs the aligned GEMM (``gemmtune.nn.padded`` says when).
+
+    ``check`` (on by default): with ``example_inputs``, optimize keeps only what pays
+    (``gemmtune.nn.keep``): a layer whose GEMMs were all tuned to cuBLAS goes back to the
+    ``nn.Linear`` it was (its activation module too), and the layers left stay only if the model
+    measures at least as fast with them; without a CUDA GPU nothing is tuned, and every layer goes
+    back. One log line says what was kept. ``check=False`` keeps every layer gemmtune's.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize(model=...): expected a torch.nn.Module, got {type(model).__name__}")
@@ -121,7 +146,7 @@ def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
                 module.aligned = aligned_layers.Aligned(module)
                 module.__class__ = AlignedLinear
     if example_inputs is not None:
-        tune_model(model, example_inputs, options=options, siblings=siblings)
+        tune_model(model, example_inputs, options=options, siblings=siblings, check=check)
     return model
 
 
@@ -135,27 +160,32 @@ def _fuse_activations(model: nn.Module) -> None:
             epilogue = _fusable(act)
             if type(layer) is Linear and layer.activation == "none" and epilogue is not None:
                 layer.activation = epilogue
+                layer.fused = (module, second, act)
                 module._modules[second] = nn.Identity()
 
 
 def tune_model(model: nn.Module, example_inputs: Sequence, *, options: TuneOptions | None = None,
-               siblings: bool = False) -> list:
+               siblings: bool = False, check: bool = True) -> list:
     """Run ``model(*example_inputs)`` once without gradients, recording its GEMMs, then tune
-    and store each (``tune_calls``); the TuneResults."""
+    and store each, keeping what pays (``tune_calls``); the TuneResults."""
     if not isinstance(example_inputs, (tuple, list)):
         raise TypeError("optimize(example_inputs=...): expected a tuple or list of the model's positional inputs, "
                         f"got {type(example_inputs).__name__}")
-    return tune_calls(lambda: model(*example_inputs), options=options, siblings=siblings)
+    return tune_calls(lambda: model(*example_inputs), options=options, siblings=siblings, check=check)
 
 
-def tune_calls(run: Callable[[], object], *, options: TuneOptions | None = None, siblings: bool = False) -> list:
+def tune_calls(run: Callable[[], object], *, options: TuneOptions | None = None, siblings: bool = False,
+               check: bool = True) -> list:
     """Call ``run()`` once without gradients, its GEMMs served by cuBLAS and recorded, then tune
     and store every one of them, their candidates compiled together; the TuneResults. For runs
     that one example call does not cover (a model's prefill and its decode steps at each batch).
     ``siblings``: join the sibling layers the run shows (see ``optimize``), then run it once more
-    so that what is recorded and tuned is the joined GEMMs."""
+    so that what is recorded and tuned is the joined GEMMs. ``check``: keep only what pays
+    (``optimize`` says how), timing ``run()`` with and without gemmtune's layers."""
+    started = time.perf_counter()
     watch = sibling_layers.watching(Linear) if siblings else contextlib.nullcontext([])
-    with recording.record() as seen, DISPATCHER.deferring(), torch.no_grad(), watch as calls:
+    with recording.record() as seen, DISPATCHER.deferring(), torch.no_grad(), watch as calls, \
+            keep.problems_per_layer(Linear) as per_layer:
         run()
     joined = sibling_layers.groups(calls)
     for group in joined:
@@ -165,10 +195,38 @@ def tune_calls(run: Callable[[], object], *, options: TuneOptions | None = None,
     if joined:
         log.info("gemmtune.optimize: %d groups of sibling layers joined (%d layers)", len(joined),
                  sum(map(len, joined)))
-        with recording.record() as seen, DISPATCHER.deferring(), torch.no_grad():
+        with recording.record() as seen, DISPATCHER.deferring(), torch.no_grad(), \
+                keep.problems_per_layer(Linear) as per_layer:
             run()
     problems = [problem for problem, _ in seen.problems()]
     if current().interpreter:  # CPU layers fall back to torch: nothing to gain from tuning them
-        log.warning("gemmtune.optimize: no CUDA GPU, so the %d GEMMs seen are not tuned", len(problems))
+        log.warning("gemmtune.optimize: no CUDA GPU, so the %d GEMMs seen are not tuned%s", len(problems),
+                    " and the layers go back to torch" if check else "")
+        if check:
+            for layer in per_layer:
+                keep.Form(layer).release()
         return []
-    return api.tune(problems, options=options)  # which drops the kernels built before it
+    results = api.tune(problems, options=options)  # which drops the kernels built before it
+    if check:
+        _keep_what_pays(run, per_layer, results, calls=sum(seen.counts.values()), started=started)
+    return results
+
+
+def _keep_what_pays(run: Callable[[], object], per_layer: dict, results: list, *, calls: int,
+                    started: float) -> None:
+    """The layers the run called that were tuned to cuBLAS alone go back to torch; the rest are
+    kept if the run measures at least as fast with them (``gemmtune.nn.keep``). One log line."""
+    forms = [keep.Form(layer) for layer in per_layer]
+    kept = keep.served(forms, per_layer, {r.problem_key: r for r in results}, plain=Linear)
+    verdict = "nothing to time"
+    if kept and any(form.layer.weight.is_cuda for form in kept):
+        with torch.no_grad():
+            ratio = keep.speedup(run, kept)
+        verdict = f"eager {ratio:.2f}x, " + ("kept" if ratio >= 1.0 else "so every layer goes back to torch")
+        if ratio < 1.0:
+            for form in kept:
+                form.release()
+            kept = []
+    log.info("gemmtune.optimize: %d GEMM calls seen in %d layers, %d layers served by gemmtune, %d left to torch; "
+             "%s; setup %.1f s", calls, len(forms), len(kept), len(forms) - len(kept), verdict,
+             time.perf_counter() - started)

@@ -29,9 +29,13 @@ class Recording:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self.counts: Counter[tuple] = Counter()  # (m, n, k, dtype, layout, bias, tf32, activation)
+        self.trace: list[tuple] | None = None  # where a list is put here, every call's tuple in order
 
     def add(self, m: int, n: int, k: int, dtype: str, layout: str, bias: bool, tf32: bool, activation: str) -> None:
-        self.counts[(m, n, k, dtype, layout, bias, tf32, activation)] += 1
+        call = (m, n, k, dtype, layout, bias, tf32, activation)
+        self.counts[call] += 1
+        if self.trace is not None:
+            self.trace.append(call)
 
     def problems(self) -> list[tuple[Problem, int]]:
         """Each recorded problem with its count, most frequent first."""

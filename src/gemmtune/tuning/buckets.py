@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from gemmtune.device import Device
 from gemmtune.problem import Problem, bucket, pooled
 from gemmtune.results import Status, Trial
-from gemmtune.tuning.runner import LocalRunner, matmul_precision
+from gemmtune.tuning.runner import LocalRunner, Runner, matmul_precision
 from gemmtune.tuning.tuner import MIN_ROUNDS_FINAL, TuneOptions, tune_problem
 
 
@@ -53,7 +53,7 @@ def samples(problem: Problem, policy: str, count: int, seed: int = 0) -> list[Pr
 
 
 def validate(problem: Problem, policy: str, count: int, device: Device, *, options: TuneOptions = TuneOptions(),
-             runner=None, seed: int = 0) -> list[BucketCheck]:
+             runner: Runner | None = None, seed: int = 0) -> list[BucketCheck]:
     drawn = samples(problem, policy, count, seed)
     if not drawn:  # a bucket of one shape: nothing to lose
         return []

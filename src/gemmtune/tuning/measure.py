@@ -250,3 +250,70 @@ def _synchronizer(device: Device) -> Callable[[], None]:
     import torch
 
     return torch.cuda.synchronize
+
+
+def loops(fns: Mapping[str, Callable[[], object]], device: Device, *, budget_ms: float = 2000.0,
+          rounds: int = 9, loop_ms: float = 20.0,
+          enter: Mapping[str, Callable[[], None]] | None = None) -> dict[str, Timing]:
+    """Each zero-argument callable (a model's forward, say) timed as a user's loop runs it: calls
+    queued back to back with no sync between them, after the GPU went idle, so host time that the
+    GPU waits for lands in the sample (a model whose host work exceeds its GPU work shows every
+    microsecond a call adds), and no L2 flush. One sample per round, in milliseconds per call, of
+    enough calls to fill about ``loop_ms``; rounds interleaved in shuffled order, as many as
+    ``budget_ms`` allows, at least three, at most ``rounds``. ``enter[name]``, where given, runs
+    before each loop of ``name``, untimed (puts the model in that side's form)."""
+    enter = enter or {}
+    names = list(fns)
+    sync = _synchronizer(device)
+    clock = time.perf_counter
+    per_call = {}
+    for name in names:  # warm-up, then one timed call each: how many calls fill a loop
+        enter.get(name, lambda: None)()
+        fns[name]()
+        sync()
+        t0 = clock()
+        fns[name]()
+        sync()
+        per_call[name] = max(clock() - t0, 1e-6) * 1e3
+    calls = max(1, min(100, round(loop_ms / max(per_call.values()))))
+    round_ms = calls * sum(per_call.values())
+    rounds = max(3, min(rounds, int(budget_ms / max(round_ms, 1e-3))))
+    timer = _loop_timer(device)
+    rng = random.Random(0)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            rng.shuffle(names)
+            for name in names:
+                enter.get(name, lambda: None)()
+                samples[name].append(timer(fns[name], calls) / calls)
+    finally:
+        if was_enabled:
+            gc.enable()
+    return _timings(samples)
+
+
+def _loop_timer(device: Device) -> Callable[[Callable[[], object], int], float]:
+    """A function timing ``calls`` queued calls of a callable, in milliseconds: between CUDA
+    events recorded after the GPU went idle, else on the host's clock."""
+    if device.interpreter:
+        def on_host(fn, calls: int) -> float:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            return (time.perf_counter() - t0) * 1e3
+        return on_host
+    import torch
+
+    def on_gpu(fn, calls: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    return on_gpu

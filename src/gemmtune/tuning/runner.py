@@ -1,8 +1,9 @@
 """Where candidates run: build, verify and time the candidates of one problem in this process.
 
-The tuner talks to a runner only through ``start``, ``compile``, ``evaluate`` and ``final`` with
-plain data (backend names, config dicts, Trials), so the same flow runs here or, through
-``gemmtune.tuning.worker``, in a child process that a crashing candidate cannot take down with it.
+The tuner talks to a runner only through the ``Runner`` Protocol (``start``, ``compile``,
+``evaluate``, ``evaluate_many``, ``final``) with plain data (backend names, config dicts,
+Trials), so the same flow runs here (``LocalRunner``) or, through ``gemmtune.tuning.worker``'s
+``IsolatedRunner``, in a child process that a crashing candidate cannot take down with it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from typing import Protocol, runtime_checkable
 
 from gemmtune import backends
 from gemmtune.backends.launch import front_entry
@@ -51,7 +53,36 @@ def matmul_precision(problem: Problem) -> Iterator[None]:
         torch.set_float32_matmul_precision(before)
 
 
+@runtime_checkable
+class Runner(Protocol):
+    """What the tuner asks of wherever the candidates of one problem run, one problem at a time."""
+
+    def start(self, problem: Problem, seed: int) -> None:
+        """Begin ``problem``: its inputs drawn from ``seed``, nothing of the last problem kept."""
+        ...
+
+    def compile(self, candidates: list[tuple[str, dict]]) -> list[Compiled]:
+        """Each (backend name, config dict) compiled ahead, in parallel where the runner runs."""
+        ...
+
+    def evaluate(self, backend_name: str, config: dict, screen_budget_ms: float) -> Trial:
+        """One candidate built, verified and screened; a failure is a Trial with its reason."""
+        ...
+
+    def evaluate_many(self, backend_name: str, configs: list[dict], screen_budget_ms: float) -> list[Trial]:
+        """A library backend's configs, screened side by side; one Trial each, in order."""
+        ...
+
+    def final(self, candidates: list[tuple[str, dict]], budget_ms: float,
+              min_rounds: int) -> dict[str, tuple[Timing, float, float | None, str]]:
+        """The finalists timed side by side: label -> (timing, a user's call's cost, the host's
+        time per call or None, why its check after the timing failed or "")."""
+        ...
+
+
 class LocalRunner:
+    """The ``Runner`` in this process."""
+
     def __init__(self, device: Device) -> None:
         self.device = device
         self._problem: Problem | None = None

@@ -1,4 +1,6 @@
-"""The tuning flow for one problem: candidates -> build -> verify -> measure -> select.
+"""The tuning flow: for one problem, candidates -> build -> verify -> measure -> select; for
+several (``tune_many``), which are already stored, which lead and which follow, and what
+compiles together.
 
 Selection never makes a user slower: cuBLAS stays unless a candidate beats it by more than the
 noise measured in the same rounds (and by at least MIN_GAIN), judged on the time a user's call
@@ -13,15 +15,19 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gemmtune import backends, search
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing, Trial, TuneResult
 from gemmtune.tuning import compiler
-from gemmtune.tuning.runner import LocalRunner, matmul_precision
+from gemmtune.tuning.runner import LocalRunner, Runner, matmul_precision
+
+if TYPE_CHECKING:
+    from gemmtune.store import Store
 
 log = logging.getLogger("gemmtune.tuning.tuner")
 
@@ -57,16 +63,57 @@ class TuneOptions:
 
 
 def tune_problem(problem: Problem, device: Device, *, options: TuneOptions = TuneOptions(),
-                 on_trial: Callable[[Trial], None] | None = None, runner=None,
+                 on_trial: Callable[[Trial], None] | None = None, runner: Runner | None = None,
                  compiled: dict[tuple[str, str], Trial] | None = None) -> TuneResult:
     """Tune one problem on ``device`` and return the choice with every trial behind it.
 
-    ``runner`` runs the candidates: in this process by default, or a ``worker.IsolatedRunner``.
+    ``runner`` runs the candidates: a ``runner.LocalRunner`` in this process by default, or a
+    ``worker.IsolatedRunner``.
     ``compiled``: this problem's entry of ``compile_batch`` (its candidates are compiled
     already, these failed); None compiles them here first.
     """
     with matmul_precision(problem):
         return _tune(problem, device, options, on_trial, runner, compiled)
+
+
+def tune_many(problems: Sequence[Problem], device: Device, store: Store, options: TuneOptions = TuneOptions(), *,
+              retune: bool = False, runner: Runner | None = None,
+              on_result: Callable[[TuneResult], None] | None = None,
+              on_trial: Callable[[Trial], None] | None = None) -> list[TuneResult]:
+    """Each of ``problems`` tuned on ``device`` and put in ``store``, in order, one result each
+    (``on_result`` told of each as it comes): a problem already stored is answered from
+    ``store`` unless ``retune``, and one listed twice is tuned once. ``runner`` as for
+    ``tune_problem``; the caller closes it."""
+    known = {} if retune else {p.key(): store.get(device.fingerprint(), p.key()) for p in problems}
+    new = list({p.key(): p for p in problems if known.get(p.key()) is None}.values())
+    # A problem that differs from an earlier new one in its epilogue alone (a follower) tries
+    # cuBLAS and that lead's best candidates after it, not a whole plan of its own.
+    leads = {}
+    for problem in new:
+        leads.setdefault(problem.without_epilogue(), problem)
+    # A model's shapes compile side by side (an isolated runner compiles each in its own process),
+    # and so do the followers, each its lead's best-predicted candidates (follower_plan): which of
+    # the lead's a follower tries is known only once the lead is measured, and compiling them
+    # then would cost a second round.
+    followers = {p.key(): follower_plan(p, device, options) for p in new if leads[p.without_epilogue()] is not p}
+    compiled = compile_batch(new, device, options, followers) if runner is None and len(new) > 1 else {}
+    results = []
+    for problem in problems:
+        result = known.get(problem.key())
+        if result is None:
+            lead = leads[problem.without_epilogue()]
+            own = options
+            if lead is not problem:  # a follower compiled in the batch tries what it compiled there
+                among = labels(followers[problem.key()]) if problem.key() in compiled else None
+                own = dataclasses.replace(options, shortlist=shortlist(known[lead.key()], among=among))
+            result = tune_problem(problem, device, options=own, on_trial=on_trial, runner=runner,
+                                  compiled=compiled.get(problem.key()))
+            store.put(result)
+            known[problem.key()] = result  # a problem listed twice is tuned once
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+    return results
 
 
 def compile_batch(problems: list[Problem], device: Device, options: TuneOptions = TuneOptions(),
@@ -108,7 +155,8 @@ def _free_gpu_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
-def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runner, compiled) -> TuneResult:
+def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runner: Runner | None,
+          compiled) -> TuneResult:
     started = time.perf_counter()
     runner = runner or LocalRunner(device)
     seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -281,7 +329,7 @@ def labels(plan: list) -> set[str]:
 
 
 def _compile_ahead(problem: Problem, device: Device, options: TuneOptions, spaces: dict[str, list],
-                   runner) -> dict[tuple[str, str], Trial]:
+                   runner: Runner) -> dict[tuple[str, str], Trial]:
     """Compile every Triton candidate the strategy plans to measure, in parallel, where the
     runner runs them; the failed ones as Trials keyed by (backend, label)."""
     if not options.compile_ahead or device.interpreter:

@@ -33,7 +33,8 @@ class WorkerFailed(Exception):
 
 
 class IsolatedRunner:
-    """The runner interface of ``runner.LocalRunner``, served by a child process."""
+    """The ``runner.Runner`` in a child process (a ``runner.LocalRunner`` there, or the injected
+    runner_factory's); also closes it (``close``, or as a context manager)."""
 
     def __init__(self, device: Device, *, timeout_s: float = 300.0, device_index: int = 0,
                  runner_factory=None) -> None:

@@ -38,6 +38,7 @@ def test_samples_stay_in_the_bucket(policy):
     assert samples(p, policy, 5, seed=3) == drawn[:5]
 
 
+@pytest.mark.interpreter
 def test_validation_measures_the_bucket_config_on_each_sample():
     options = TuneOptions(strategy="exhaustive", seed=7, backends=("cublas", "triton_tiled"))
     checks = validate(Problem(24, 48, 48, "float32", "nn"), "pow2", 2, current(), options=options)
@@ -56,13 +57,3 @@ def test_bucket_setting_is_validated(monkeypatch):
     monkeypatch.setenv("GEMMTUNE_BUCKET", "nearest")
     with pytest.raises(ValueError, match="GEMMTUNE_BUCKET='nearest'"):
         settings.bucket_policy()
-
-
-def test_a_bucket_result_serves_only_shapes_its_backend_can_run():
-    from gemmtune.device import Device
-    from gemmtune.serving.dispatch import _serves
-
-    h100 = Device("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, 50 << 20)
-    assert _serves("triton_persistent", Problem(4096, 4096, 4096), h100)
-    assert not _serves("triton_persistent", Problem(4095, 4097, 4095), h100)  # TMA needs aligned rows
-    assert _serves("cublas", Problem(4095, 4097, 4095), h100)

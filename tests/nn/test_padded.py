@@ -174,7 +174,7 @@ def test_padded_layers_on_the_gpu(dtype):
     layers = layers.to("cuda", dtype)
     reference = copy.deepcopy(layers).double()
     x = torch.randn(7, 4100, device="cuda", dtype=dtype)
-    gemmtune.optimize(layers, (x,))
+    gemmtune.optimize(layers, (x,), check=False)
     assert [type(layer) for layer in layers] == [gnn.AlignedLinear, nn.Identity] + [gnn.AlignedLinear] * 3
     with torch.no_grad():
         for rows in (1, 33, 65, 777):
@@ -194,7 +194,7 @@ def test_padded_layers_under_torch_compile_and_cuda_graphs():
     layers = nn.Sequential(nn.Linear(4100, 1003), nn.ReLU(), nn.Linear(1003, 4096)).to("cuda", torch.bfloat16)
     reference = copy.deepcopy(layers).double()
     x = torch.randn(96, 4100, device="cuda", dtype=torch.bfloat16)
-    gemmtune.optimize(layers, (x,))
+    gemmtune.optimize(layers, (x,), check=False)
     compiled = torch.compile(layers, mode="reduce-overhead", fullgraph=True)
     with torch.no_grad():
         for _ in range(3):

@@ -199,7 +199,7 @@ def test_budget_accepts_valid_limits():
 def test_importing_search_loads_no_torch_triton_or_numpy():
     """The search package itself is torch-free. ``import gemmtune`` loads torch (it registers the
     custom ops), so the package is imported here under a bare ``gemmtune`` namespace."""
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     code = ("import sys, types; package = types.ModuleType('gemmtune'); "
             f"package.__path__ = [{os.path.join(src, 'gemmtune')!r}]; sys.modules['gemmtune'] = package; "
             "import gemmtune.search; "

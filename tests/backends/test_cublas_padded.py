@@ -12,6 +12,7 @@ from gemmtune.tuning import verify
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("layout", ["linear", "nn"])
 @pytest.mark.parametrize("m,n,k", [(1, 7, 33), (7, 33, 4095), (33, 4097, 65), (5, 64, 13), (3, 13, 64)])
 @pytest.mark.parametrize("align", [8, 64])
@@ -43,6 +44,7 @@ def test_untrusted_configs_are_rejected(data):
         get("cublas_padded").parse_config(data)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("rows, cols", [(9, 40), (3, 5), (7, 33), (9, 33)])
 def test_copy_padded_cuts_and_zero_fills(rows, cols):
     from gemmtune.backends.cublas_padded import copy_padded
@@ -55,6 +57,7 @@ def test_copy_padded_cuts_and_zero_fills(rows, cols):
     assert torch.equal(dst, expected)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("act", ["relu", "gelu_tanh"])
 def test_activation_after_the_cut(act):
     problem = Problem(7, 33, 65, "float32", "linear", True, activation=act)
@@ -63,6 +66,7 @@ def test_activation_after_the_cut(act):
     assert verify.check(kernel, problem, inputs).ok
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("src_shape, stride, rows, cols", [((5, 12), 12, 7, 16), ((6, 8), 20, 4, 6), ((3, 4), 4, 3, 12)])
 def test_the_flat_copy_cuts_and_zero_fills_rows_aligned_to_four(src_shape, stride, rows, cols):
     """Sources and destinations whose rows start every 4 elements take the flat copy (sizes as

@@ -190,6 +190,7 @@ def test_a_batch_compiles_every_new_problem_together_and_sorts_failures_back(mon
     assert [(name, config) for p, name, config, _ in jobs if p == first] == tuner._plan(first, H100, tuner.TuneOptions())
 
 
+@pytest.mark.interpreter
 def test_tune_hands_each_problem_its_part_of_the_batch(monkeypatch, tmp_path):
     from gemmtune import api
 
@@ -197,10 +198,10 @@ def test_tune_hands_each_problem_its_part_of_the_batch(monkeypatch, tmp_path):
     gemmtune_tune = api.tune
     gemmtune_tune(problems[0], store=tmp_path)  # stored: not compiled again
     asked, handed = [], {}
-    monkeypatch.setattr(api, "compile_batch", lambda new, device, options, plans: asked.append(new) or {
+    monkeypatch.setattr(tuner, "compile_batch", lambda new, device, options, plans: asked.append(new) or {
         p.key(): {"marker": p.key()} for p in new})
-    real = api.tune_problem
-    monkeypatch.setattr(api, "tune_problem", lambda problem, device, compiled=None, **kw: handed.update(
+    real = tuner.tune_problem
+    monkeypatch.setattr(tuner, "tune_problem", lambda problem, device, compiled=None, **kw: handed.update(
         {problem.key(): compiled}) or real(problem, device, **kw))
     gemmtune_tune(problems + [Problem(11, 40, 100, "float32", "nn")], store=tmp_path)
     assert [[p.m for p in new] for new in asked] == [[9, 11]]
@@ -216,6 +217,7 @@ def test_a_batch_takes_only_the_problems_whose_operands_fit(monkeypatch):
     assert list(tuner.compile_batch([small, large, small], H100)) == [small.key()]  # large: compiled on its own
 
 
+@pytest.mark.interpreter
 def test_a_follower_compiles_its_leads_best_predicted_candidates_in_the_leads_batch(monkeypatch, tmp_path):
     """The seeds' MLP: one shape with bias + ReLU, then with bias alone. Which of the lead's
     candidates the second tries is known only after the lead is measured, so both compile in one
@@ -238,10 +240,10 @@ def test_a_follower_compiles_its_leads_best_predicted_candidates_in_the_leads_ba
     asked, handed = [], {}
     small = [Problem(33, 40, 72, "float32", "linear", bias=True, activation="relu"),
              Problem(33, 40, 72, "float32", "linear", bias=True)]
-    monkeypatch.setattr(api, "compile_batch", lambda new, device, options, plans: asked.append(
+    monkeypatch.setattr(tuner, "compile_batch", lambda new, device, options, plans: asked.append(
         (new, plans)) or {p.key(): {} for p in new})
-    real = api.tune_problem
-    monkeypatch.setattr(api, "tune_problem", lambda problem, device, options, **kw: handed.update(
+    real = tuner.tune_problem
+    monkeypatch.setattr(tuner, "tune_problem", lambda problem, device, options, **kw: handed.update(
         {problem.key(): options.shortlist}) or real(problem, device, options=options, **kw))
     first, second = api.tune(small, store=tmp_path)
     trimmed = tuner.follower_plan(small[1], current(), tuner.TuneOptions())

@@ -42,6 +42,7 @@ def check(problem, config, inputs=None):
     assert err.ok, (problem.describe(), config.key(), err.reason())
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["linear", "nn"])
 @pytest.mark.parametrize("m,n,k", SIZES)
@@ -53,6 +54,7 @@ def test_split_k_matches_reference(m, n, k, layout, dtype):
         check(problem, config, inputs)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("use_dot", [False, True])
 @pytest.mark.parametrize("m,n,k", SIZES)
 def test_single_split_matches_reference(m, n, k, use_dot):
@@ -61,6 +63,7 @@ def test_single_split_matches_reference(m, n, k, use_dot):
     check(problem, (dot if use_dot else fma)(m, 1, block_k=128))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 7, 4095), (1, 16, 4096), (2, 33, 1500), (3, 5, 2049)])
 def test_gemv_tiles_match_reference(m, n, k, dtype):
@@ -71,6 +74,7 @@ def test_gemv_tiles_match_reference(m, n, k, dtype):
         check(problem, SplitKConfig(_pow2(m), block_n, block_k, split_k, False, 4, 1), inputs)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("use_dot", [False, True])
 def test_rows_aligned_to_8_elements_but_not_16(use_dot):
     """Sizes and strides that are multiples of 8 elements but not 16 carry gemmtune's own
@@ -157,6 +161,7 @@ def test_gemv_k_loop_has_no_barrier_or_shared_memory():
     assert "bar.sync" not in loop and "st.shared" not in loop and "ldmatrix" not in loop
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu"])
 @pytest.mark.parametrize("use_dot", [False, True])
 def test_fused_activations_match_reference(act, use_dot):
@@ -164,6 +169,7 @@ def test_fused_activations_match_reference(act, use_dot):
     check(problem, (dot if use_dot else fma)(7, 2))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("use_dot", [False, True])
 def test_a_kernel_called_again_finds_its_counters_reset(use_dot):
     problem = Problem(5, 40, 200, "float16", "linear", bias=True)
@@ -177,6 +183,7 @@ def test_a_kernel_called_again_finds_its_counters_reset(use_dot):
     assert len(kernel._scratch) == 1  # one workspace, reused
 
 
+@pytest.mark.interpreter
 def test_split_k_sum_is_deterministic():
     problem = Problem(3, 50, 1000, "float32", "linear")
     inputs = verify.make_inputs(problem, DEVICE, seed=7)
@@ -185,6 +192,7 @@ def test_split_k_sum_is_deterministic():
     assert torch.equal(first, kernel(inputs.a, inputs.b, None))
 
 
+@pytest.mark.interpreter
 def test_strided_and_transposed_views():
     problem = Problem(6, 24, 72, "float32", "nn")
     a = torch.randn(72, 10, device=DEVICE)[:, :6].t()  # (6, 72) transposed view, non-contiguous

@@ -34,6 +34,7 @@ def test_python_dash_m_runs_the_same_command_line():
     assert done.stdout.startswith("usage: gemmtune tune")
 
 
+@pytest.mark.interpreter
 def test_tune_json_then_cache_round_trip(capsys, tmp_path):
     store = tmp_path / "store"
     code, out, err = run(capsys, "tune", "--shape", "7x40x33", "--dtype", "float32", "--layout", "nn",
@@ -87,6 +88,7 @@ def test_doctor_runs(capsys):
     assert code == 0 and json.loads(out)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("cache", ["team.db", "stores"])
 def test_doctor_reports_the_store_that_tune_writes(capsys, tmp_path, cache):
     """``--cache`` names one store for every command (a file, or a directory holding one)."""
@@ -107,6 +109,7 @@ def test_budget_flag(capsys):
     assert code == 2 and "--budget 'lots'" in err
 
 
+@pytest.mark.interpreter
 def test_bucket_validation_report(capsys):
     code, out, err = run(capsys, "tune", "--shape", "24x48x48", "--dtype", "float32", "--layout", "nn",
                          "--bucket", "pow2", "--validate", "1", "--in-process", "--json")
@@ -120,6 +123,7 @@ def test_bucket_validation_report(capsys):
     assert code == 0 and json.loads(out) == [] and "a pow2 bucket of its own" in err
 
 
+@pytest.mark.interpreter
 def test_bench_times_the_stored_choice_and_writes_a_suite_file(capsys, tmp_path):
     store, out = tmp_path / "store", tmp_path / "bench.json"
     code, _, err = run(capsys, "bench", "--shape", "7x40x33", "--dtype", "float32", "--layout", "nn", "--bias",
@@ -152,6 +156,7 @@ def test_bench_rejects_bad_arguments(capsys):
     assert code == 2 and "--shapes /nonexistent/shapes.json: cannot read" in err
 
 
+@pytest.mark.interpreter
 def test_bench_fails_when_a_stored_choice_is_wrong(capsys, monkeypatch, tmp_path):
     from gemmtune import backends
 

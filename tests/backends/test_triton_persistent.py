@@ -20,6 +20,7 @@ CONFIGS = SMALL if DEVICE == "cpu" else [PersistentConfig(128, 128, 64, 8, 8, 3)
                                          PersistentConfig(128, 256, 64, 8, 8, 3, True)]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("layout", ["linear", "nn"])
 @pytest.mark.parametrize("m,n,k", [(1, 8, 8), (33, 40, 72), (7, 16, 200), (70, 24, 40)])
 @pytest.mark.parametrize("bias, act", [(False, "none"), (True, "gelu_tanh")])
@@ -32,6 +33,7 @@ def test_matches_reference(m, n, k, layout, bias, act, dtype):
         assert err.ok, (config, err.reason())
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("layout", ["linear", "nn"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_4095_rows_end_one_short_of_a_tile(layout, dtype):
@@ -44,6 +46,7 @@ def test_4095_rows_end_one_short_of_a_tile(layout, dtype):
         assert err.ok, (config, err.reason())
 
 
+@pytest.mark.interpreter
 def test_strided_views_are_copied_not_misread():
     problem = Problem(24, 16, 32, "float32", "nn")
     a = torch.randn(32, 48, device=DEVICE)[:, :24].t()  # (24, 32), column-major view

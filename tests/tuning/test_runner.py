@@ -1,5 +1,7 @@
 """The in-process runner: verification before timing, and the early abort of hopeless candidates."""
 
+import pytest
+
 from gemmtune.device import current, interpreter_device
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing
@@ -7,6 +9,7 @@ from gemmtune.tuning import measure
 from gemmtune.tuning.runner import ABORT_FACTOR, LocalRunner
 
 
+@pytest.mark.interpreter
 def test_a_clearly_slower_candidate_is_not_screened_further(monkeypatch):
     """The measurement's first two rounds decide: a candidate whose ratio to cuBLAS (timed in the
     same rounds) is ABORT_FACTOR above the best so far stops there; the others are screened in
@@ -37,6 +40,7 @@ def test_a_clearly_slower_candidate_is_not_screened_further(monkeypatch):
     assert stopped == [False, True, False]
 
 
+@pytest.mark.interpreter
 def test_screening_pairs_each_candidate_with_cublas(monkeypatch):
     """Every screening measurement times cuBLAS in the same rounds, so a candidate's rank does not
     depend on the drift between measurements: here every sample of the second measurement reads
@@ -60,23 +64,6 @@ def test_screening_pairs_each_candidate_with_cublas(monkeypatch):
     assert first.vs_reference == second.vs_reference == 0.9
 
 
-def test_measuring_stops_after_two_rounds_when_asked_and_long_rounds_take_fewer():
-    """On the interpreter's timing path (the GPU's is in test_gpu): ``stop`` sees two rounds' samples. And the rounds a measurement
-    takes: its minimum when rounds are cheap, fewer (never under FEWEST_ROUNDS) when the
-    minimum would overrun the budget LONG_ROUNDS times, and what the budget buys otherwise."""
-    seen = []
-    cpu = interpreter_device()
-    timings = measure.measure({"a": lambda: None, "b": lambda: None}, cpu, min_rounds=30,
-                            stop=lambda t: seen.append({k: len(v.samples) for k, v in t.items()}) or True)
-    assert seen == [{"a": 2, "b": 2}] and all(len(t.samples) == 2 for t in timings.values())
-    assert len(measure.measure({"a": lambda: None}, cpu, min_rounds=30, stop=lambda t: False)["a"].samples) == 10
-    assert measure._rounds(budget_ms=45.0, min_rounds=20, per_round_ms=0.5) == 90  # the budget buys more
-    assert measure._rounds(budget_ms=45.0, min_rounds=20, per_round_ms=5.0) == 20  # 100 ms: within 4 budgets
-    assert measure._rounds(budget_ms=45.0, min_rounds=20, per_round_ms=15.0) == 12  # 300 ms: 180 ms buys 12
-    assert measure._rounds(budget_ms=45.0, min_rounds=20, per_round_ms=60.0) == measure.FEWEST_ROUNDS
-    assert measure._rounds(budget_ms=0.5, min_rounds=3, per_round_ms=60.0) == 3  # never above min_rounds
-
-
 def test_a_config_that_does_not_parse_is_a_failed_trial():
     runner = LocalRunner(current())
     runner.start(Problem(8, 16, 32, "float32", "nn"), seed=1)
@@ -88,6 +75,7 @@ PADDED = Problem(5, 13, 33, "float32", "linear")  # rows of 52 and 132 bytes: th
 PADDED_CONFIGS = [{"align": 8}, {"align": 64}, {"align": 3}]
 
 
+@pytest.mark.interpreter
 def test_a_library_backends_candidates_are_screened_in_one_measurement(monkeypatch):
     """evaluate_many verifies each config, measures the verified ones side by side in one
     measurement of GROUP_BUDGET screening budgets, and keeps the failed ones as failed trials."""

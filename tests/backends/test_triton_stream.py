@@ -27,6 +27,7 @@ def _configs(problem):
 DTYPES = ["float16", "float32", "bfloat16"]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["linear", "nn"])
 @pytest.mark.parametrize("m,n,k", [(2, 8, 8), (7, 40, 72), (33, 24, 200), (64, 136, 40)])
@@ -41,6 +42,7 @@ def test_matches_reference(m, n, k, layout, dtype, bias, act):
         assert err.ok, (config, err.reason())
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("layout", ["linear", "nn"])
 def test_4104_weight_rows_end_past_the_last_full_tile(layout):
     """N = 4104, 8 past a multiple of every tile: the last tile of weight rows mostly zero-filled
@@ -52,6 +54,7 @@ def test_4104_weight_rows_end_past_the_last_full_tile(layout):
         assert err.ok, (config, err.reason())
 
 
+@pytest.mark.interpreter
 def test_writes_into_a_strided_out():
     problem = Problem(5, 24, 32, "float16", "linear", True, activation="relu")
     inputs = verify.make_inputs(problem, DEVICE)
@@ -61,6 +64,7 @@ def test_writes_into_a_strided_out():
     assert got is out and verify.rel_err(out, inputs.reference) <= verify.tolerance(problem)
 
 
+@pytest.mark.interpreter
 def test_a_model_s_activations_of_any_rank():
     """x (batch, tokens, K), as a model's layers pass it: one (M, K) operand, the output shaped back."""
     problem = Problem(6, 24, 32, "float16", "linear", True)

@@ -94,7 +94,7 @@ def test_on_the_gpu_an_optimized_mlp_matches_the_original():
     x = torch.randn(33, 16, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         expected = model(x).double()
-        gemmtune.optimize(model, (x,))
+        gemmtune.optimize(model, (x,), check=False)
         assert len(DISPATCHER.kernels) == 0  # tuned and stored; kernels are built on the next call
         got = model(x)
     assert len(DISPATCHER.kernels) == 3 and verify.rel_err(got, expected) < 2e-2

@@ -49,6 +49,7 @@ class HangsOnce(LocalRunner):
         return super().evaluate(backend_name, config, screen_budget_ms)
 
 
+@pytest.mark.interpreter
 def test_isolated_tuning_matches_the_flow_in_process():
     with IsolatedRunner(current()) as runner:
         result = tune_problem(PROBLEM, current(), options=OPTIONS, runner=runner)
@@ -56,6 +57,7 @@ def test_isolated_tuning_matches_the_flow_in_process():
     assert all(t.ok for t in result.trials) and runner.restarts == 0
 
 
+@pytest.mark.interpreter
 def test_a_crashing_candidate_is_a_failed_trial_and_tuning_goes_on():
     with IsolatedRunner(current(), runner_factory=DiesOnce) as runner:
         result = tune_problem(PROBLEM, current(), options=OPTIONS, runner=runner)
@@ -65,6 +67,7 @@ def test_a_crashing_candidate_is_a_failed_trial_and_tuning_goes_on():
     assert sum(t.ok for t in result.trials) >= 2  # cuBLAS and the other tiles still measured
 
 
+@pytest.mark.interpreter
 def test_a_hanging_candidate_times_out():
     with IsolatedRunner(current(), timeout_s=15, runner_factory=HangsOnce) as runner:
         result = tune_problem(PROBLEM, current(), options=OPTIONS, runner=runner)
@@ -118,6 +121,7 @@ class DiesScreeningTogether(LocalRunner):
         os._exit(11)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("factory", [None, DiesScreeningTogether])
 def test_a_library_backends_candidates_screened_in_the_worker(factory):
     """Side by side in the child; where that kills it, one at a time in a new one."""

@@ -22,6 +22,7 @@ def run(problem, config, inputs, out=None):
     return kernel(inputs.a, inputs.b, inputs.bias, out=out)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["linear", "nn"])
 @pytest.mark.parametrize("m,n,k", SIZES)
@@ -33,6 +34,7 @@ def test_matches_reference(m, n, k, layout, dtype):
         assert err.ok, (config, err.reason())
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu"])
 @pytest.mark.parametrize("layout", ["linear", "nn"])
 def test_fused_activations_match_reference(act, layout):
@@ -43,6 +45,7 @@ def test_fused_activations_match_reference(act, layout):
         assert err.ok, (config, act, err.reason())
 
 
+@pytest.mark.interpreter
 def test_every_output_element_is_written():
     problem = Problem(33, 47, 65, "float32", "nn")
     inputs = verify.make_inputs(problem, DEVICE)
@@ -51,6 +54,7 @@ def test_every_output_element_is_written():
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.interpreter
 def test_strided_and_transposed_views():
     problem = Problem(20, 24, 36, "float32", "nn")
     a = torch.randn(36, 40, device=DEVICE)[:, :20].t()  # (20, 36) transposed view, non-contiguous
@@ -66,6 +70,7 @@ def test_tf32_precision_is_requested_only_when_allowed():
     assert ieee._constexprs[False]["PRECISION"] == "ieee" and tf32._constexprs[True]["PRECISION"] == "tf32"
 
 
+@pytest.mark.interpreter
 def test_a_broken_kernel_fails_verification():
     problem = Problem(7, 33, 65, "float32", "linear")
     inputs = verify.make_inputs(problem, DEVICE)
@@ -84,6 +89,7 @@ def test_a_broken_kernel_fails_verification():
     assert unwritten.worst == unwritten.rel_err == float("inf")
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("m,n,k", [(5, 24, 40), (3, 40, 1000)])
 def test_rows_aligned_to_8_elements_but_not_16(m, n, k):
     """Sizes and strides that are multiples of 8 elements (16 bytes in half precision) but not

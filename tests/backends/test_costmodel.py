@@ -10,7 +10,7 @@ from gemmtune.device import Device
 from gemmtune.problem import Problem
 from gemmtune.search import DEFAULT_TOPK
 
-RECORDED = json.loads((Path(__file__).parent / "data" / "h200-tiled-trials.json").read_text())
+RECORDED = json.loads((Path(__file__).parents[1] / "data" / "h200-tiled-trials.json").read_text())
 H200 = Device(RECORDED["device"]["name"], tuple(RECORDED["device"]["capability"]), RECORDED["device"]["sm_count"],
               RECORDED["device"]["smem_per_block"], RECORDED["device"]["l2_bytes"])
 
@@ -28,7 +28,7 @@ def test_the_topk_predictions_hold_the_measured_best(key):
     assert min(t["median_ms"] for t in ranked(key)[:DEFAULT_TOPK]) == best
 
 
-DECODE = json.loads((Path(__file__).parent / "data" / "h200-decode-trials.json").read_text())
+DECODE = json.loads((Path(__file__).parents[1] / "data" / "h200-decode-trials.json").read_text())
 
 
 @pytest.mark.parametrize("recorded", DECODE["problems"], ids=lambda r: f"{r['m']}x{r['n']}x{r['k']}")

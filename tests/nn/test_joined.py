@@ -39,7 +39,7 @@ def counted_linear(monkeypatch) -> list:
 def test_the_example_run_joins_siblings_and_outputs_stay(bias, monkeypatch):
     reference, model = Block(bias), Block(bias)
     params = list(model.parameters())
-    gemmtune.optimize(model, (torch.randn(2, 3, 16),), siblings=True)
+    gemmtune.optimize(model, (torch.randn(2, 3, 16),), siblings=True, check=False)
     assert model.q.siblings is model.k.siblings is model.v.siblings and model.q.siblings.layers == (model.q, model.k,
                                                                                                       model.v)
     assert model.gate.siblings is model.up.siblings and type(model.down) is gnn.Linear
@@ -56,7 +56,7 @@ def test_the_example_run_joins_siblings_and_outputs_stay(bias, monkeypatch):
 
 def test_calls_on_many_rows_run_each_layer_alone(monkeypatch):
     model = Block()
-    gemmtune.optimize(model, (torch.randn(4, 16),), siblings=True)
+    gemmtune.optimize(model, (torch.randn(4, 16),), siblings=True, check=False)
     calls = counted_linear(monkeypatch)
     x = torch.randn(siblings.MAX_ROWS + 1, 16)
     with torch.no_grad():
@@ -66,7 +66,7 @@ def test_calls_on_many_rows_run_each_layer_alone(monkeypatch):
 
 def test_a_weight_updated_in_place_updates_the_joined_one():
     model = Block()
-    gemmtune.optimize(model, (torch.randn(4, 16),), siblings=True)
+    gemmtune.optimize(model, (torch.randn(4, 16),), siblings=True, check=False)
     with torch.no_grad():
         model.k.weight.mul_(2)
         x = torch.randn(3, 16)
@@ -76,7 +76,7 @@ def test_a_weight_updated_in_place_updates_the_joined_one():
 
 def test_calls_the_joined_gemm_cannot_serve_run_alone():
     model = Block()
-    gemmtune.optimize(model, (torch.randn(4, 16),), siblings=True)
+    gemmtune.optimize(model, (torch.randn(4, 16),), siblings=True, check=False)
     q, k, v = model.q, model.k, model.v
     x = torch.randn(3, 16)
     with torch.no_grad():
@@ -98,7 +98,7 @@ def test_calls_the_joined_gemm_cannot_serve_run_alone():
 
 def test_gradients_go_to_each_layer_as_without_siblings():
     reference, model = Block(), Block()
-    gemmtune.optimize(model, (torch.randn(4, 16),), siblings=True)
+    gemmtune.optimize(model, (torch.randn(4, 16),), siblings=True, check=False)
     x = torch.randn(6, 16)
     reference(x).square().sum().backward()
     model(x).square().sum().backward()
@@ -121,9 +121,12 @@ def test_siblings_need_example_inputs():
         gemmtune.optimize(Block(), siblings=True)
 
 
-def test_torch_compile_traces_the_joined_layers(monkeypatch):
+def test_torch_compile_traces_the_layers_as_torch_s(monkeypatch):
+    """While torch.compile traces them, joined layers are the nn.Linear layers they stand for:
+    the compiler chooses their GEMMs, and no gemmtune op is in the graph."""
     reference, model = Block(), Block()
-    gemmtune.optimize(model, (torch.randn(4, 16),), siblings=True)
+    gemmtune.optimize(model, (torch.randn(4, 16),), siblings=True, check=False)
+    assert type(model.q) is gnn.JoinedLinear
     ran = []
     real = serving_calls.linear_forward
     monkeypatch.setattr(serving_calls, "linear_forward", lambda x, w, b, act: ran.append(tuple(w.shape)) or real(x, w, b, act))
@@ -131,8 +134,8 @@ def test_torch_compile_traces_the_joined_layers(monkeypatch):
     x = torch.randn(5, 16)
     with torch.no_grad():
         assert torch.allclose(compiled(x), reference(x), rtol=1e-5, atol=1e-6)
-    assert ran == [(32, 16), (64, 16), (16, 32)]
-    assert model.q.siblings._pending is None  # the last sibling let the joined output go
+    assert ran == []
+    assert model.q.siblings._pending is None
 
 
 @pytest.mark.gpu
@@ -144,7 +147,7 @@ def test_on_the_gpu_joined_siblings_match_the_original_eager_and_compiled():
     x = torch.randn(2, 7, 16, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         expected = reference.double()(x.double())
-        gemmtune.optimize(model, (x,), siblings=True)
+        gemmtune.optimize(model, (x,), siblings=True, check=False)
         assert model.q.siblings is not None and model.gate.siblings is not None
         assert verify.rel_err(model(x), expected) < 2e-2
         compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
@@ -157,7 +160,7 @@ def test_parameters_replaced_or_converted_after_joining_run_alone(compiled):
     """load_state_dict(assign=True) puts new parameters in place, .to() converts them: the joined
     tensors are stale then, and neither eager calls nor a compiled graph may use them."""
     model = Block()
-    gemmtune.optimize(model, (torch.randn(4, 16),), siblings=True)
+    gemmtune.optimize(model, (torch.randn(4, 16),), siblings=True, check=False)
     fresh = Block()
     with torch.no_grad():
         for p in fresh.parameters():

@@ -22,6 +22,7 @@ def build(problem, name, config):
     return backend.build(problem, backend.parse_config(config), current())
 
 
+@pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's path")
 def test_the_interpreter_keeps_no_binary():
     problem = Problem(7, 33, 65, "float32", "linear", bias=True)
@@ -122,6 +123,7 @@ def test_hints_mark_the_alignment_triton_cannot_see():
             assert value % hint == 0 and (hint == 1 or value % 16)  # never a claim that is false
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name, config", [("triton_tiled", TILED), ("triton_splitk", FMA)])
 def test_a_model_activation_of_any_rank_is_served_in_place(name, config):
     """x (batch, tokens, K), contiguous or a strided view, straight into a kernel launched through
@@ -176,6 +178,7 @@ def test_the_front_entry_calls_cublas_linear_itself_and_flattens_only_for_two_d_
     caller's x of any rank; a kernel that serves only 2-D x is called as it is for 2-D calls,
     through a flattening wrapper for 3-D. Neither binds: the addresses are not used."""
     import gemmtune.backends.cublas as cublas
+    from gemmtune.backends.base import function_kernel
     from gemmtune.backends.launch import any_rank, front_entry
 
     seen = []
@@ -190,9 +193,10 @@ def test_the_front_entry_calls_cublas_linear_itself_and_flattens_only_for_two_d_
         calls.append(a.dim())
         return F.linear(a, b, bias)
 
+    two_d = function_kernel(two_d)
     x2 = x.reshape(6, 8)
     assert torch.allclose(front_entry(two_d, x2, w, None)(x2, w, None, 0, 0, 0), F.linear(x2, w))
-    assert torch.allclose(front_entry(any_rank(two_d), x, w, None)(x, w, None, 0, 0, 0), F.linear(x, w))
+    assert torch.allclose(front_entry(two_d, x, w, None)(x, w, None, 0, 0, 0), F.linear(x, w))
     assert calls == [2, 2]
 
 

@@ -68,13 +68,6 @@ def test_a_win_is_read_from_the_per_round_ratios():
     assert select("cublas", timings, {label: t.median for label, t in timings.items()}) == "x"
 
 
-def test_spread_against_pairs_rounds_only_when_they_match():
-    drifting = timing(1.0, 0.03)
-    assert drifting.spread_against(timing(0.9, 0.03)) < 1e-9
-    shorter = Timing(drifting.samples[:50])
-    assert shorter.spread_against(drifting) == pytest.approx(shorter.spread + drifting.spread)
-
-
 def test_slower_never_wins():
     assert decide(1.0, 1.2) == "cublas"
 
@@ -107,6 +100,7 @@ def test_a_faster_kernel_with_a_costlier_launch_does_not_win():
     assert select(None, timings, costs, slow_launch) == "tma"  # cuBLAS failed verification
 
 
+@pytest.mark.interpreter
 def test_tune_problem_verifies_and_records_every_candidate():
     problem = Problem(33, 47, 65, "float32", "linear", bias=True)
     result = tune_problem(problem, current(), options=TuneOptions(seed=1))
@@ -124,6 +118,7 @@ def test_tune_problem_verifies_and_records_every_candidate():
     assert len({len(t.timing.samples) for t in finals}) == 1  # timed in the same rounds
 
 
+@pytest.mark.interpreter
 def test_a_wrong_kernel_is_recorded_and_never_chosen(monkeypatch):
     tiled = backends.get("triton_tiled")
     real_build = tiled.build
@@ -171,6 +166,7 @@ def test_strategy_is_validated():
         TuneOptions(strategy="bayes")
 
 
+@pytest.mark.interpreter
 def test_a_trial_budget_caps_each_modelled_backend():
 
     problem = Problem(16, 32, 64, "float32", "nn")
@@ -196,6 +192,7 @@ def test_cublas_runs_at_the_problems_float32_precision():
     assert torch.get_float32_matmul_precision() == before
 
 
+@pytest.mark.interpreter
 def test_a_wrong_cublas_is_never_chosen(monkeypatch):
     """Under MPS at 38 SMs of an H200, cuBLAS returned wrong bf16 products for 1000x1000x1000:
     tuning goes on among the verified candidates instead of failing or trusting it."""
@@ -213,6 +210,7 @@ def test_a_wrong_cublas_is_never_chosen(monkeypatch):
     assert [t.status for t in result.trials if t.backend == "cublas"] == [Status.WRONG_RESULT]
 
 
+@pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter's case")
 def test_triton_imported_before_the_interpreter_was_chosen_is_said_not_failed(tmp_path):
     """Triton fixes its own helpers as compiled or interpreted when first imported: a program
@@ -227,4 +225,3 @@ def test_triton_imported_before_the_interpreter_was_chosen_is_said_not_failed(tm
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Set TRITON_INTERPRET=1 in the environment before anything imports triton" in done.stderr
     assert done.stdout.strip() == "['cublas:ok', 'cublas_padded:ok']"
-

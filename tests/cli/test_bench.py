@@ -1,11 +1,11 @@
-"""One problem side by side (``gemmtune.cli.sidebyside``): the stored choice beside torch's own call,
+"""One problem side by side (``gemmtune.cli.bench``): the stored choice beside torch's own call,
 through Triton's interpreter on the CPU, on the GPU where there is one."""
 
 import pytest
 import torch
 
 from gemmtune import api, backends
-from gemmtune.cli import sidebyside
+from gemmtune.cli import bench
 from gemmtune.device import current
 from gemmtune.problem import Problem
 from gemmtune.shapes import NamedProblem
@@ -22,22 +22,22 @@ def tuned():
 def test_torch_call_is_the_problem_with_its_epilogue(tuned):
     named, _ = tuned
     inputs = verify.make_inputs(named.problem, "cpu")
-    assert verify.rel_err(sidebyside.torch_call(named, inputs)(), inputs.reference) < 1e-6
+    assert verify.rel_err(bench.torch_call(named, inputs)(), inputs.reference) < 1e-6
     nn = NamedProblem("nn", "", Problem(7, 9, 5, "float32", "nn", True, False, "relu"))
     inputs = verify.make_inputs(nn.problem, "cpu")
-    assert verify.rel_err(sidebyside.torch_call(nn, inputs)(), inputs.reference) < 1e-6
+    assert verify.rel_err(bench.torch_call(nn, inputs)(), inputs.reference) < 1e-6
 
 
 def test_row_of_the_stored_choice(tuned):
     named, result = tuned
     before = torch.get_float32_matmul_precision()
-    row = sidebyside.measure(named, result, current(), rounds=3, budget_ms=50)
+    row = bench.measure(named, result, current(), rounds=3, budget_ms=50)
     assert torch.get_float32_matmul_precision() == before
     assert row["name"] == "awkward" and row["group"] == "small" and row["choice"] == result.label()
     assert row["verified"] and row["rel_err"] < verify.tolerance(named.problem)
     assert row["speedup"] == pytest.approx(row["cublas_ms"] / row["gemmtune_ms"])
     assert row["inductor_ms"] is None  # not asked for
-    doc = sidebyside.document([row], current())
+    doc = bench.document([row], current())
     assert doc["kind"] == "suite" and doc["gpu_timings"] is torch.cuda.is_available() and doc["rows"] == [row]
 
 
@@ -50,7 +50,7 @@ def test_a_wrong_kernel_is_reported_wrong(tuned, monkeypatch):
         return lambda a, b, bias, out=None: kernel(a, b, bias) * 1.05
 
     monkeypatch.setattr(backends, "build", off_by_a_little)
-    row = sidebyside.measure(named, result, current(), rounds=3, budget_ms=50)
+    row = bench.measure(named, result, current(), rounds=3, budget_ms=50)
     assert not row["verified"] and row["rel_err"] > verify.tolerance(named.problem)
 
 
@@ -58,4 +58,4 @@ def test_a_result_of_another_problem_is_refused(tuned):
     named, result = tuned
     other = NamedProblem("other", "", Problem(8, 24, 40, "float32"))
     with pytest.raises(ValueError, match="not v"):
-        sidebyside.measure(other, result, current())
+        bench.measure(other, result, current())

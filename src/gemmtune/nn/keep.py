@@ -1,0 +1,131 @@
+"""What ``optimize`` keeps: after tuning a model's GEMMs, each layer stays gemmtune's only where
+that can pay, and the model as a whole only where it measured faster.
+
+A layer whose every GEMM seen in the example run was tuned to cuBLAS gains nothing on the GPU
+and would pay gemmtune's host path on every call (docs/host-cost.md): it goes back to the
+``nn.Linear`` it was, its fused activation module put back, so in eager its call is torch's own
+and under ``torch.compile`` the graph holds the plain aten ops. The layers left are timed with the
+model: the example run with them, against the same run with every layer in its torch form, in
+alternated rounds of calls queued as a user's loop queues them (host time the GPU waits for is in
+the samples); unless gemmtune's side is at least as fast (the median of the per-round ratios),
+every layer goes back to torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from torch import nn
+
+from gemmtune import backends
+from gemmtune.device import current
+from gemmtune.problem import Problem
+from gemmtune.results import TuneResult
+from gemmtune.serving import recording
+from gemmtune.tuning import measure
+
+log = logging.getLogger("gemmtune")
+
+CHECK_BUDGET_MS = 2000.0  # the wall time the model's self-check may take (several rounds at least)
+
+
+GEMMTUNE_ATTRIBUTES = ("activation", "fused", "siblings", "aligned")  # what optimize puts on a layer
+
+
+class Form:
+    """A layer taken over by ``optimize``, in either of its two forms: its gemmtune class, or
+    the ``nn.Linear`` it was with its fused activation module (``layer.fused``: the parent, the
+    name, the module) back in its place."""
+
+    def __init__(self, layer: nn.Linear) -> None:
+        self.layer, self.cls, self.fused = layer, type(layer), layer.fused
+        self.identity = None if self.fused is None else self.fused[0]._modules[self.fused[1]]
+
+    def to_torch(self) -> None:
+        self.layer.__class__ = nn.Linear
+        if self.fused is not None:
+            parent, name, module = self.fused
+            parent._modules[name] = module
+
+    def to_gemmtune(self) -> None:
+        self.layer.__class__ = self.cls
+        if self.fused is not None:
+            parent, name, _ = self.fused
+            parent._modules[name] = self.identity
+
+    def release(self) -> None:
+        """Back to torch for good: the layer is the ``nn.Linear`` it was, its fused activation in
+        its place, nothing of gemmtune's left on it."""
+        self.to_torch()
+        for name in GEMMTUNE_ATTRIBUTES:
+            self.layer.__dict__.pop(name, None)
+
+
+@contextlib.contextmanager
+def problems_per_layer(layer_type: type) -> Iterator[dict]:
+    """While the block runs under ``gemmtune.record``, each layer (an instance of
+    ``layer_type``) -> the keys of the problems its calls performed (a set)."""
+    seen: dict[nn.Module, set] = {}
+    starts: list[int] = []
+    trace: list[tuple] = []
+    active = recording.active()
+    if active is None:
+        raise RuntimeError("problems_per_layer needs an active gemmtune.record")
+    active.trace = trace
+
+    def before(module: nn.Module, args: tuple) -> None:
+        if isinstance(module, layer_type):
+            starts.append(len(trace))
+
+    def after(module: nn.Module, args: tuple, out) -> None:
+        if isinstance(module, layer_type) and starts:
+            seen.setdefault(module, set()).update(Problem(*call).key() for call in trace[starts.pop():])
+
+    pre = nn.modules.module.register_module_forward_pre_hook(before)
+    post = nn.modules.module.register_module_forward_hook(after)
+    try:
+        yield seen
+    finally:
+        pre.remove()
+        post.remove()
+        active.trace = None
+
+
+def on_cublas(layer_problems: set, results: dict[str, TuneResult]) -> bool:
+    """Whether every problem a layer performed (``Problem.key()`` values) was tuned, each to cuBLAS."""
+    found = [results.get(key) for key in layer_problems]
+    return bool(found) and all(r is not None and r.backend == backends.REFERENCE for r in found)
+
+
+def served(forms: Iterable[Form], layer_problems: dict, results: dict[str, TuneResult], plain: type) -> list[Form]:
+    """The layers still gemmtune's after those of class ``plain`` tuned to cuBLAS alone went
+    back to torch (released for good): a joined or padded layer is judged with the model."""
+    kept = []
+    for form in forms:
+        if form.cls is plain and on_cublas(layer_problems.get(form.layer, set()), results):
+            form.release()
+        else:
+            kept.append(form)
+    return kept
+
+
+def speedup(run: Callable[[], object], forms: list[Form], *, budget_ms: float = CHECK_BUDGET_MS) -> float:
+    """The run's time with every layer in its torch form over its time with the layers as
+    gemmtune has them (above 1: gemmtune faster), timed in alternated rounds of queued calls;
+    the layers are left in gemmtune's form."""
+
+    def to_torch() -> None:
+        for form in forms:
+            form.to_torch()
+
+    def to_gemmtune() -> None:
+        for form in forms:
+            form.to_gemmtune()
+
+    try:
+        timings = measure.loops({"gemmtune": run, "torch": run}, current(), budget_ms=budget_ms,
+                                enter={"gemmtune": to_gemmtune, "torch": to_torch})
+    finally:
+        to_gemmtune()
+    return 1.0 / timings["gemmtune"].ratio_to(timings["torch"])

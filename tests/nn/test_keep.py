@@ -1,0 +1,109 @@
+"""What optimize keeps (gemmtune.nn.keep): a layer tuned to cuBLAS alone goes back to the
+nn.Linear it was, its activation module in place; the model check times the two forms and
+leaves the layers as gemmtune has them."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import gemmtune
+from gemmtune import nn as gnn
+from gemmtune.device import Device
+from gemmtune.nn import keep
+from gemmtune.problem import Problem
+from gemmtune.results import TuneResult
+from gemmtune.serving import recording
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.SiLU(), nn.Linear(32, 8))
+
+
+def result(problem: Problem, backend: str) -> TuneResult:
+    return TuneResult(problem.key(), "fake-device", backend, {}, 1.0, 1.0, 0.1)
+
+
+def test_each_layer_s_problems_are_seen_per_layer():
+    model = gemmtune.optimize(mlp())
+    with recording.record(), torch.no_grad(), keep.problems_per_layer(gnn.Linear) as seen:
+        model(torch.randn(3, 5, 16))
+        model[4](torch.randn(2, 32))  # a second shape of one layer
+    assert set(seen) == {model[0], model[2], model[4]}
+    assert seen[model[0]] == {Problem(15, 32, 16, "float32", "linear", True, False, "gelu").key()}
+    assert seen[model[4]] == {Problem(m, 8, 32, "float32", "linear", True, False, "none").key() for m in (15, 2)}
+    assert recording.active() is None
+
+
+def test_problems_per_layer_needs_a_recording():
+    with pytest.raises(RuntimeError, match="record"), keep.problems_per_layer(gnn.Linear):
+        pass
+
+
+def test_a_layer_tuned_to_cublas_alone_goes_back_to_torch(monkeypatch):
+    """The first layer's GEMM was tuned to cuBLAS: it is an nn.Linear again with its GELU module
+    back; the second's to a Triton kernel: it stays gemmtune's, fused; the third saw two shapes, one
+    of them not cuBLAS: it stays too."""
+    reference, model = mlp(), gemmtune.optimize(mlp())
+    monkeypatch.setattr(gnn, "current", lambda: Device("H100", (9, 0), 132, 232448, 50 << 20))
+
+    def tune(problems, options=None):
+        return [result(p, "cublas" if p.n == 32 and p.k == 16 or p.m == 2 else "triton_tiled") for p in problems]
+
+    monkeypatch.setattr(gnn.api, "tune", tune)
+    gnn.tune_calls(lambda: (model(torch.randn(3, 16)), model[4](torch.randn(2, 32))))
+    assert type(model[0]) is nn.Linear and type(model[1]) is nn.GELU and "activation" not in vars(model[0])
+    assert type(model[2]) is gnn.Linear and model[2].activation == "silu" and isinstance(model[3], nn.Identity)
+    assert type(model[4]) is gnn.Linear
+    assert list(model.state_dict()) == list(reference.state_dict())
+    x = torch.randn(7, 16)
+    assert torch.allclose(model(x), reference(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_layer_not_tuned_stays():
+    layer = gemmtune.optimize(nn.Sequential(nn.Linear(4, 4)))[0]
+    forms = [keep.Form(layer)]
+    assert keep.served(forms, {layer: {"k"}}, {}, plain=gnn.Linear) == forms
+    assert keep.served(forms, {}, {}, plain=gnn.Linear) == forms  # called, but no GEMM of its own
+    assert type(layer) is gnn.Linear
+
+
+def test_the_check_times_both_forms_and_leaves_gemmtune_s(monkeypatch):
+    model = gemmtune.optimize(mlp())
+    forms = [keep.Form(layer) for layer in (model[0], model[2], model[4])]
+    x = torch.randn(4, 16)
+    seen = []
+
+    def run():
+        seen.append((type(model[0]), type(model[1]), type(model[3])))
+        return model(x)
+
+    ratio = keep.speedup(run, forms, budget_ms=50.0)
+    assert ratio > 0
+    assert (gnn.Linear, nn.Identity, nn.Identity) in seen and (nn.Linear, nn.GELU, nn.SiLU) in seen
+    assert type(model[0]) is gnn.Linear and isinstance(model[1], nn.Identity) and model[0].activation == "gelu"
+
+
+def test_released_layers_compute_what_the_original_did():
+    reference, model = mlp(), gemmtune.optimize(mlp())
+    for layer in (model[0], model[2], model[4]):
+        keep.Form(layer).release()
+    assert [type(m) for m in model] == [type(m) for m in reference]
+    x = torch.randn(3, 16)
+    assert torch.equal(model(x), reference(x))
+    again = gemmtune.optimize(copy.deepcopy(model))  # and can be optimized anew
+    assert again[0].activation == "gelu" and torch.allclose(again(x), reference(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_optimize_keeps_only_what_pays():
+    model = mlp().to("cuda", torch.bfloat16)
+    reference = copy.deepcopy(model)
+    x = torch.randn(33, 16, device="cuda", dtype=torch.bfloat16)
+    gemmtune.optimize(model, (x,))
+    with torch.no_grad():
+        assert torch.allclose(model(x).float(), reference(x).float(), rtol=2e-2, atol=2e-2)
+    for layer, act in ((model[0], model[1]), (model[2], model[3])):
+        assert (type(layer), type(act)) in {(nn.Linear, type(act)), (gnn.Linear, nn.Identity)}
