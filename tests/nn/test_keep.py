@@ -107,3 +107,32 @@ def test_on_the_gpu_optimize_keeps_only_what_pays():
         assert torch.allclose(model(x).float(), reference(x).float(), rtol=2e-2, atol=2e-2)
     for layer, act in ((model[0], model[1]), (model[2], model[3])):
         assert (type(layer), type(act)) in {(nn.Linear, type(act)), (gnn.Linear, nn.Identity)}
+
+
+def test_a_layer_torch_in_graphs_runs_torch_s_forward_while_captured(monkeypatch):
+    model = gemmtune.optimize(mlp())
+    layer, x = model[0], torch.randn(3, 16)
+    ran = []
+    monkeypatch.setattr(gnn.api, "linear", lambda *args: ran.append("gemmtune") or torch.zeros(3, 32))
+    monkeypatch.setattr(gnn, "_capturing", lambda: True)
+    layer(x)  # not marked: gemmtune's, captured or not
+    layer.torch_in_graphs = True
+    expected = torch.nn.functional.gelu(torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert torch.equal(layer(x), expected) and ran == ["gemmtune"]
+    monkeypatch.setattr(gnn, "_capturing", lambda: False)
+    layer(x)  # marked, but not captured: gemmtune's
+    assert ran == ["gemmtune"] * 2
+    keep.Form(layer).release()
+    assert "torch_in_graphs" not in vars(layer)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_graph_check_times_both_forms_or_says_it_cannot():
+    model = gemmtune.optimize(mlp().to("cuda", torch.bfloat16))
+    forms = [keep.Form(layer) for layer in (model[0], model[2], model[4])]
+    x = torch.randn(33, 16, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        model(x)  # the kernels are tuned and built before any capture
+        assert keep.graph_speedup(lambda: model(x), forms, budget_ms=50.0) > 0
+        assert keep.graph_speedup(lambda: model(x).sum().item(), forms, budget_ms=50.0) is None  # a host sync
+    assert type(model[0]) is gnn.Linear and isinstance(model[1], nn.Identity)

@@ -35,6 +35,7 @@ from gemmtune.tuning.tuner import TuneOptions
 
 log = logging.getLogger("gemmtune")
 _is_compiling = torch.compiler.is_compiling  # looked up once: every layer call asks
+_capturing = torch.cuda.is_current_stream_capturing
 
 
 class Linear(nn.Linear):
@@ -45,9 +46,10 @@ class Linear(nn.Linear):
 
     activation: str = "none"
     fused: tuple[nn.Module, str, nn.Module] | None = None  # the activation module fused: parent, name, module
+    torch_in_graphs = False  # True: torch's forward while a CUDA graph is captured (optimize's check found it faster)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _is_compiling():
+        if _is_compiling() or self.torch_in_graphs and _capturing():
             return self.torch_forward(x)
         return api.linear(x, self.weight, self.bias, None if self.activation == "none" else self.activation)
 
@@ -66,7 +68,7 @@ class JoinedLinear(Linear):
     siblings: sibling_layers.Siblings
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _is_compiling():
+        if _is_compiling() or self.torch_in_graphs and _capturing():
             return self.torch_forward(x)
         out = self.siblings.output(self, x)
         return super().forward(x) if out is None else out
@@ -79,7 +81,7 @@ class AlignedLinear(Linear):
     aligned: aligned_layers.Aligned
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _is_compiling():
+        if _is_compiling() or self.torch_in_graphs and _capturing():
             return self.torch_forward(x)
         out = self.aligned.output(self, x)
         return super().forward(x) if out is None else out
@@ -215,18 +217,26 @@ def tune_calls(run: Callable[[], object], *, options: TuneOptions | None = None,
 def _keep_what_pays(run: Callable[[], object], per_layer: dict, results: list, *, calls: int,
                     started: float) -> None:
     """The layers the run called that were tuned to cuBLAS alone go back to torch; the rest are
-    kept if the run measures at least as fast with them (``gemmtune.nn.keep``). One log line."""
+    kept if the run measures at least as fast with them in eager, and serve torch's forward
+    inside CUDA graphs where the run captured as a graph measured slower with them
+    (``gemmtune.nn.keep``). One log line."""
     forms = [keep.Form(layer) for layer in per_layer]
     kept = keep.served(forms, per_layer, {r.problem_key: r for r in results}, plain=Linear)
     verdict = "nothing to time"
     if kept and any(form.layer.weight.is_cuda for form in kept):
         with torch.no_grad():
-            ratio = keep.speedup(run, kept)
-        verdict = f"eager {ratio:.2f}x, " + ("kept" if ratio >= 1.0 else "so every layer goes back to torch")
-        if ratio < 1.0:
+            eager = keep.speedup(run, kept)
+            graph = keep.graph_speedup(run, kept) if eager >= 1.0 else None
+        verdict = f"eager {eager:.2f}x" + ("" if graph is None else f", graph {graph:.2f}x")
+        if eager < 1.0:
+            verdict += ", so every layer goes back to torch"
             for form in kept:
                 form.release()
             kept = []
+        elif graph is not None and graph < 1.0:
+            verdict += ", so CUDA graphs capture torch's forward"
+            for form in kept:
+                form.layer.torch_in_graphs = True
     log.info("gemmtune.optimize: %d GEMM calls seen in %d layers, %d layers served by gemmtune, %d left to torch; "
              "%s; setup %.1f s", calls, len(forms), len(kept), len(forms) - len(kept), verdict,
              time.perf_counter() - started)

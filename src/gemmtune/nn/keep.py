@@ -30,7 +30,7 @@ log = logging.getLogger("gemmtune")
 CHECK_BUDGET_MS = 2000.0  # the wall time the model's self-check may take (several rounds at least)
 
 
-GEMMTUNE_ATTRIBUTES = ("activation", "fused", "siblings", "aligned")  # what optimize puts on a layer
+GEMMTUNE_ATTRIBUTES = ("activation", "fused", "siblings", "aligned", "torch_in_graphs")  # what optimize puts on a layer
 
 
 class Form:
@@ -128,4 +128,25 @@ def speedup(run: Callable[[], object], forms: list[Form], *, budget_ms: float = 
                                 enter={"gemmtune": to_gemmtune, "torch": to_torch})
     finally:
         to_gemmtune()
+    return 1.0 / timings["gemmtune"].ratio_to(timings["torch"])
+
+
+def graph_speedup(run: Callable[[], object], forms: list[Form], *, budget_ms: float = CHECK_BUDGET_MS) -> float | None:
+    """``speedup`` of the run captured as a CUDA graph in each form and replayed (host time
+    gone, the GPU's alone), or None where the run cannot be captured (a host sync inside it, say).
+    The layers are left in gemmtune's form."""
+    replays = {}
+    try:
+        for side, form_of in (("torch", Form.to_torch), ("gemmtune", Form.to_gemmtune)):
+            for form in forms:
+                form_of(form)
+            graph = measure.captured({side: run})
+            if graph is None:
+                log.debug("gemmtune.optimize: the run cannot be captured as a CUDA graph: judged in eager alone")
+                return None
+            replays.update(graph)
+    finally:
+        for form in forms:
+            form.to_gemmtune()
+    timings = measure.loops(replays, current(), budget_ms=budget_ms)
     return 1.0 / timings["gemmtune"].ratio_to(timings["torch"])

@@ -106,6 +106,20 @@ def graphed(fns: Mapping[str, Callable[[], object]]) -> dict[str, Callable[[], o
     """Each callable captured into its own CUDA graph; calling one replays it and returns what
     the captured call returned. The graphs share one memory pool, so an output stays valid only
     until another of them replays. The plain callables if any cannot be captured."""
+    replays, why = _capture(fns)
+    if replays is None:
+        log.warning("%s cannot be captured in a CUDA graph (%s); timing plain calls", *why)
+        return dict(fns)
+    return replays
+
+
+def captured(fns: Mapping[str, Callable[[], object]]) -> dict[str, Callable[[], object]] | None:
+    """``graphed``'s replays, or None (and no warning) if any callable cannot be captured."""
+    return _capture(fns)[0]
+
+
+def _capture(fns) -> tuple[dict | None, tuple[str, str] | None]:
+    """The replays, or None and (the name that cannot be captured, why)."""
     import torch
 
     side = torch.cuda.Stream()
@@ -117,9 +131,7 @@ def graphed(fns: Mapping[str, Callable[[], object]]) -> dict[str, Callable[[], o
     if syncing:
         # Probed first: a capture that a host sync invalidates fails inside torch's capture_end
         # and leaves the CUDA random generator mid-capture, breaking every later torch.randn.
-        log.warning("%s cannot be captured in a CUDA graph (it synchronizes with the host); "
-                    "timing plain calls", syncing)
-        return dict(fns)
+        return None, (syncing, "it synchronizes with the host")
     pool = torch.cuda.graph_pool_handle()
     replays = {}
     for name, fn in fns.items():
@@ -128,12 +140,11 @@ def graphed(fns: Mapping[str, Callable[[], object]]) -> dict[str, Callable[[], o
             with torch.cuda.graph(graph, pool=pool):
                 out = fn()
         except RuntimeError as exc:
-            log.warning("%s cannot be captured in a CUDA graph (%s); timing plain calls", name, exc)
             torch.cuda.synchronize()
             _reset_rng_capture_state()
-            return dict(fns)
+            return None, (name, str(exc))
         replays[name] = _replayer(graph, out)
-    return replays
+    return replays, None
 
 
 def _replayer(graph, out) -> Callable[[], object]:

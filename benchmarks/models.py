@@ -1,0 +1,841 @@
+"""A model zoo with and without gemmtune, in every way a model runs: the ``models`` file of
+RESULTS.md.
+
+Every model is built from its config with random weights (timm ``create_model(pretrained=False)``,
+transformers ``XConfig`` + ``XModel``, plain torch): nothing is downloaded. A *case* is a model at
+one batch, dtype and phase (inference, prefill, decode or train). Per case one deep copy runs as it
+is (the baseline) and another through ``gemmtune.optimize`` (tuned on the case's own inputs from an
+empty store unless ``--store``: ``setup_s``), and each mode times both sides back to back in
+alternating rounds:
+
+    eager                       N calls queued between two CUDA events, no sync between calls
+    graph                       replays of a torch.cuda.CUDAGraph of the forward (static inputs)
+    compile                     torch.compile (default mode) of each side
+    reduce-overhead             torch.compile(mode="reduce-overhead") of each side
+    max-autotune-no-cudagraphs  the baseline compiled in that mode against gemmtune's side
+                                compiled by default (the row's mode is "compile")
+
+``speedup = baseline_ms / gemmtune_ms`` is the median of the per-round ratios (a GPU machine's
+host speed drifts by tens of percent within a run: only ratios timed side by side compare),
+``spread`` half their interquartile range. ``rel_err`` = max|gemmtune - baseline| / max|baseline|
+of the case's output (logits, last_hidden_state) in float32, in the same mode. Per case, on the
+eager step: ``gemms``, the GEMM calls gemmtune saw (every nn.Linear's); ``gemms_kept``, those
+still going through gemmtune after ``optimize`` (whose check hands layers that do not pay back to
+torch); ``gemms_served``, those of them a kernel other than cuBLAS serves (``served_by``: calls per
+backend); ``gemm_flops_seen``, the seen GEMMs' FLOPs over those of every aten mm, addmm, bmm and
+baddbmm of the same step (FlopCounterMode; attention inside SDPA and convolutions not counted).
+Train cases (forward + backward of ``out.float().sum()``, the model in eval mode so that dropout
+leaves the outputs comparable) run eager only. A failed mode is a row with ``error``; the JSON is
+written after every case, and once ``--time-budget-s`` is spent the models and modes left are
+listed under ``skipped``.
+
+Cost on an H100: the default modes (eager, graph) take about 2.5 minutes for the whole zoo. Each
+torch.compile mode adds both sides' cold compiles, 10-30 s per case (no FX graph cache: each side
+pays its own); max-autotune-no-cudagraphs 100-150 s per case: run those on a few models per call.
+
+    PYTHONPATH=src python3 benchmarks/models.py --out $OUT/models.json
+    PYTHONPATH=src python3 benchmarks/models.py --models bert-base,llama --modes compile,reduce-overhead --out m.json
+    PYTHONPATH=src python3 benchmarks/models.py --models seed-mlp,vit_base_patch16_224 --modes max-autotune-no-cudagraphs --out m.json
+    PYTHONPATH=src python3 benchmarks/models.py --tiny --out /tmp/models-tiny.json   # smoke run, CPU too
+    PYTHONPATH=src python3 benchmarks/models.py --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import importlib.metadata
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# --modes name -> (how the baseline runs, how gemmtune's side runs)
+MODES = {
+    "eager": ("eager", "eager"),
+    "graph": ("graph", "graph"),
+    "compile": ("compile", "compile"),
+    "reduce-overhead": ("reduce-overhead", "reduce-overhead"),
+    "max-autotune-no-cudagraphs": ("max-autotune-no-cudagraphs", "compile"),
+}
+COMPILE_MODE = {"compile": None, "reduce-overhead": "reduce-overhead",
+                "max-autotune-no-cudagraphs": "max-autotune-no-cudagraphs"}
+DEFAULT_MODES = ("eager", "graph")
+# the seconds a mode is left to start with: torch.compile's modes compile both sides first
+RESERVE_S = {"eager": 10, "graph": 10, "compile": 60, "reduce-overhead": 60, "max-autotune-no-cudagraphs": 120}
+MODEL_RESERVE_S = 20
+GEMM_OPS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm")
+WARMUP_CALLS = 3
+
+
+# --------------------------------------------------------------------------------------------
+# The zoo
+
+
+@dataclass
+class Case:
+    """One model at one batch, dtype and phase. ``inputs(device, dtype)``: the keyword inputs both
+    sides share; ``prepare(model, inputs)``: a copy's own keyword inputs (a filled KV cache),
+    made before gemmtune touches the copy; ``positional``: the shared inputs in order are the
+    model's positional arguments (``optimize(model, example_inputs)`` takes them); ``before(kwargs)``:
+    what each step does first (rewinds the KV cache)."""
+
+    model: str
+    source: str
+    batch: int
+    seq: int | None  # tokens per sequence (decode: those already in the cache; Whisper: mel frames)
+    dtype: torch.dtype
+    phase: str
+    inputs: Callable[[str, torch.dtype], dict]
+    prepare: Callable[[nn.Module, dict], dict] | None = None
+    positional: bool = True
+    before: Callable[[dict], None] | None = None
+
+    def kwargs(self, model: nn.Module, shared: dict) -> dict:
+        return shared if self.prepare is None else self.prepare(model, shared)
+
+    def label(self) -> str:
+        seq = "" if self.seq is None else f"x{self.seq}"
+        return f"{self.model} {self.phase} {self.batch}{seq} {dtype_name(self.dtype)}"
+
+
+@dataclass
+class Entry:
+    """A model of the zoo: ``build(tiny)`` makes it (float32, on the current default device),
+    ``cases(tiny)`` what is run on it."""
+
+    source: str
+    build: Callable[[bool], nn.Module]
+    cases: Callable[[str, bool], list[Case]]
+    about: str
+
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def images(batch: int, size: int) -> Callable[[str, torch.dtype], dict]:
+    return lambda device, dtype: {"x": _randn((batch, 3, size, size), device, dtype)}
+
+
+def tokens(batch: int, seq: int, vocab: int, *names: str) -> Callable[[str, torch.dtype], dict]:
+    def make(device, dtype):
+        gen = torch.Generator(device).manual_seed(0)
+        return {name: torch.randint(0, vocab, (batch, seq), device=device, generator=gen) for name in names}
+
+    return make
+
+
+def _randn(shape, device, dtype) -> torch.Tensor:
+    return torch.randn(shape, device=device, generator=torch.Generator(device).manual_seed(0)).to(dtype)
+
+
+def timm_entry(name: str, batch: int, tiny: dict | Callable[[], nn.Module], train: bool = False) -> Entry:
+    """``tiny``: the keyword arguments that make the model tiny, or where the model's own sizes
+    cannot be overridden, a function that builds a tiny one of its class."""
+
+    def build(is_tiny: bool) -> nn.Module:
+        import timm
+
+        if is_tiny and callable(tiny):
+            return tiny()
+        return timm.create_model(name, pretrained=False, **(tiny if is_tiny else {}))
+
+    def cases(key: str, tiny: bool) -> list[Case]:
+        b, size = (2, 32) if tiny else (batch, 224)
+        phases = ("inference", "train") if train else ("inference",)
+        return [Case(key, "timm", b, None, BF16, phase, images(b, size)) for phase in phases]
+
+    return Entry("timm", build, cases, f"timm {name}, random weights, batch {batch} at 224x224"
+                 + (" (+ a train step)" if train else ""))
+
+
+def bert_entry() -> Entry:
+    def build(tiny: bool) -> nn.Module:
+        from transformers import BertConfig, BertModel
+
+        config = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                            vocab_size=256, max_position_embeddings=64) if tiny else BertConfig()
+        return BertModel(config)
+
+    def cases(key: str, tiny: bool) -> list[Case]:
+        b, s = (2, 16) if tiny else (32, 128)
+        vocab = 256 if tiny else 30522
+        return [Case(key, "transformers", b, s, dtype, phase, tokens(b, s, vocab, "input_ids"))
+                for dtype, phase in ((BF16, "inference"), (FP16, "inference"), (BF16, "train"))]
+
+    return Entry("transformers", build, cases, "BertModel, base config (12 x 768), 32 x 128 tokens: "
+                 "bf16, fp16, and a bf16 train step")
+
+
+def t5_entry() -> Entry:
+    def build(tiny: bool) -> nn.Module:
+        from transformers import T5Config, T5Model
+
+        sizes = dict(d_model=64, d_ff=128, d_kv=32, num_layers=2, num_heads=2, vocab_size=256) if tiny else \
+            dict(d_model=512, d_ff=2048, d_kv=64, num_layers=6, num_heads=8, vocab_size=32128)
+        return T5Model(T5Config(**sizes, feed_forward_proj="relu"))
+
+    def cases(key: str, tiny: bool) -> list[Case]:
+        b, s = (2, 16) if tiny else (8, 128)
+        vocab = 256 if tiny else 32128
+        return [Case(key, "transformers", b, s, BF16, "inference",
+                     tokens(b, s, vocab, "input_ids", "decoder_input_ids"), positional=False)]
+
+    return Entry("transformers", build, cases, "T5Model, t5-small config: encoder and decoder, 8 x 128 tokens each")
+
+
+def whisper_entry() -> Entry:
+    def build(tiny: bool) -> nn.Module:
+        from transformers import WhisperConfig, WhisperModel
+
+        width, layers, heads, ffn, positions = (64, 2, 2, 128, 100) if tiny else (384, 4, 6, 1536, 1500)
+        config = WhisperConfig(d_model=width, encoder_layers=layers, encoder_attention_heads=heads,
+                               encoder_ffn_dim=ffn, decoder_layers=layers, decoder_attention_heads=heads,
+                               decoder_ffn_dim=ffn, num_mel_bins=80, max_source_positions=positions,
+                               vocab_size=51865)  # its special tokens' ids need the real vocabulary
+        return WhisperModel(config).get_encoder()
+
+    def cases(key: str, tiny: bool) -> list[Case]:
+        b, frames = (2, 200) if tiny else (8, 3000)
+        features = lambda device, dtype: {"input_features": _randn((b, 80, frames), device, dtype)}  # noqa: E731
+        return [Case(key, "transformers", b, frames, BF16, "inference", features)]
+
+    return Entry("transformers", build, cases, "WhisperModel's encoder, whisper-tiny sizes, 8 x 80 mel bins x 3000 frames")
+
+
+def gpt2_entry() -> Entry:
+    def build(tiny: bool) -> nn.Module:
+        from transformers import GPT2Config, GPT2Model
+
+        return GPT2Model(GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=64) if tiny else GPT2Config())
+
+    def cases(key: str, tiny: bool) -> list[Case]:
+        b, s = (2, 16) if tiny else (8, 256)
+        return [Case(key, "transformers", b, s, BF16, "inference",
+                     tokens(b, s, 50257, "input_ids"))]
+
+    return Entry("transformers", build, cases, "GPT2Model, gpt2 (small) config, 8 x 256 tokens: "
+                 "its projections are transformers' Conv1D (addmm), not nn.Linear")
+
+
+def llama_entry() -> Entry:
+    def build(tiny: bool) -> nn.Module:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        if tiny:
+            config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
+        else:
+            config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=8,
+                                 num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                                 max_position_embeddings=4096)
+        return LlamaForCausalLM(config)
+
+    def cases(key: str, tiny: bool) -> list[Case]:
+        prompt = 16 if tiny else 512
+        vocab = 256 if tiny else 32000
+        prefill = Case(key, "transformers", 1, prompt, BF16, "prefill",
+                       lambda device, dtype: tokens(1, prompt, vocab, "input_ids")(device, dtype) | {"use_cache": False},
+                       positional=False)
+        decode = [Case(key, "transformers", b, prompt, BF16, "decode", tokens(b, prompt, vocab, "prompt"),
+                       prepare=filled_cache, positional=False, before=rewind) for b in ((1, 2) if tiny else (1, 16))]
+        return [prefill, *decode]
+
+    return Entry("transformers", build, cases, "LlamaForCausalLM, hidden 2048, 8 layers, 32 heads (8 KV), "
+                 "vocab 32000: prefill 1 x 512, decode of one token at batch 1 and 16 on a 512-token static cache")
+
+
+def filled_cache(model: nn.Module, shared: dict) -> dict:
+    """The decode step's inputs for ``model``: its own static KV cache filled with the prompt,
+    and one more token per sequence at the next position. Repeated, the step writes the same
+    cache slot again: every call does the same work."""
+    from transformers import StaticCache
+
+    prompt = shared["prompt"]
+    batch, length = prompt.shape
+    cache = StaticCache(config=model.config, max_cache_len=length + 8)
+    with torch.no_grad():
+        model(input_ids=prompt, past_key_values=cache, cache_position=torch.arange(length, device=prompt.device),
+              use_cache=True)
+    return {"input_ids": prompt[:, -1:].flip(0).contiguous(), "past_key_values": cache,
+            "cache_position": torch.tensor([length], device=prompt.device), "use_cache": True}
+
+
+def tiny_mixer() -> nn.Module:
+    from timm.models.mlp_mixer import MlpMixer  # mixer_b16_224 fixes its sizes: the class itself
+
+    return MlpMixer(img_size=32, patch_size=8, num_blocks=2, embed_dim=64, num_classes=10)
+
+
+def rewind(kwargs: dict) -> None:
+    """The static cache's length set back to the decode step's position, on the device (no sync,
+    so a CUDA graph captures it): transformers releases whose StaticCache counts its length
+    (``cumulative_length``) write each step at that count, not at ``cache_position``, and a
+    repeated step would run off the cache's end."""
+    for layer in getattr(kwargs["past_key_values"], "layers", ()):
+        length = getattr(layer, "cumulative_length", None)
+        if isinstance(length, torch.Tensor):
+            length.copy_(kwargs["cache_position"][0])
+
+
+def mlp_entry() -> Entry:
+    def build(tiny: bool) -> nn.Module:
+        width = 64 if tiny else 1024
+        return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+
+    def cases(key: str, tiny: bool) -> list[Case]:
+        b, width = (8, 64) if tiny else (256, 1024)
+        make = lambda device, dtype: {"input": _randn((b, width), device, dtype)}  # noqa: E731
+        return [Case(key, "torch", b, None, dtype, "inference", make) for dtype in (BF16, FP32)]
+
+    return Entry("torch", build, cases, "the seeds' MLP: Linear 1024->1024, ReLU, Linear 1024->1024 on 256 rows; "
+                 "bf16 and fp32")
+
+
+MODELS: dict[str, Entry] = {
+    "seed-mlp": mlp_entry(),
+    "vit_base_patch16_224": timm_entry("vit_base_patch16_224", 64, dict(
+        img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10), train=True),
+    "deit_small_patch16_224": timm_entry("deit_small_patch16_224", 128, dict(
+        img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)),
+    "swin_tiny_patch4_window7_224": timm_entry("swin_tiny_patch4_window7_224", 64, dict(
+        img_size=32, patch_size=4, window_size=4, embed_dim=32, depths=(1, 1), num_heads=(2, 4), num_classes=10)),
+    "convnext_tiny": timm_entry("convnext_tiny", 64, dict(depths=(1, 1, 1, 1), dims=(16, 32, 64, 128),
+                                                          num_classes=10)),
+    "mixer_b16_224": timm_entry("mixer_b16_224", 32, tiny_mixer),
+    "bert-base": bert_entry(),
+    "t5-small": t5_entry(),
+    "whisper-tiny-encoder": whisper_entry(),
+    "gpt2": gpt2_entry(),
+    "llama": llama_entry(),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Running one side one way
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def first_tensor(out) -> torch.Tensor:
+    """The tensor a model's output stands for: itself, a ModelOutput's logits or
+    last_hidden_state, or a tuple's first."""
+    if isinstance(out, torch.Tensor):
+        return out
+    for name in ("logits", "last_hidden_state"):
+        value = getattr(out, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(out, (tuple, list)) and out:
+        return first_tensor(out[0])
+    raise TypeError(f"cannot find the output tensor of a {type(out).__name__}")
+
+
+def train_step(model: nn.Module, kwargs: dict) -> torch.Tensor:
+    """One forward and backward of ``out.float().sum()``, the gradients set anew; the output."""
+    for p in model.parameters():
+        p.grad = None
+    out = first_tensor(model(**kwargs))
+    out.float().sum().backward()
+    return out.detach()
+
+
+def step_of(case: Case, forward: Callable, model: nn.Module, kwargs: dict) -> Callable[[], object]:
+    if case.phase == "train":
+        return lambda: train_step(model, kwargs)
+    if case.before is not None:
+        return lambda: (case.before(kwargs), forward(**kwargs))[1]
+    return lambda: forward(**kwargs)
+
+
+@dataclass
+class Runner:
+    """One side run one way: ``call`` for the timed loop, what its run computed (float32), and
+    the seconds before its first timed call (warm-up, capture or compile)."""
+
+    call: Callable[[], object]
+    output: torch.Tensor
+    setup_s: float
+
+
+def compiled(model: nn.Module, mode: str | None) -> Callable:
+    """``torch.compile`` of a function of this side's own that calls ``model``. Dynamo keeps
+    compiled code per code object, and both sides' forwards are one class's: the side compiled
+    second would reuse the first one's code wherever their graphs agree (every layer handed back
+    to torch) and its setup would read zero."""
+
+    def forward(**kwargs):
+        return model(**kwargs)
+
+    forward.__code__ = forward.__code__.replace()  # a code object of its own
+    return torch.compile(forward, mode=mode)
+
+
+def make_runner(way: str, case: Case, model: nn.Module, kwargs: dict, device: str) -> Runner:
+    forward = model if way in ("eager", "graph") else compiled(model, COMPILE_MODE[way])
+    step = step_of(case, forward, model, kwargs)
+    sync(device)
+    t0 = time.perf_counter()
+    if way == "graph":
+        call, out = captured(step)
+    else:
+        call = step
+        for _ in range(WARMUP_CALLS):
+            out = step()
+    output = first_tensor(out).float().clone()  # before any other call: a graph's outputs are overwritten
+    sync(device)
+    return Runner(call, output, time.perf_counter() - t0)
+
+
+def captured(step: Callable[[], object]) -> tuple[Callable[[], object], object]:
+    """``step`` as a CUDA graph (after warm-up calls on a side stream): its replay, and the
+    static output the replay writes, already computed once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(WARMUP_CALLS):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    return graph.replay, out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    scale = ref.abs().max().item()
+    return float((out - ref).abs().max().item() / scale) if scale else float((out - ref).abs().max().item())
+
+
+def grad_rel_err(tuned: nn.Module, base: nn.Module) -> float | None:
+    """The largest rel_err of a parameter's gradient (after both sides' last train step)."""
+    ref = {name: p.grad for name, p in base.named_parameters() if p.grad is not None}
+    errors = [rel_err(p.grad.float(), ref[name].float()) for name, p in tuned.named_parameters()
+              if p.grad is not None and name in ref and p.grad.shape == ref[name].shape]
+    return max(errors) if errors else None
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+
+
+def loop_ms(call: Callable[[], object], calls: int, device: str) -> float:
+    """Milliseconds per call of ``calls`` calls queued back to back (no sync between them),
+    started on an idle device: CUDA events around the loop on the GPU, the wall clock on the CPU."""
+    sync(device)
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - t0) * 1e3 / calls
+
+
+def paired_rounds(base: Callable, tuned: Callable, rounds: int, round_ms: float, device: str) -> dict:
+    """Both sides timed in ``rounds`` alternating rounds (base first in even rounds, gemmtune
+    first in odd ones), each a loop of the same number of calls filling about ``round_ms``."""
+    per_call = max(min(loop_ms(base, 1, device) for _ in range(3)), 1e-3)
+    calls = max(1, min(2000, round(round_ms / per_call)))
+    times = {"base": [], "tuned": []}
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        for i in range(rounds):
+            order = (("base", base), ("tuned", tuned)) if i % 2 == 0 else (("tuned", tuned), ("base", base))
+            for side, call in order:
+                times[side].append(loop_ms(call, calls, device))
+    finally:
+        if gc_was:
+            gc.enable()
+    ratios = [b / t for b, t in zip(times["base"], times["tuned"])]
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    return {"baseline_ms": statistics.median(times["base"]), "gemmtune_ms": statistics.median(times["tuned"]),
+            "speedup": statistics.median(ratios), "rounds": rounds, "spread": (q3 - q1) / 2,
+            "calls_per_round": calls}
+
+
+# --------------------------------------------------------------------------------------------
+# gemmtune's side: setup, and what it saw and serves
+
+
+def grad_mode(case: Case):
+    return torch.enable_grad() if case.phase == "train" else torch.no_grad()
+
+
+def tune_side(case: Case, base: nn.Module, shared: dict) -> tuple[nn.Module, dict, float]:
+    """A copy of ``base`` through ``gemmtune.optimize`` on this case's inputs, every GEMM of a
+    train step's backward tuned too; the copy, its inputs, and the seconds it took."""
+    import gemmtune
+    from gemmtune.nn import tune_calls
+
+    tuned = copy.deepcopy(base)
+    kwargs = case.kwargs(tuned, shared)
+    device = next(tuned.parameters()).device.type
+    sync(device)
+    t0 = time.perf_counter()
+    if case.positional:
+        gemmtune.optimize(tuned, tuple(kwargs.values()))
+    else:
+        gemmtune.optimize(tuned)
+        tune_calls(step_of(case, tuned, tuned, kwargs))
+    if case.phase == "train":  # optimize runs the example without gradients: the backward's GEMMs
+        tune_recorded(lambda: train_step(tuned, kwargs))
+    sync(device)
+    return tuned, kwargs, time.perf_counter() - t0
+
+
+def tune_recorded(run: Callable[[], object]) -> None:
+    """Record the GEMMs ``run()`` performs (served by cuBLAS meanwhile) and tune those not stored
+    yet, as ``optimize`` does with its example; nothing is tuned without a GPU."""
+    import gemmtune
+    from gemmtune.device import current
+    from gemmtune.serving import recording
+    from gemmtune.serving.dispatch import DISPATCHER
+
+    with recording.record() as seen, DISPATCHER.deferring():
+        run()
+    if not current().interpreter:
+        gemmtune.tune([problem for problem, _ in seen.problems()])
+
+
+def recorded(case: Case, model: nn.Module, kwargs: dict, deferring: bool) -> list:
+    """(problem, calls) of each GEMM gemmtune performs in one step of ``model``; ``deferring``:
+    served by cuBLAS, nothing tuned or kept."""
+    import contextlib
+
+    from gemmtune.serving import recording
+    from gemmtune.serving.dispatch import DISPATCHER
+
+    with recording.record() as seen, DISPATCHER.deferring() if deferring else contextlib.nullcontext(), \
+            grad_mode(case):
+        step_of(case, model, model, kwargs)()
+    return seen.problems()
+
+
+def seen_gemms(case: Case, base: nn.Module, shared: dict) -> tuple[int, float]:
+    """The GEMM calls per step, and their FLOPs, that gemmtune sees in this case: every
+    ``nn.Linear``'s, recorded on a copy whose layers are all gemmtune's (``optimize`` without
+    an example: nothing tuned, nothing handed back; no layer padded, so that the FLOPs are the
+    model's own)."""
+    import gemmtune
+
+    probe = copy.deepcopy(base)
+    kwargs = case.kwargs(probe, shared)
+    gemmtune.optimize(probe, align=False)
+    problems = recorded(case, probe, kwargs, deferring=True)
+    del probe, kwargs
+    return sum(c for _, c in problems), float(sum(2 * p.m * p.n * p.k * c for p, c in problems))
+
+
+def served_by(case: Case, tuned: nn.Module, kwargs: dict) -> Counter:
+    """GEMM calls per step of the optimized model by the backend of the kernel serving them:
+    ``torch`` for a layer ``optimize`` handed back to torch or a call gemmtune does not serve
+    (CPU tensors); a backend's name (``cublas``: gemmtune's cuBLAS path) otherwise."""
+    from gemmtune.serving.dispatch import DISPATCHER, DispatchKey
+
+    calls = recorded(case, tuned, kwargs, deferring=False)
+    index = torch.cuda.current_device() if torch.cuda.is_available() else None
+    by = Counter()
+    for problem, count in calls:
+        by[backend_of(DISPATCHER.kernels.get(DispatchKey.of(problem, index)))] += count
+    return by
+
+
+def backend_of(kernel) -> str:
+    """The backend a built kernel comes from: the module of its class or function
+    (``gemmtune.backends.<name>``); cuBLAS's kernels are functions of ``gemmtune.backends.cublas``."""
+    if kernel is None:
+        return "torch"
+    module = getattr(kernel, "__module__", None) or type(kernel).__module__
+    return module.rsplit(".", 1)[-1] if module.startswith("gemmtune.backends.") else module
+
+
+def _no_flops(*args, **kwargs) -> int:
+    return 0
+
+
+def all_gemm_flops(case: Case, base: nn.Module, kwargs: dict) -> float:
+    """The FLOPs of every aten mm, addmm, bmm and baddbmm in one step of the baseline."""
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+    # only the GEMMs are wanted: every other formula gives 0 (and cannot fail, as torch's SDPA
+    # formula does on grouped-query attention's fewer key and value heads)
+    others = {op: _no_flops for op in flop_registry if str(op) not in GEMM_OPS}
+    with FlopCounterMode(display=False, custom_mapping=others) as counter, grad_mode(case):
+        step_of(case, base, base, kwargs)()
+    counts = counter.get_flop_counts().get("Global", {})
+    return float(sum(flops for op, flops in counts.items() if str(op) in GEMM_OPS))
+
+
+# --------------------------------------------------------------------------------------------
+# One case
+
+
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.start = seconds, time.perf_counter()
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.start)
+
+
+def identity(case: Case) -> dict:
+    return {"model": case.model, "source": case.source, "batch": case.batch, "seq": case.seq,
+            "dtype": dtype_name(case.dtype), "phase": case.phase}
+
+
+def case_modes(case: Case, modes: list[str]) -> list[str]:
+    return ["eager"] if case.phase == "train" and "eager" in modes else [] if case.phase == "train" else modes
+
+
+def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budget, skipped: list,
+             emit: Callable[[dict], None]) -> None:
+    device = next(master.parameters()).device.type
+    modes = case_modes(case, modes)
+    if not modes:
+        return
+    with grad_mode(case):
+        base = copy.deepcopy(master).to(case.dtype).eval()
+        shared = case.inputs(device, case.dtype)
+        base_kwargs = case.kwargs(base, shared)
+    gemms, flops_seen = seen_gemms(case, base, shared)
+    flops_all = all_gemm_flops(case, base, base_kwargs)
+    tuned, tuned_kwargs, tune_s = tune_side(case, base, shared)
+    by = served_by(case, tuned, tuned_kwargs)
+    common = identity(case) | {
+        "tune_s": tune_s, "gemms": gemms, "gemms_served": sum(c for b, c in by.items() if b not in ("torch", "cublas")),
+        "gemms_kept": sum(c for b, c in by.items() if b != "torch"), "served_by": dict(by),
+        "gemm_flops_seen": flops_seen / flops_all if flops_all else None, "gemm_gflop": flops_all / 1e9}
+    runners: dict[tuple[str, str], Runner] = {}
+    sides = {"base": (base, base_kwargs), "tuned": (tuned, tuned_kwargs)}
+
+    def runner(side: str, way: str) -> Runner:
+        if (side, way) not in runners:
+            runners[side, way] = make_runner(way, case, *sides[side], device)
+        return runners[side, way]
+
+    for mode in modes:
+        base_way, tuned_way = MODES[mode]
+        row = common | {"mode": tuned_way, "baseline": base_way}
+        if budget.left() < RESERVE_S[mode]:
+            skipped.append(f"{case.label()} {mode} (time budget)")
+            continue
+        if device != "cuda" and mode != "eager":
+            emit(row | {"error": "needs CUDA"})
+            continue
+        try:
+            with grad_mode(case):
+                b, t = runner("base", base_way), runner("tuned", tuned_way)
+                timing = paired_rounds(b.call, t.call, args.rounds, args.round_ms, device)
+            row |= timing | {"setup_s": tune_s + t.setup_s, "baseline_setup_s": b.setup_s,
+                             "rel_err": rel_err(t.output, b.output)}
+            if case.phase == "train":
+                row["grad_rel_err"] = grad_rel_err(tuned, base)
+        except Exception as exc:  # noqa: BLE001 - a mode that fails is a row saying why
+            traceback.print_exc(file=sys.stderr)
+            row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        emit(row)
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+
+
+def print_row(row: dict) -> None:
+    what = f"{row['model']} {row['phase']} b={row['batch']} {row['dtype']}"
+    head = f"{what:44s} {row['mode']:16s} vs {row['baseline']:27s}"
+    if "error" in row:
+        print(f"{head} ERROR {row['error'][:200]}", file=sys.stderr, flush=True)
+        return
+    seen = row["gemm_flops_seen"]
+    print(f"{head} {row['baseline_ms']:9.3f} / {row['gemmtune_ms']:9.3f} ms  x{row['speedup']:.3f} "
+          f"+-{row['spread']:.3f}  setup {row['setup_s']:.1f}/{row['baseline_setup_s']:.1f} s  "
+          f"err {row['rel_err']:.1e}  gemms {row['gemms_served']}/{row['gemms_kept']}/{row['gemms']}  "
+          f"flops seen {'-' if seen is None else f'{seen:.3f}'}", file=sys.stderr, flush=True)
+
+
+def header(device: str, args) -> dict:
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    import gemmtune
+
+    gpu = torch.cuda.get_device_properties(0) if device == "cuda" else None
+    return {"kind": "models", "device": gpu.name if gpu else "cpu", "sm_count": gpu.multi_processor_count if gpu else None,
+            "torch": torch.__version__, "triton": version("triton"), "gemmtune": gemmtune.__version__,
+            "timm": version("timm"), "transformers": version("transformers"),
+            "date": datetime.date.today().isoformat(),
+            "timings": "GPU" if device == "cuda" else
+            "CPU: no CUDA GPU, so these are CPU timings of a smoke run, NOT GPU timings",
+            "tiny": args.tiny, "rounds": args.rounds, "round_ms": args.round_ms, "time_budget_s": args.time_budget_s,
+            "store": os.environ["GEMMTUNE_CACHE_DIR"], "fresh_store": args.store is None,
+            "models": args.models, "modes": args.modes, "skipped": [], "rows": []}
+
+
+def throwaway_compile(device: str) -> float:
+    """Inductor's start-up (its compile workers, Triton's driver build) paid before any mode, so
+    it lands on no baseline's setup."""
+    t0 = time.perf_counter()
+    torch.compile(lambda x: torch.relu(x) * 2)(torch.randn(64, device=device))
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def cold_compiles() -> None:
+    """Each torch.compile pays its own compile: no FX graph or AOT autograd cache hit on the
+    other side's identical graph (Triton's kernel cache stays shared within the run)."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    torch._inductor.config.fx_graph_cache = False
+    if hasattr(torch._functorch.config, "enable_autograd_cache"):
+        torch._functorch.config.enable_autograd_cache = False
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        epilog="models: " + ", ".join(MODELS) + ". modes: " + ", ".join(MODES) + ".",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="the JSON file to write (after every case)")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help="comma-separated models to run, in this order (default: all; --list shows them)")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                        help=f"comma-separated modes (default: {','.join(DEFAULT_MODES)}; any of {', '.join(MODES)}; "
+                             "'all' for every one). Each torch.compile mode costs about a minute per model")
+    parser.add_argument("--rounds", type=int, default=9, help="alternating rounds per mode (default 9)")
+    parser.add_argument("--round-ms", type=float, default=None,
+                        help="time each side's loop fills per round (default 100 ms; 20 with --tiny)")
+    parser.add_argument("--time-budget-s", type=float, default=480.0,
+                        help="after this many seconds the models and modes left are skipped and listed (default 480)")
+    parser.add_argument("--tiny", action="store_true", help="tiny configs of every model: a smoke run, CPU too")
+    parser.add_argument("--store", help="use this gemmtune store directory (GEMMTUNE_CACHE_DIR) instead of a "
+                                        "fresh one: setup_s is then warm")
+    parser.add_argument("--list", action="store_true", help="print the models and their cases, then exit")
+    args = parser.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    args.modes = list(MODES) if args.modes == "all" else [m for m in args.modes.split(",") if m]
+    for name, given, known in (("--models", args.models, MODELS), ("--modes", args.modes, MODES)):
+        unknown = [m for m in given if m not in known]
+        if unknown:
+            parser.error(f"{name}: unknown {', '.join(unknown)}; accepted: {', '.join(known)}")
+    if args.round_ms is None:
+        args.round_ms = 20.0 if args.tiny else 100.0
+    if args.out is None and not args.list:
+        parser.error("--out is required (unless --list)")
+    return args
+
+
+def list_models() -> None:
+    for name, entry in MODELS.items():
+        print(f"{name}: {entry.about}")
+        for case in entry.cases(name, False):
+            print(f"    {case.label()}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        list_models()
+        return 0
+    scratch = tempfile.mkdtemp(prefix="gemmtune-models-")
+    os.environ["GEMMTUNE_CACHE_DIR"] = args.store or os.path.join(scratch, "store")  # before gemmtune is imported
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(scratch, "inductor"))  # both sides cold
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # several models' forwards compiled in several modes: room for every one under dynamo
+    for knob in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
+    cold_compiles()
+    doc = header(device, args)
+    if device != "cuda":
+        print("no CUDA GPU: eager rows only, CPU timings (NOT GPU timings)", file=sys.stderr)
+    elif any(m in COMPILE_MODE for m in args.modes):
+        doc["compile_warmup_s"] = throwaway_compile(device)
+    budget = Budget(args.time_budget_s)
+    started = time.perf_counter()
+
+    def emit(row: dict) -> None:
+        doc["rows"].append(row)
+        print_row(row)
+
+    def save() -> None:
+        doc["wall_s"] = time.perf_counter() - started
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+
+    for name in args.models:
+        if budget.left() < MODEL_RESERVE_S:
+            doc["skipped"].append(f"{name} (time budget)")
+            continue
+        run_model(name, args, device, budget, doc["skipped"], emit, save)
+    save()
+    print(f"wrote {args.out}: {len(doc['rows'])} rows in {doc['wall_s']:.0f} s"
+          + (f"; skipped: {', '.join(doc['skipped'])}" if doc["skipped"] else ""), file=sys.stderr)
+    return 0
+
+
+def run_model(name: str, args, device: str, budget: Budget, skipped: list, emit, save) -> None:
+    """Every case of one model, then the file written; a failure outside a mode is a row for
+    each mode of the case it struck."""
+    entry = MODELS[name]
+    t0 = time.perf_counter()
+    cases = entry.cases(name, args.tiny)
+    master = None
+    for case in cases:
+        try:
+            if master is None:
+                torch.manual_seed(0)
+                with torch.device(device):
+                    master = entry.build(args.tiny).eval()
+            run_case(case, master, args.modes, args, budget, skipped, emit)
+        except Exception as exc:  # noqa: BLE001 - one model's failure must not end the run
+            traceback.print_exc(file=sys.stderr)
+            for mode in case_modes(case, args.modes):
+                emit(identity(case) | {"mode": MODES[mode][1], "baseline": MODES[mode][0],
+                                       "error": f"{type(exc).__name__}: {exc}"[:500]})
+        finally:
+            release(device)
+        save()
+    print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+
+def release(device: str) -> None:
+    """Drop a case's compiled code and graphs before the next one."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
