@@ -31,7 +31,6 @@ def test_not_offered_under_the_interpreter_or_where_it_cannot_serve():
     backend = backends.get("cublaslt")
     assert not backend.is_available(interpreter_device())
     assert backend.candidates(Problem(64, 64, 64), interpreter_device()) == []
-    assert backend.candidates(Problem(64, 64, 64, bias=True), current()) == []
     assert backend.candidates(Problem(64, 63, 64), current()) == []  # rows of 126 bytes
 
 
@@ -153,3 +152,68 @@ def test_a_bound_launch_outlives_its_kernel():
     for call in calls:
         out = call(x, w, None, x.data_ptr(), w.data_ptr(), 0)
         assert verify.rel_err(out, verify.reference(problem, x, w, None)) <= verify.tolerance(problem)
+
+
+EPILOGUES = [(True, "none"), (True, "relu"), (True, "gelu_tanh"), (False, "gelu_tanh"), (False, "relu"),
+             (True, "gelu"), (True, "silu")]  # the last two: the bias in cuBLAS's epilogue, the activation torch's
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias,activation", EPILOGUES)
+@pytest.mark.parametrize("dtype,tf32", [("bfloat16", False), ("float16", False), ("float32", False)])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 4096), (33, 1000, 512), (4095, 256, 128)])
+def test_every_ranked_algorithm_with_its_epilogue_matches_float64(m, n, k, dtype, tf32, bias, activation):
+    from gemmtune.backends import cublaslt_binding
+
+    problem = Problem(m, n, k, dtype, "linear", bias, tf32, activation)
+    backend = backends.get("cublaslt")
+    configs = backend.candidates(problem, current())
+    assert configs, "cuBLASLt's heuristic answered no algorithm with this epilogue"
+    ranked = cublaslt_binding.Matmul(problem, torch.cuda.current_device()).heuristics(lt.HEURISTICS)
+    assert len(configs) == len(ranked)  # the first too: torch's call applies bias or activation apart
+    inputs = verify.make_inputs(problem, "cuda")
+    for config in configs:
+        kernel = backend.build(problem, config, current())
+        verdict = verify.check(kernel, problem, inputs)
+        assert verdict.ok, (config, verdict)
+
+
+@pytest.mark.gpu
+def test_a_bias_the_epilogue_was_not_checked_for_goes_to_torch():
+    problem = Problem(33, 256, 512, "bfloat16", "linear", True, False, "gelu_tanh")
+    backend = backends.get("cublaslt")
+    kernel = backend.build(problem, backend.candidates(problem, current())[0], current())
+    w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(33, 512, device="cuda", dtype=torch.bfloat16)
+    store = torch.randn(512 + 1, device="cuda", dtype=torch.bfloat16)
+    for bias in (store[:256], store[1:257],  # aligned; then 2 bytes off
+                 store[:512:2],  # strided
+                 None):  # none where the problem has one
+        expected = F.gelu(F.linear(x.double(), w.double(), None if bias is None else bias.double()), approximate="tanh")
+        assert verify.rel_err(kernel(x, w, bias), expected) < 2e-2
+    plain = backend.build(Problem(33, 256, 512), backend.candidates(Problem(33, 256, 512), current())[0], current())
+    assert verify.rel_err(plain(x, w, store[:256]), F.linear(x.double(), w.double(), store[:256].double())) < 2e-2
+
+
+@pytest.mark.gpu
+def test_layers_of_one_shape_share_the_kernel_each_with_its_own_bias():
+    """The bias pointer is an attribute of the shared descriptor: each call reads its own, in eager,
+    through bound launches, and replayed from one CUDA graph."""
+    problem = Problem(16, 1024, 1024, "bfloat16", "linear", True)
+    backend = backends.get("cublaslt")
+    kernel = backend.build(problem, backend.candidates(problem, current())[0], current())
+    x = torch.randn(16, 1024, device="cuda", dtype=torch.bfloat16)
+    layers = [(torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16),
+               torch.randn(1024, device="cuda", dtype=torch.bfloat16) * 10) for _ in range(3)]
+    bound = kernel.bind(x, *layers[0])
+    assert bound is not None
+    for w, b in layers * 2:
+        expected = F.linear(x.double(), w.double(), b.double())
+        assert verify.rel_err(kernel(x, w, b), expected) < 2e-2
+        assert verify.rel_err(bound(x, w, b, x.data_ptr(), w.data_ptr(), b.data_ptr()), expected) < 2e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [kernel(x, w, b) for w, b in layers]
+    graph.replay()
+    for out, (w, b) in zip(outs, layers):
+        assert verify.rel_err(out, F.linear(x.double(), w.double(), b.double())) < 2e-2

@@ -62,12 +62,23 @@ def test_a_layer_tuned_to_cublas_alone_goes_back_to_torch(monkeypatch):
     assert torch.allclose(model(x), reference(x), rtol=1e-5, atol=1e-6)
 
 
-def test_a_layer_not_tuned_stays():
+def test_a_layer_not_tuned_or_not_called_stays_and_one_that_fell_back_goes():
     layer = gemmtune.optimize(nn.Sequential(nn.Linear(4, 4)))[0]
     forms = [keep.Form(layer)]
     assert keep.served(forms, {layer: {"k"}}, {}, plain=gnn.Linear) == forms
-    assert keep.served(forms, {}, {}, plain=gnn.Linear) == forms  # called, but no GEMM of its own
+    assert keep.served(forms, {}, {}, plain=gnn.Linear) == forms  # not called in the run
     assert type(layer) is gnn.Linear
+    assert keep.served(forms, {layer: set()}, {}, plain=gnn.Linear) == []  # called; every call fell back
+    assert type(layer) is nn.Linear
+
+
+def test_a_layer_whose_calls_fall_back_to_torch_goes_back(monkeypatch):
+    """float64 is not a dtype gemmtune serves: the layer's calls fell back to torch in the run."""
+    model = gemmtune.optimize(mlp().double())
+    monkeypatch.setattr(gnn, "current", lambda: Device("H100", (9, 0), 132, 232448, 50 << 20))
+    monkeypatch.setattr(gnn.api, "tune", lambda problems, options=None: [])
+    gnn.tune_calls(lambda: model(torch.randn(3, 16, dtype=torch.float64)))
+    assert [type(m) for m in model] == [nn.Linear, nn.GELU, nn.Linear, nn.SiLU, nn.Linear]
 
 
 def test_the_check_times_both_forms_and_leaves_gemmtune_s(monkeypatch):

@@ -2,10 +2,13 @@
 
 The candidates are the second to eighth algorithms cuBLASLt's heuristic ranks for the problem
 (its first is what torch's call runs), each stored as the integers of its configuration. A GPU
-only, problems whose rows are 16-byte aligned and that have no bias (the activation, if any, is
-torch's, as for ``cublas``). A call whose operands the algorithm was not checked for (other
-strides, dtypes or devices, pointers off the 256-byte alignment every algorithm may assume, a
-bias) goes to torch's own call: never a wrong result. Another M, or another GPU, is checked by
+only, problems whose rows are 16-byte aligned. cuBLAS applies the bias and, for ReLU and GELU's
+tanh approximation, the activation in its epilogue (``cublaslt_binding.epilogue``; then the
+first algorithm too is a candidate, since torch's call may apply them apart); an exact
+GELU or a SiLU is torch's, after the product, as for ``cublas``. A call whose operands the
+algorithm was not checked for (other strides, dtypes or devices, pointers off the 256-byte
+alignment every algorithm may assume, a bias where the problem has none or none where it has
+one) goes to torch's own call: never a wrong result. Another M, or another GPU, is checked by
 cuBLAS on first use and kept.
 """
 
@@ -65,7 +68,9 @@ def _range(ctype) -> range:
 @functools.lru_cache(maxsize=256)
 def _ranked(problem: Problem, device_index: int) -> tuple[LtConfig, ...]:
     ranked = cublaslt_binding.Matmul(problem, device_index).heuristics(HEURISTICS)
-    return tuple(LtConfig(**config) for config in ranked[1:])
+    # the first is torch's call, unless cuBLAS's epilogue does more (torch may add the bias apart)
+    first = 0 if cublaslt_binding.epilogue(problem) != cublaslt_binding.EPILOGUE_DEFAULT else 1
+    return tuple(LtConfig(**config) for config in ranked[first:])
 
 
 class LtKernel(KernelBase):
@@ -75,7 +80,7 @@ class LtKernel(KernelBase):
         self._problem = problem
         self._config = config.as_dict()
         self._dtype = getattr(torch, problem.dtype)
-        self._activation = problem.activation
+        self._activation = "none" if cublaslt_binding.fused_activation(problem) else problem.activation
         linear = problem.layout == "linear"
         self._b_shape = (problem.n, problem.k) if linear else (problem.k, problem.n)
         self._b_stride = (problem.k, 1) if linear else (problem.n, 1)
@@ -106,12 +111,20 @@ class LtKernel(KernelBase):
     def _usable(self, a, b, bias) -> tuple | None:
         """The plan for these operands, or None where they are not what it was checked for."""
         k = self._problem.k
-        if bias is not None or a.dim() != 2 or a.shape[0] < 1 or a.shape[1] != k or tuple(b.shape) != self._b_shape \
+        if a.dim() != 2 or a.shape[0] < 1 or a.shape[1] != k or tuple(b.shape) != self._b_shape \
                 or a.dtype != self._dtype or b.dtype != self._dtype or not a.is_cuda or b.device != a.device \
                 or a.stride() != (k, 1) or b.stride() != self._b_stride \
-                or (a.data_ptr() | b.data_ptr()) % cublaslt_binding.ALIGNMENT:
+                or (a.data_ptr() | b.data_ptr()) % cublaslt_binding.ALIGNMENT or not self._bias_usable(bias, a):
             return None
         return self._plan(a.device.index, a.shape[0])
+
+    def _bias_usable(self, bias, a) -> bool:
+        """Whether ``bias`` is what the epilogue was checked for: none where the problem has none,
+        else (N,) of unit stride, of a's dtype and device, 256-byte aligned."""
+        if bias is None or not self._problem.bias:
+            return (bias is None) == (not self._problem.bias)
+        return (tuple(bias.shape) == (self._problem.n,) and bias.stride() == (1,) and bias.dtype == self._dtype
+                and bias.device == a.device and bias.data_ptr() % cublaslt_binding.ALIGNMENT == 0)
 
     def __call__(self, a, b, bias, out=None):
         plan = self._usable(a, b, bias)
@@ -126,7 +139,7 @@ class LtKernel(KernelBase):
         # the workspace from the caching allocator, on this stream: safe beside other streams and in graphs
         workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=a.device) if workspace_bytes else None
         launch(b.data_ptr(), a.data_ptr(), result.data_ptr(), 0 if workspace is None else workspace.data_ptr(),
-               workspace_bytes, torch._C._cuda_getCurrentRawStream(a.device.index))
+               workspace_bytes, torch._C._cuda_getCurrentRawStream(a.device.index), 0 if bias is None else bias.data_ptr())
         result = activation.apply(result, self._activation)
         if out is not None and result is not out:
             return out.copy_(result)
@@ -146,11 +159,11 @@ class LtKernel(KernelBase):
         stream, uint8 = torch._C._cuda_getCurrentRawStream, torch.uint8
 
         def call(a, b, bias, pa: int, pb: int, pbias: int):
-            if (pa | pb) % cublaslt_binding.ALIGNMENT:
+            if (pa | pb | pbias) % cublaslt_binding.ALIGNMENT:
                 return fallback(a, b, bias)
             out = a.new_empty(out_shape)
             workspace = a.new_empty(workspace_bytes, dtype=uint8).data_ptr() if workspace_bytes else 0
-            launch(pb, pa, out.data_ptr(), workspace, workspace_bytes, stream(index))
+            launch(pb, pa, out.data_ptr(), workspace, workspace_bytes, stream(index), pbias)
             return out if act == "none" else activation.apply(out, act)
 
         return call
@@ -171,7 +184,7 @@ class CublasLtBackend:
         return True
 
     def candidates(self, problem: Problem, device: Device) -> list[LtConfig]:
-        if device.interpreter or problem.bias or not problem.rows_aligned:
+        if device.interpreter or not problem.rows_aligned:
             return []
         try:
             return list(_ranked(problem, torch.cuda.current_device()))

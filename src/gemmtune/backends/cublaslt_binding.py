@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 import weakref
 from collections.abc import Mapping
 
@@ -22,7 +23,11 @@ from gemmtune.problem import Problem
 CUDA_TYPES = {"float16": 2, "bfloat16": 14, "float32": 0}  # cudaDataType_t
 COMPUTE_32F, COMPUTE_32F_FAST_TF32 = 68, 77  # cublasComputeType_t
 SCALE_32F = 0
-DESC_TRANSA, DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
+DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8  # cublasLtMatmulDescAttributes_t
+# cublasLtEpilogue_t: what cuBLAS itself applies to the product (its GELU is the tanh approximation,
+# so an exact GELU is torch's, after the product)
+EPILOGUE_DEFAULT, EPILOGUE_RELU, EPILOGUE_BIAS, EPILOGUE_GELU = 1, 2, 4, 32
+EPILOGUE_ACTIVATIONS = {"relu": EPILOGUE_RELU, "gelu_tanh": EPILOGUE_GELU}
 PREF_MAX_WORKSPACE = 1  # cublasLtMatmulPreferenceAttributes_t
 OP_N, OP_T = 0, 1
 MAX_WORKSPACE = 32 << 20  # what an algorithm may ask for (torch gives cuBLAS as much on Hopper)
@@ -43,6 +48,18 @@ class Algo(ctypes.Structure):
 class Heuristic(ctypes.Structure):
     _fields_ = [("algo", Algo), ("workspace", ctypes.c_size_t), ("state", ctypes.c_int),
                 ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]  # cublasLtMatmulHeuristicResult_t
+
+
+def epilogue(problem: Problem) -> int:
+    """The cublasLtEpilogue_t cuBLAS applies for ``problem``: its bias and, where cuBLAS has it,
+    its activation (``fused_activation``)."""
+    value = EPILOGUE_ACTIVATIONS.get(problem.activation, EPILOGUE_DEFAULT)
+    return value | EPILOGUE_BIAS if problem.bias else value
+
+
+def fused_activation(problem: Problem) -> bool:
+    """Whether cuBLAS applies ``problem``'s activation in its epilogue (else torch does, after)."""
+    return problem.activation in EPILOGUE_ACTIVATIONS
 
 
 class CublasLtError(RuntimeError):
@@ -127,7 +144,8 @@ class Matmul:
         self._types = (COMPUTE_32F_FAST_TF32 if problem.tf32 else COMPUTE_32F, SCALE_32F, dtype, dtype, dtype, dtype)
         self.desc = ctypes.c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), self._types[0], SCALE_32F), "MatmulDescCreate")
-        for attribute, op in ((DESC_TRANSA, OP_T if linear else OP_N), (DESC_TRANSB, OP_N)):
+        for attribute, op in ((DESC_TRANSA, OP_T if linear else OP_N), (DESC_TRANSB, OP_N),
+                              (DESC_EPILOGUE, epilogue(problem))):
             value = ctypes.c_int32(op)
             _check(lib.cublasLtMatmulDescSetAttribute(self.desc, attribute, ctypes.byref(value), 4), "DescSetAttribute")
         # column-major: the weight (k x n, or n x k for nn), the activations (k x m), the output (n x m)
@@ -186,19 +204,34 @@ class Matmul:
         return config
 
     def launcher(self, algo: Algo):
-        """``launch(weight_ptr, activation_ptr, out_ptr, workspace_ptr, workspace_bytes, stream)``
-        of ``algo``: the product into ``out_ptr``; raises CublasLtError on a failed status."""
-        matmul, handle_, desc = self._lib.cublasLtMatmul, self._handle, self.desc
+        """``launch(weight_ptr, activation_ptr, out_ptr, workspace_ptr, workspace_bytes, stream,
+        bias_ptr)`` of ``algo``: the product (and its epilogue, reading the bias at ``bias_ptr``
+        where the problem has one) into ``out_ptr``; raises CublasLtError on a failed status."""
+        lib, handle_, desc = self._lib, self._handle, self.desc
+        matmul, set_attribute = lib.cublasLtMatmul, lib.cublasLtMatmulDescSetAttribute
         a, b, c = self.layouts
         alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         algo_ref, alpha_ref, beta_ref = ctypes.byref(algo), ctypes.byref(alpha), ctypes.byref(beta)
+        bias = ctypes.c_void_p(0)
+        bias_ref, bias_size = ctypes.byref(bias), ctypes.sizeof(bias)
+        # The bias pointer is an attribute of the descriptor, which calls of every layer of this
+        # shape share: set and read under one lock, so that a thread's launch reads its own bias.
+        lock = threading.Lock()
         # The launch reads these by address, and this object's descriptors, which its finalizer
         # destroys: a launch kept after its Matmul (a bound call outliving its kernel) keeps it too.
-        keep = (algo, alpha, beta, self)
+        keep = (algo, alpha, beta, bias, self)
 
-        def launch(weight: int, activations: int, out: int, workspace: int, workspace_bytes: int, stream: int) -> None:
-            status = matmul(handle_, desc, alpha_ref, weight, a, activations, b, beta_ref, out, c, out, c, algo_ref,
-                            workspace, workspace_bytes, stream)
+        def launch(weight: int, activations: int, out: int, workspace: int, workspace_bytes: int, stream: int,
+                   bias_ptr: int = 0) -> None:
+            if bias_ptr:
+                with lock:
+                    bias.value = bias_ptr
+                    status = set_attribute(desc, DESC_BIAS_POINTER, bias_ref, bias_size) or matmul(
+                        handle_, desc, alpha_ref, weight, a, activations, b, beta_ref, out, c, out, c, algo_ref,
+                        workspace, workspace_bytes, stream)
+            else:
+                status = matmul(handle_, desc, alpha_ref, weight, a, activations, b, beta_ref, out, c, out, c, algo_ref,
+                                workspace, workspace_bytes, stream)
             if status != 0:
                 raise CublasLtError(f"cuBLASLt Matmul failed with cublasStatus_t {status}")
 

@@ -92,18 +92,22 @@ def problems_per_layer(layer_type: type) -> Iterator[dict]:
         active.trace = None
 
 
-def on_cublas(layer_problems: set, results: dict[str, TuneResult]) -> bool:
-    """Whether every problem a layer performed (``Problem.key()`` values) was tuned, each to cuBLAS."""
+def on_torch(layer_problems: set, results: dict[str, TuneResult]) -> bool:
+    """Whether a layer called in the run (``layer_problems``: the ``Problem.key()`` values of the
+    GEMMs its calls performed) gains nothing from gemmtune: every problem was tuned to cuBLAS, or
+    there was none (each call fell back to torch: a CPU tensor, a dtype gemmtune does not serve,
+    an empty product)."""
     found = [results.get(key) for key in layer_problems]
-    return bool(found) and all(r is not None and r.backend == backends.REFERENCE for r in found)
+    return all(r is not None and r.backend == backends.REFERENCE for r in found)
 
 
 def served(forms: Iterable[Form], layer_problems: dict, results: dict[str, TuneResult], plain: type) -> list[Form]:
-    """The layers still gemmtune's after those of class ``plain`` tuned to cuBLAS alone went
-    back to torch (released for good): a joined or padded layer is judged with the model."""
+    """The layers still gemmtune's after those of class ``plain`` that gain nothing from it
+    (``on_torch``) went back to torch (released for good); a layer the run never called stays,
+    and a joined or padded layer is judged with the model."""
     kept = []
     for form in forms:
-        if form.cls is plain and on_cublas(layer_problems.get(form.layer, set()), results):
+        if form.cls is plain and form.layer in layer_problems and on_torch(layer_problems[form.layer], results):
             form.release()
         else:
             kept.append(form)
