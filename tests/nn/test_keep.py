@@ -65,10 +65,10 @@ def test_a_layer_tuned_to_cublas_alone_goes_back_to_torch(monkeypatch):
 def test_a_layer_not_tuned_or_not_called_stays_and_one_that_fell_back_goes():
     layer = gemmtune.optimize(nn.Sequential(nn.Linear(4, 4)))[0]
     forms = [keep.Form(layer)]
-    assert keep.served(forms, {layer: {"k"}}, {}, plain=gnn.Linear) == forms
-    assert keep.served(forms, {}, {}, plain=gnn.Linear) == forms  # not called in the run
+    assert keep.served(forms, {layer: {"k"}}, {}) == forms
+    assert keep.served(forms, {}, {}) == forms  # not called in the run
     assert type(layer) is gnn.Linear
-    assert keep.served(forms, {layer: set()}, {}, plain=gnn.Linear) == []  # called; every call fell back
+    assert keep.served(forms, {layer: set()}, {}) == []  # called; every call fell back
     assert type(layer) is nn.Linear
 
 

@@ -26,6 +26,8 @@ from torch import nn
 from gemmtune import activation as activations
 from gemmtune import api
 from gemmtune.device import current
+from gemmtune.nn import conv1d as conv1d_layers
+from gemmtune.nn import fusion
 from gemmtune.nn import joined as sibling_layers
 from gemmtune.nn import keep
 from gemmtune.nn import padded as aligned_layers
@@ -44,6 +46,8 @@ class Linear(nn.Linear):
     (a gemmtune custom op would cost ~60-80 us of host time per call in the compiled graph,
     docs/host-cost.md)."""
 
+    torch_class = nn.Linear  # the class it goes back to (gemmtune.nn.keep)
+    judged_alone = True  # tuned to cuBLAS alone, it goes back to torch without the model's check
     activation: str = "none"
     fused: tuple[nn.Module, str, nn.Module] | None = None  # the activation module fused: parent, name, module
     torch_in_graphs = False  # True: torch's forward while a CUDA graph is captured (optimize's check found it faster)
@@ -65,6 +69,7 @@ class JoinedLinear(Linear):
     where it can be, else as a ``Linear``. A class of its own, so that the other layers' calls
     check nothing more."""
 
+    judged_alone = False
     siblings: sibling_layers.Siblings
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,6 +83,7 @@ class AlignedLinear(Linear):
     """A ``Linear`` whose weight is stored zero-padded to aligned sizes (``gemmtune.nn.padded``):
     served by the aligned GEMM where it can be, else as a ``Linear``."""
 
+    judged_alone = False
     aligned: aligned_layers.Aligned
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,26 +97,32 @@ class AlignedLinear(Linear):
         return super().extra_repr() + f", stored padded to ({rows}, {cols})"
 
 
+TransposedLinear = conv1d_layers.TransposedLinear  # a transformers Conv1D taken over (gemmtune.nn.conv1d)
+LAYERS = (Linear, TransposedLinear)  # the layers optimize takes over
+
+
 def _fusable(module: nn.Module) -> str | None:
-    """The epilogue name of an activation module gemmtune can fuse, or None."""
-    if type(module) is nn.ReLU:
-        return "relu"
-    if type(module) is nn.SiLU:
-        return "silu"
-    if type(module) is nn.GELU:
-        return {"none": "gelu", "tanh": "gelu_tanh"}.get(module.approximate)
-    return None
+    """The epilogue name of an activation module gemmtune can fuse, or None: ``nn.ReLU``,
+    ``nn.SiLU``, ``nn.GELU`` by type, transformers' and timm's activation classes by name and what
+    they compute (``gemmtune.nn.fusion``)."""
+    return fusion.epilogue(module)
 
 
 def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
-             filter: Callable[[str, nn.Linear], bool] | None = None, fuse: bool = True,
+             filter: Callable[[str, nn.Module], bool] | None = None, fuse: bool = True,
              siblings: bool = False, align: bool = True, check: bool = True,
              options: TuneOptions | None = None) -> nn.Module:
-    """Run ``model``'s ``nn.Linear`` layers (those ``filter(name, layer)`` accepts; all by
-    default) through gemmtune, in place, and return the model.
+    """Run ``model``'s ``nn.Linear`` layers and transformers' ``Conv1D`` layers (GPT-2's; those
+    ``filter(name, layer)`` accepts; all by default) through gemmtune, in place, and return the
+    model. A Conv1D keeps its class's behaviour and parameters, its weight stored as the transposed
+    view of an (N, K) buffer (``gemmtune.nn.conv1d`` says which layers, and how).
 
-    ``fuse`` folds an activation (ReLU, GELU exact or tanh, SiLU) into the layer before it where
-    both sit next to each other in an ``nn.Sequential``. With ``example_inputs`` the model runs
+    ``fuse`` folds an activation module (ReLU, GELU exact or tanh, SiLU; transformers' and timm's
+    GELU and SiLU classes are checked for what they compute) into the layer before it where the
+    layer's output goes to it and nowhere else: next to each other in an ``nn.Sequential``, or as a
+    parent module's forward calls them (timm's ``Mlp``, BERT's intermediate layer, GPT-2's MLP),
+    read by tracing that forward with torch.fx; a forward fx cannot trace fuses nothing
+    (``gemmtune.nn.fusion`` says what counts). With ``example_inputs`` the model runs
     once on them (without gradients, its GEMMs served by cuBLAS), then every GEMM it performed is
     tuned, their candidates compiled together, and stored, so the next calls find their kernels;
     without them, each GEMM is tuned when first seen (or served
@@ -137,9 +149,11 @@ def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
         raise TypeError(f"optimize(model=...): expected a torch.nn.Module, got {type(model).__name__}")
     if siblings and example_inputs is None:
         raise ValueError("optimize(siblings=True) needs example_inputs: siblings are found in the example run")
-    for name, module in model.named_modules():
+    for name, module in list(model.named_modules()):
         if type(module) is nn.Linear and (filter is None or filter(name, module)):
             module.__class__ = Linear
+        elif conv1d_layers.is_conv1d(module) and (filter is None or filter(name, module)):
+            conv1d_layers.take_over(module)
     if fuse:
         _fuse_activations(model)
     if align:
@@ -153,17 +167,20 @@ def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
 
 
 def _fuse_activations(model: nn.Module) -> None:
-    for module in model.modules():
-        if not isinstance(module, nn.Sequential):
-            continue
-        names = list(module._modules)
-        for first, second in zip(names, names[1:]):
-            layer, act = module._modules[first], module._modules[second]
-            epilogue = _fusable(act)
-            if type(layer) is Linear and layer.activation == "none" and epilogue is not None:
-                layer.activation = epilogue
-                layer.fused = (module, second, act)
-                module._modules[second] = nn.Identity()
+    """Fold each activation module that a layer's output goes to alone into the layer
+    (``gemmtune.nn.fusion.pairs``): the module becomes ``nn.Identity`` in its parent, and the
+    layer keeps it in ``fused`` to put it back."""
+
+    def unfused_layer(module: nn.Module) -> bool:
+        return (type(module) is Linear or isinstance(module, TransposedLinear)) and module.activation == "none"
+
+    for pair in fusion.pairs(model, unfused_layer, _fusable):
+        layer, act = pair.parent._modules[pair.layer], pair.parent._modules[pair.activation]
+        if layer.activation != "none" or isinstance(act, nn.Identity):
+            continue  # fused already by an earlier pair
+        layer.activation = pair.epilogue
+        layer.fused = (pair.parent, pair.activation, act)
+        pair.parent._modules[pair.activation] = nn.Identity()
 
 
 def tune_model(model: nn.Module, example_inputs: Sequence, *, options: TuneOptions | None = None,
@@ -187,7 +204,7 @@ def tune_calls(run: Callable[[], object], *, options: TuneOptions | None = None,
     started = time.perf_counter()
     watch = sibling_layers.watching(Linear) if siblings else contextlib.nullcontext([])
     with recording.record() as seen, DISPATCHER.deferring(), torch.no_grad(), watch as calls, \
-            keep.problems_per_layer(Linear) as per_layer:
+            keep.problems_per_layer(LAYERS) as per_layer:
         run()
     joined = sibling_layers.groups(calls)
     for group in joined:
@@ -198,7 +215,7 @@ def tune_calls(run: Callable[[], object], *, options: TuneOptions | None = None,
         log.info("gemmtune.optimize: %d groups of sibling layers joined (%d layers)", len(joined),
                  sum(map(len, joined)))
         with recording.record() as seen, DISPATCHER.deferring(), torch.no_grad(), \
-                keep.problems_per_layer(Linear) as per_layer:
+                keep.problems_per_layer(LAYERS) as per_layer:
             run()
     problems = [problem for problem, _ in seen.problems()]
     if current().interpreter:  # CPU layers fall back to torch: nothing to gain from tuning them
@@ -221,7 +238,7 @@ def _keep_what_pays(run: Callable[[], object], per_layer: dict, results: list, *
     inside CUDA graphs where the run captured as a graph measured slower with them
     (``gemmtune.nn.keep``). One log line."""
     forms = [keep.Form(layer) for layer in per_layer]
-    kept = keep.served(forms, per_layer, {r.problem_key: r for r in results}, plain=Linear)
+    kept = keep.served(forms, per_layer, {r.problem_key: r for r in results})
     verdict = "nothing to time"
     if kept and any(form.layer.weight.is_cuda for form in kept):
         with torch.no_grad():

@@ -35,15 +35,16 @@ GEMMTUNE_ATTRIBUTES = ("activation", "fused", "siblings", "aligned", "torch_in_g
 
 class Form:
     """A layer taken over by ``optimize``, in either of its two forms: its gemmtune class, or
-    the ``nn.Linear`` it was with its fused activation module (``layer.fused``: the parent, the
-    name, the module) back in its place."""
+    the class it was (its gemmtune class's ``torch_class``: ``nn.Linear``, or a transformers
+    ``Conv1D``) with its fused activation module (``layer.fused``: the parent, the name, the
+    module) back in its place."""
 
-    def __init__(self, layer: nn.Linear) -> None:
+    def __init__(self, layer: nn.Module) -> None:
         self.layer, self.cls, self.fused = layer, type(layer), layer.fused
         self.identity = None if self.fused is None else self.fused[0]._modules[self.fused[1]]
 
     def to_torch(self) -> None:
-        self.layer.__class__ = nn.Linear
+        self.layer.__class__ = self.cls.torch_class
         if self.fused is not None:
             parent, name, module = self.fused
             parent._modules[name] = module
@@ -63,9 +64,9 @@ class Form:
 
 
 @contextlib.contextmanager
-def problems_per_layer(layer_type: type) -> Iterator[dict]:
+def problems_per_layer(layer_type: type | tuple[type, ...]) -> Iterator[dict]:
     """While the block runs under ``gemmtune.record``, each layer (an instance of
-    ``layer_type``) -> the keys of the problems its calls performed (a set)."""
+    ``layer_type``, or of one of them) -> the keys of the problems its calls performed (a set)."""
     seen: dict[nn.Module, set] = {}
     starts: list[int] = []
     trace: list[tuple] = []
@@ -101,13 +102,14 @@ def on_torch(layer_problems: set, results: dict[str, TuneResult]) -> bool:
     return all(r is not None and r.backend == backends.REFERENCE for r in found)
 
 
-def served(forms: Iterable[Form], layer_problems: dict, results: dict[str, TuneResult], plain: type) -> list[Form]:
-    """The layers still gemmtune's after those of class ``plain`` that gain nothing from it
-    (``on_torch``) went back to torch (released for good); a layer the run never called stays,
-    and a joined or padded layer is judged with the model."""
+def served(forms: Iterable[Form], layer_problems: dict, results: dict[str, TuneResult]) -> list[Form]:
+    """The layers still gemmtune's after those that gain nothing from it (``on_torch``) went back
+    to torch (released for good), where their class is judged alone (``judged_alone``: a plain
+    layer); a layer the run never called stays, and a joined or padded layer is judged with the
+    model."""
     kept = []
     for form in forms:
-        if form.cls is plain and form.layer in layer_problems and on_torch(layer_problems[form.layer], results):
+        if form.cls.judged_alone and form.layer in layer_problems and on_torch(layer_problems[form.layer], results):
             form.release()
         else:
             kept.append(form)

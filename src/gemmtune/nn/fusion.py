@@ -1,0 +1,197 @@
+"""Activations fused into the layer before them: which activation modules gemmtune can fuse
+(``epilogue``), and where a model's structure says a layer's output goes to one and nowhere else
+(``pairs``).
+
+An activation module is fusable when it computes one of gemmtune's epilogues (relu, gelu,
+gelu_tanh, silu). ``nn.ReLU``, ``nn.SiLU`` and ``nn.GELU`` are taken by their type; the
+activation classes of transformers (``GELUActivation``, ``NewGELUActivation``, ``GELUTanh`` /
+``PytorchGELUTanh``, ``FastGELUActivation``, ``SiLUActivation``...) and timm (``GELU``,
+``GELUTanh``, ``Swish``) by their class name and what they compute: a module of such a name, with
+no parameters or buffers, is run on a fixed CPU tensor (negative, small and large values) and
+must agree with the epilogue's torch function to within float32 rounding (gelu and gelu_tanh
+differ by 5e-4, well outside it). transformers is never imported.
+
+Where a layer's output goes is read from its parent's forward: an ``nn.Sequential`` (its own
+forward) calls its children one after another, so a layer followed by an activation module is a
+pair. Any other parent holding a layer and an activation module among its children (timm's
+``Mlp``, BERT's ``BertIntermediate``, GPT-2's ``GPT2MLP``) has its forward traced with torch.fx,
+every child module a leaf, once in each training mode (a forward may branch on
+``self.training``). A pair there is a call of the layer whose output has one user, a call of the
+activation on it alone, where the layer and the activation are each called once in the graph and
+each registered in the model once, under that parent, and the activation has no hooks. A module
+between them (a dropout, a no-op in eval mode) makes them no pair. A forward that fx cannot trace
+(control flow on tensors, calls of modules not registered) gets no fusion (a debug log line). The
+trace runs the forward's Python code on fx proxies: side effects of that code happen once more.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+log = logging.getLogger("gemmtune")
+
+# the classes that may be activations gemmtune fuses, by name; what they compute decides
+NAMED = frozenset({
+    "GELUActivation", "NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation",
+    "AccurateGELUActivation", "SiLUActivation", "GELU", "SiLU", "Swish", "ReLU",
+})
+FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "silu": F.silu,
+}
+RTOL, ATOL = 1e-4, 1e-5  # agreement asked of an activation checked by what it computes
+
+
+def epilogue(module: nn.Module) -> str | None:
+    """The epilogue name of an activation module gemmtune can fuse, or None."""
+    cls = type(module)
+    if cls is nn.ReLU:
+        return "relu"
+    if cls is nn.SiLU:
+        return "silu"
+    if cls is nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(module.approximate)
+    if not (cls.__name__ in NAMED or isinstance(module, (nn.ReLU, nn.SiLU, nn.GELU))):
+        return None
+    return _computed(module)
+
+
+@functools.lru_cache(maxsize=1)
+def _probe() -> torch.Tensor:
+    """The CPU tensor an activation is checked on: a grid over [-8, 8], tails, tiny values, and
+    random ones (a generator of its own: the caller's random state is left alone)."""
+    rng = torch.Generator().manual_seed(0)
+    return torch.cat([torch.linspace(-8.0, 8.0, 161),
+                      torch.tensor([-1e4, -100.0, -30.0, -1e-6, -0.0, 0.0, 1e-6, 30.0, 100.0, 1e4]),
+                      torch.randn(64, generator=rng) * 3.0])
+
+
+def _computed(module: nn.Module) -> str | None:
+    """The epilogue ``module`` computes on the probe, or None (parameters or buffers, an error,
+    or no epilogue agrees)."""
+    if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
+        return None
+    x = _probe()
+    try:
+        with torch.no_grad():
+            got = module.forward(x.clone())  # a clone: the module may work in place
+    except Exception as error:  # noqa: BLE001 - any failure means: not an activation we know
+        log.debug("gemmtune.optimize: %s not fused (its check raised %r)", type(module).__name__, error)
+        return None
+    if not isinstance(got, torch.Tensor) or got.shape != x.shape or got.dtype != x.dtype:
+        return None
+    for name, function in FUNCTIONS.items():
+        if torch.allclose(got, function(x), rtol=RTOL, atol=ATOL):
+            return name
+    return None
+
+
+class Pair(NamedTuple):
+    """A layer and the activation module its output goes to alone: both children of ``parent``."""
+
+    parent: nn.Module
+    layer: str  # the children's names in parent
+    activation: str
+    epilogue: str
+
+
+def pairs(model: nn.Module, is_layer: Callable[[nn.Module], bool],
+          fusable: Callable[[nn.Module], str | None] = epilogue) -> list[Pair]:
+    """Every layer (a module ``is_layer`` accepts) whose output goes to a fusable activation
+    module and nowhere else, as the model's structure says (see the module's docstring)."""
+    registered: dict[int, set] = {}  # a module -> each (parent, name) it is registered under
+    for parent in model.modules():
+        for name, child in parent._modules.items():
+            if child is not None:
+                registered.setdefault(id(child), set()).add((id(parent), name))
+    found: list[Pair] = []
+    for parent in model.modules():
+        children = parent._modules
+        if isinstance(parent, nn.Sequential) and type(parent).forward is nn.Sequential.forward:
+            found += _in_sequence(parent, is_layer, fusable, registered)
+        elif any(child is not None and is_layer(child) for child in children.values()) and \
+                any(child is not None and not is_layer(child) and fusable(child) for child in children.values()):
+            found += _traced(parent, is_layer, fusable, registered)
+    return found
+
+
+def _in_sequence(parent: nn.Sequential, is_layer: Callable, fusable: Callable, registered: dict) -> Iterable[Pair]:
+    """The pairs of an ``nn.Sequential``: a layer and the activation module after it. Each slot is
+    called once, so an activation module in two slots can be fused in both."""
+    names = list(parent._modules)
+    for first, second in zip(names, names[1:]):
+        layer, act = parent._modules[first], parent._modules[second]
+        if layer is None or act is None or not is_layer(layer) or len(registered[id(layer)]) != 1:
+            continue
+        name = fusable(act)
+        if name is not None and not _hooked(act):
+            yield Pair(parent, first, second, name)
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+class _ChildrenAsLeaves(fx.Tracer):
+    """A tracer of a module's own forward: every module it calls is a leaf (one node)."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+
+def _traced(parent: nn.Module, is_layer: Callable, fusable: Callable, registered: dict) -> list[Pair]:
+    """The pairs that ``parent``'s forward shows, traced in both training modes; none where it
+    cannot be traced."""
+    found = None
+    training = parent.training
+    try:
+        for mode in (training, not training):
+            parent.training = mode  # the parent's flag alone: its children are leaves
+            graph = _ChildrenAsLeaves().trace(parent)
+            seen = set(_in_graph(graph, parent, is_layer, fusable, registered))
+            found = seen if found is None else found & seen
+    except Exception as error:  # noqa: BLE001 - fx fails in many ways: any of them means no fusion here
+        log.debug("gemmtune.optimize: %s's forward not traced, so nothing in it is fused: %r",
+                  type(parent).__name__, error)
+        return []
+    finally:
+        parent.training = training
+    return sorted(found, key=lambda pair: list(parent._modules).index(pair.layer))
+
+
+def _in_graph(graph: fx.Graph, parent: nn.Module, is_layer: Callable, fusable: Callable,
+              registered: dict) -> Iterable[Pair]:
+    children = parent._modules
+    calls = Counter(node.target for node in graph.nodes if node.op == "call_module")
+
+    def child(node: fx.Node) -> nn.Module | None:
+        """The child module a node calls, if it calls one (a call of a grandchild has a dotted
+        target) that is called once in the graph and registered once in the model, here."""
+        if node.op != "call_module" or node.target not in children or calls[node.target] != 1:
+            return None
+        module = children[node.target]
+        if module is None or registered.get(id(module)) != {(id(parent), node.target)}:
+            return None
+        return module
+
+    for node in graph.nodes:
+        layer = child(node)
+        if layer is None or not is_layer(layer) or len(node.users) != 1:
+            continue
+        (user,) = node.users
+        act = child(user)
+        if act is None or is_layer(act) or user.args != (node,) or user.kwargs or _hooked(act):
+            continue
+        name = fusable(act)
+        if name is not None:
+            yield Pair(parent, node.target, user.target, name)
