@@ -31,6 +31,7 @@ from gemmtune.nn import fusion
 from gemmtune.nn import joined as sibling_layers
 from gemmtune.nn import keep
 from gemmtune.nn import padded as aligned_layers
+from gemmtune.nn import refused
 from gemmtune.serving import recording
 from gemmtune.serving.dispatch import DISPATCHER
 from gemmtune.tuning.tuner import TuneOptions
@@ -115,7 +116,11 @@ def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
     """Run ``model``'s ``nn.Linear`` layers and transformers' ``Conv1D`` layers (GPT-2's; those
     ``filter(name, layer)`` accepts; all by default) through gemmtune, in place, and return the
     model. A Conv1D keeps its class's behaviour and parameters, its weight stored as the transposed
-    view of an (N, K) buffer (``gemmtune.nn.conv1d`` says which layers, and how).
+    view of an (N, K) buffer (``gemmtune.nn.conv1d`` says which layers, and how). A layer gemmtune
+    cannot take (a parameter shared with another module, meta weights, a dtype it does not serve,
+    a non-contiguous weight) is left untouched, and one log line names it and why; a model whose
+    parameters all lie on the CPU while a GPU is present is left unchanged, with one log line
+    (``gemmtune.nn.refused``).
 
     ``fuse`` folds an activation module (ReLU, GELU exact or tanh, SiLU; transformers' and timm's
     GELU and SiLU classes are checked for what they compute) into the layer before it where the
@@ -149,11 +154,11 @@ def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
         raise TypeError(f"optimize(model=...): expected a torch.nn.Module, got {type(model).__name__}")
     if siblings and example_inputs is None:
         raise ValueError("optimize(siblings=True) needs example_inputs: siblings are found in the example run")
-    for name, module in list(model.named_modules()):
-        if type(module) is nn.Linear and (filter is None or filter(name, module)):
-            module.__class__ = Linear
-        elif conv1d_layers.is_conv1d(module) and (filter is None or filter(name, module)):
-            conv1d_layers.take_over(module)
+    if refused.on_the_cpu(model):
+        log.warning("gemmtune.optimize: the model's parameters are on the CPU, where its calls would run torch's "
+                    "kernels: nothing changed (optimize after model.cuda())")
+        return model
+    _take_over(model, filter)
     if fuse:
         _fuse_activations(model)
     if align:
@@ -164,6 +169,27 @@ def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
     if example_inputs is not None:
         tune_model(model, example_inputs, options=options, siblings=siblings, check=check)
     return model
+
+
+def _take_over(model: nn.Module, filter: Callable[[str, nn.Module], bool] | None) -> None:
+    """Make each ``nn.Linear`` and Conv1D layer ``filter`` accepts gemmtune's, except those
+    gemmtune cannot take (``gemmtune.nn.refused``: one log line names them and why)."""
+    held, refusals = refused.holders(model), {}
+    for name, module in list(model.named_modules()):
+        conv1d = type(module) is not nn.Linear and conv1d_layers.is_conv1d(module)
+        if not (type(module) is nn.Linear or conv1d) or filter is not None and not filter(name, module):
+            continue
+        why = refused.reason(module, held, restored=conv1d)
+        if why is None and conv1d and not conv1d_layers.computes_linear(module):
+            why = "a Conv1D whose forward does not compute x @ weight + bias"
+        if why is not None:
+            refusals[name] = why
+        elif conv1d:
+            conv1d_layers.take_over(module)
+        else:
+            module.__class__ = Linear
+    if refusals:
+        log.warning(refused.summary(refusals))
 
 
 def _fuse_activations(model: nn.Module) -> None:

@@ -3,8 +3,9 @@ transposed from ``nn.Linear``'s (N, K), and whose forward is ``addmm(bias, x, we
 
 ``optimize`` takes such a layer (found by its class name, ``Conv1D``, and its attributes: ``nf``
 the out features, a 2-D ``weight`` (K, nf), a ``bias`` (nf,) or None; transformers is never
-imported) where its dtype is one gemmtune serves and it lives on the GPU or the CPU, once a call
-of its own forward on two fixed rows agrees with ``x @ weight + bias``. Its parameter objects
+imported) where ``gemmtune.nn.refused`` finds nothing against it (a dtype gemmtune serves, no
+meta weight, no parameter shared), once a call of its own forward on two fixed rows agrees with
+``x @ weight + bias``. Its parameter objects
 stay, and so do their shapes, values and state_dict keys, but the weight's storage becomes a
 contiguous (N, K) buffer of which the parameter is the transposed view, so that ``weight.t()`` is
 the (N, K) weight ``gemmtune.linear`` takes, contiguous, without a copy per call. The layer's
@@ -28,10 +29,8 @@ from torch import nn
 
 from gemmtune import activation as activations
 from gemmtune import api
-from gemmtune.problem import torch_dtypes
 
 CLASS_NAME = "Conv1D"
-DEVICE_TYPES = ("cuda", "cpu")  # the CPU: its calls fall back to torch, as an nn.Linear's do
 TOLERANCE = 2e-2  # of the largest output: the agreement asked of the layer's own forward (TF32, half types)
 
 _is_compiling = torch.compiler.is_compiling
@@ -81,7 +80,9 @@ def _new(cls: type) -> nn.Module:
 
 
 def is_conv1d(module: nn.Module) -> bool:
-    """Whether ``module`` is a Conv1D that ``optimize`` can take over (see the module's docstring)."""
+    """Whether ``module`` is shaped as a Conv1D (its class's name and attributes; see the module's
+    docstring). ``optimize`` takes it where ``gemmtune.nn.refused`` finds nothing against it and
+    ``computes_linear`` holds."""
     if type(module).__name__ != CLASS_NAME or isinstance(module, TransposedLinear):
         return False
     w, b, nf = getattr(module, "weight", None), getattr(module, "bias", None), getattr(module, "nf", None)
@@ -92,12 +93,10 @@ def is_conv1d(module: nn.Module) -> bool:
         return False
     if getattr(module, "nx", w.shape[0]) != w.shape[0] or set(module._parameters) - {"weight", "bias"}:
         return False
-    if w.dtype not in torch_dtypes().values() or w.device.type not in DEVICE_TYPES:
-        return False
-    return _computes_linear(module)
+    return True
 
 
-def _computes_linear(module: nn.Module) -> bool:
+def computes_linear(module: nn.Module) -> bool:
     """Whether the module's own forward computes ``x @ weight + bias`` (in float32, on its device)
     on two fixed rows (its hooks not called, the caller's random state left alone)."""
     w, b = module.weight, module.bias
