@@ -3,6 +3,7 @@ activation module alone, as its parent's forward says, traced with torch.fx; tra
 timm's activation classes recognised by what they compute; what is not fused, and the release."""
 
 import copy
+import functools
 import logging
 import math
 
@@ -288,3 +289,91 @@ def test_fusion_keeps_gradients_and_the_training_mode():
     model(x).square().sum().backward()
     for (name, p), q in zip(reference.named_parameters(), model.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
+
+
+def checkpointing(forward):
+    """A wrapper hiding the forward's parameters, as transformers' checkpointing layers have."""
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+class Layer(nn.Module):
+    """As transformers' encoder layers (Whisper, BART, OPT): attention then fc1 -> act -> fc2 in
+    one forward that takes ``**kwargs`` and clamps float16 outputs; its class's forward wrapped when
+    subclassed (transformers' ``GradientCheckpointingLayer.__init_subclass__``)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "forward" in cls.__dict__:
+            cls.forward = checkpointing(cls.__dict__["forward"])
+
+
+class EncoderLayer(Layer):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.fc1, self.act, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 32), GELUActivation(), nn.Linear(32, 16)
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        residual = hidden_states
+        hidden_states = residual + self.attn(hidden_states, **kwargs)
+        hidden_states = self.fc2(self.act(self.fc1(hidden_states)))
+        if hidden_states.dtype == torch.float16:
+            hidden_states = torch.clamp(hidden_states, min=-6e4, max=6e4)
+        return hidden_states
+
+
+def test_a_wrapped_forward_with_keywords_and_a_dtype_branch_is_traced():
+    model, reference = made(EncoderLayer), made(EncoderLayer)
+    assert type(model).forward.__wrapped__ is not None  # wrapped, as in transformers
+    gemmtune.optimize(model)
+    assert model.fc1.activation == "gelu" and type(model.act) is nn.Identity and model.attn.activation == "none"
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-6)
+    assert not model.training and type(model) is EncoderLayer and "forward" not in vars(model)
+
+
+def test_a_forward_that_reads_its_keywords_is_not_traced():
+    class Reads(EncoderLayer):
+        def forward(self, hidden_states, **kwargs):
+            h = self.fc1(hidden_states)
+            return self.fc2(self.act(h)) + (h.sum() if kwargs.get("extra") else 0)
+
+    model = gemmtune.optimize(made(Reads))
+    assert model.fc1.activation == "none" and type(model.act) is GELUActivation
+
+
+def test_a_branch_on_one_dtype_that_uses_the_output_elsewhere_means_no_fusion():
+    class HalfOnly(EncoderLayer):
+        def forward(self, hidden_states, **kwargs):
+            h = self.fc1(hidden_states)
+            out = self.act(h)
+            if h.dtype == torch.float16:  # only float16 tensors take this path: it keeps h
+                out = out + h
+            return self.fc2(out)
+
+    model, reference = made(HalfOnly), made(HalfOnly)
+    gemmtune.optimize(model)
+    assert model.fc1.activation == "none" and type(model.act) is GELUActivation
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(model.half()(x.half()), reference.half()(x.half()))
+
+
+def test_an_activation_class_is_recognised_by_a_name_that_names_one():
+    class BloomGelu(nn.Module):  # as BLOOM's: the tanh approximation, written out
+        def forward(self, x):
+            return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    class QuickGELUActivation(nn.Module):  # named so, computes something else
+        def forward(self, input):
+            return input * torch.sigmoid(1.702 * input)
+
+    class Identity(nn.Module):  # computes relu, but its name does not say so: never probed
+        def forward(self, x):
+            return x.clamp(min=0)
+
+    assert gnn._fusable(BloomGelu()) == "gelu_tanh"
+    assert gnn._fusable(QuickGELUActivation()) is None and gnn._fusable(Identity()) is None

@@ -5,8 +5,9 @@
 An activation module is fusable when it computes one of gemmtune's epilogues (relu, gelu,
 gelu_tanh, silu). ``nn.ReLU``, ``nn.SiLU`` and ``nn.GELU`` are taken by their type; the
 activation classes of transformers (``GELUActivation``, ``NewGELUActivation``, ``GELUTanh`` /
-``PytorchGELUTanh``, ``FastGELUActivation``, ``SiLUActivation``...) and timm (``GELU``,
-``GELUTanh``, ``Swish``) by their class name and what they compute: a module of such a name, with
+``PytorchGELUTanh``, ``FastGELUActivation``, ``SiLUActivation``, BLOOM's ``BloomGelu``...) and timm
+(``GELU``, ``GELUTanh``, ``Swish``) by a class name that names one (GELU, SiLU, Swish or ReLU, in
+any case) and what they compute: a module of such a name, with
 no parameters or buffers, is run on a fixed CPU tensor (negative, small and large values) and
 must agree with the epilogue's torch function to within float32 rounding (gelu and gelu_tanh
 differ by 5e-4, well outside it). transformers is never imported.
@@ -15,19 +16,27 @@ Where a layer's output goes is read from its parent's forward: an ``nn.Sequentia
 forward) calls its children one after another, so a layer followed by an activation module is a
 pair. Any other parent holding a layer and an activation module among its children (timm's
 ``Mlp``, BERT's ``BertIntermediate``, GPT-2's ``GPT2MLP``) has its forward traced with torch.fx,
-every child module a leaf, once in each training mode (a forward may branch on
-``self.training``). A pair there is a call of the layer whose output has one user, a call of the
-activation on it alone, where the layer and the activation are each called once in the graph and
-each registered in the model once, under that parent, and the activation has no hooks. A module
-between them (a dropout, a no-op in eval mode) makes them no pair. A forward that fx cannot trace
-(control flow on tensors, calls of modules not registered) gets no fusion (a debug log line). The
-trace runs the forward's Python code on fx proxies: side effects of that code happen once more.
+every child module a leaf, in each training mode (a forward may branch on ``self.training``) and
+with every tensor's ``dtype`` reading as each of float16, bfloat16 and float32 (transformers'
+layers clamp float16 outputs); a pair must show in all six traces. A pair there is a call of the
+layer whose output has one user, a call of the activation on it alone, where the layer and the
+activation are each called once in the graph and each registered in the model once, under that
+parent, and the activation has no hooks. A module between them (a dropout, a no-op in eval mode)
+makes them no pair. A forward wrapped by a decorator that keeps ``__wrapped__`` (transformers'
+checkpointing layers) is read as the function it wraps; a ``**kwargs`` parameter is traced as
+empty, and a forward that reads it (rather than passing it on) is not traced. A forward that fx
+cannot trace (control flow on tensor values or shapes, calls of modules not registered) gets no
+fusion (a debug log line). The trace runs the forward's Python code on fx proxies: side effects
+of that code happen once more, and an output the code stores aside (an attribute, a list) is
+not seen as a use.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
+import re
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
@@ -35,14 +44,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 log = logging.getLogger("gemmtune")
 
-# the classes that may be activations gemmtune fuses, by name; what they compute decides
-NAMED = frozenset({
-    "GELUActivation", "NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation",
-    "AccurateGELUActivation", "SiLUActivation", "GELU", "SiLU", "Swish", "ReLU",
-})
+# the classes that may be activations gemmtune fuses, by a name that says so; what they compute decides
+NAMED = re.compile(r"gelu|silu|swish|relu", re.IGNORECASE)
 FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
     "gelu": F.gelu,
@@ -50,6 +57,7 @@ FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
 }
 RTOL, ATOL = 1e-4, 1e-5  # agreement asked of an activation checked by what it computes
+TRACED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what a traced tensor's dtype reads as
 
 
 def epilogue(module: nn.Module) -> str | None:
@@ -61,7 +69,7 @@ def epilogue(module: nn.Module) -> str | None:
         return "silu"
     if cls is nn.GELU:
         return {"none": "gelu", "tanh": "gelu_tanh"}.get(module.approximate)
-    if not (cls.__name__ in NAMED or isinstance(module, (nn.ReLU, nn.SiLU, nn.GELU))):
+    if not (NAMED.search(cls.__name__) or isinstance(module, (nn.ReLU, nn.SiLU, nn.GELU))):
         return None
     return _computed(module)
 
@@ -142,24 +150,83 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
+class _Proxy(fx.Proxy):
+    """An fx proxy whose ``dtype`` is a concrete dtype (the tracer's): a forward that branches on
+    a tensor's dtype (transformers' float16 clamps) is traced along the branch that dtype takes."""
+
+    def __getattr__(self, name: str):
+        if name == "dtype":
+            return self.tracer.dtype
+        return super().__getattr__(name)
+
+
 class _ChildrenAsLeaves(fx.Tracer):
-    """A tracer of a module's own forward: every module it calls is a leaf (one node)."""
+    """A tracer of a module's own forward: every module it calls is a leaf (one node), and every
+    tensor reads as of ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return True
 
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
+
+
+class _NoKeywords(dict):
+    """What a forward's ``**kwargs`` holds while traced: nothing, and reading it ends the trace
+    (a forward that branches on its keywords cannot be read for one structure). Passing it on as
+    ``**kwargs`` passes nothing."""
+
+    def _read(self, *args, **kwargs):
+        raise fx.proxy.TraceError("the forward reads its **kwargs")
+
+    get = __getitem__ = __contains__ = _read
+
+
+# fx hands concrete arguments through pytree: one with no leaves is passed as it is
+pytree.register_pytree_node(_NoKeywords, lambda keywords: ([], None), lambda leaves, context: _NoKeywords())
+
+
+@functools.lru_cache(maxsize=None)
+def _unwrapped_class(cls: type) -> type:
+    """A subclass of ``cls`` whose forward is the function ``cls.forward`` wraps (set after the
+    class is made: a base's ``__init_subclass__`` may wrap it again, as transformers' layers do)."""
+    stand_in = type(cls.__name__, (cls,), {"__module__": __name__})
+    stand_in.forward = inspect.unwrap(cls.forward)
+    return stand_in
+
+
+def _traceable(parent: nn.Module) -> tuple[nn.Module, dict | None]:
+    """What fx traces for ``parent``, and its concrete arguments: where the class's forward is a
+    decorator's wrapper (one that sets ``__wrapped__``, as transformers' checkpointing layers do),
+    a stand-in sharing ``parent``'s state whose forward is the function wrapped: the wrapper's
+    ``*args, **kwargs`` hide the parameters fx reads. A ``**kwargs`` parameter holds nothing."""
+    cls = type(parent)
+    traced = parent
+    if inspect.unwrap(cls.forward) is not cls.forward:
+        traced = object.__new__(_unwrapped_class(cls))
+        object.__setattr__(traced, "__dict__", parent.__dict__)  # the same children, flags and hooks
+    keywords = [p.name for p in inspect.signature(type(traced).forward).parameters.values()
+                if p.kind is inspect.Parameter.VAR_KEYWORD]
+    return traced, {f"**{keywords[0]}": _NoKeywords()} if keywords else None
+
 
 def _traced(parent: nn.Module, is_layer: Callable, fusable: Callable, registered: dict) -> list[Pair]:
-    """The pairs that ``parent``'s forward shows, traced in both training modes; none where it
-    cannot be traced."""
+    """The pairs that ``parent``'s forward shows in every trace (both training modes, each
+    floating dtype gemmtune serves); none where it cannot be traced."""
     found = None
     training = parent.training
     try:
+        traced, concrete = _traceable(parent)
         for mode in (training, not training):
             parent.training = mode  # the parent's flag alone: its children are leaves
-            graph = _ChildrenAsLeaves().trace(parent)
-            seen = set(_in_graph(graph, parent, is_layer, fusable, registered))
-            found = seen if found is None else found & seen
+            for dtype in TRACED_DTYPES:
+                graph = _ChildrenAsLeaves(dtype).trace(traced, concrete_args=concrete)
+                seen = set(_in_graph(graph, parent, is_layer, fusable, registered))
+                found = seen if found is None else found & seen
     except Exception as error:  # noqa: BLE001 - fx fails in many ways: any of them means no fusion here
         log.debug("gemmtune.optimize: %s's forward not traced, so nothing in it is fused: %r",
                   type(parent).__name__, error)
