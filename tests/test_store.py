@@ -16,7 +16,8 @@ import pytest
 import gemmtune.store
 from gemmtune.results import Status, Timing, Trial, TuneResult
 from gemmtune.settings import STORE_FILENAME
-from gemmtune.store import SCHEMA_VERSION, Store, StoreError
+from gemmtune.errors import StoreError
+from gemmtune.store import SCHEMA_VERSION, Store
 
 DEVICE = "nvidia-h100-80gb-hbm3-9.0-132-abc123def456"
 OTHER_DEVICE = "nvidia-a100-sxm4-80gb-8.0-108-0123456789ab"

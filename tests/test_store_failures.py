@@ -25,7 +25,8 @@ from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing, Trial, TuneResult
 from gemmtune.serving.dispatch import Dispatcher, DispatchKey
 from gemmtune.settings import STORE_FILENAME
-from gemmtune.store import APPLICATION_ID, Store, StoreError
+from gemmtune.errors import StoreError
+from gemmtune.store import APPLICATION_ID, Store
 from gemmtune.tuning.tuner import TuneOptions
 
 DEVICE = "nvidia-h100-80gb-hbm3-9.0-132-abc123def456"

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gemmtune import backends, settings
+from gemmtune.errors import StoreError
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing, Trial, TuneResult
 from gemmtune.version import __version__
@@ -69,10 +70,6 @@ _TABLES = (
     " samples_json TEXT, rel_err REAL, created_at TEXT NOT NULL)",
     "CREATE INDEX IF NOT EXISTS trials_by_problem ON trials (device, problem_key)",
 )
-
-
-class StoreError(Exception):
-    """The store file or an import file cannot be used as it is."""
 
 
 class Store:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from gemmtune import backends
 from gemmtune.backends import cublaslt as lt
 from gemmtune.device import current, interpreter_device
+from gemmtune.errors import CublasLtError
 from gemmtune.problem import Problem
 from gemmtune.tuning import tuner, verify
 
@@ -77,9 +78,7 @@ def test_a_rebuilt_algorithm_is_the_ranked_one():
 
 @pytest.mark.gpu
 def test_rejected_configs_fail_to_build():
-    from gemmtune.backends import cublaslt_binding
-
-    with pytest.raises(cublaslt_binding.CublasLtError):
+    with pytest.raises(CublasLtError):
         backends.get("cublaslt").build(Problem(64, 64, 64), lt.LtConfig(**{**CONFIG, "algo": 9999}), current())
 
 

@@ -214,7 +214,7 @@ def test_cublas_products_are_right_on_the_whole_gpu(cache_dir):
 
 
 def test_cublaslt_callable_or_said_not_to_be():
-    from gemmtune.backends.cublaslt_binding import CublasLtError
+    from gemmtune.errors import CublasLtError
 
     def missing():
         raise CublasLtError("libcublasLt is not loaded in this process")

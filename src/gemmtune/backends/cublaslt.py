@@ -27,6 +27,7 @@ from gemmtune import activation
 from gemmtune.backends import cublas, cublaslt_binding
 from gemmtune.backends.base import BoundCall, FieldConfig, KernelBase, check_bounds, config_from_mapping
 from gemmtune.device import Device
+from gemmtune.errors import CublasLtError
 from gemmtune.problem import Problem
 
 log = logging.getLogger("gemmtune.backends.cublaslt_binding")
@@ -87,7 +88,7 @@ class LtKernel(KernelBase):
         self._fallback = cublas.BACKEND.build(problem, cublas.CublasConfig(), device)
         self._plans: dict[tuple[int, int], tuple | None] = {}  # (GPU index, M) -> plan
         if self._plan(torch.cuda.current_device(), problem.m) is None:
-            raise cublaslt_binding.CublasLtError(f"cuBLASLt rejects {self._config} for {problem.describe()}")
+            raise CublasLtError(f"cuBLASLt rejects {self._config} for {problem.describe()}")
 
     def _plan(self, index: int, m: int) -> tuple | None:
         """(launch, workspace bytes, the descriptors) of the algorithm for ``m`` rows on GPU
@@ -100,7 +101,7 @@ class LtKernel(KernelBase):
         try:
             matmul = cublaslt_binding.Matmul(p, index)
             algo, workspace = matmul.algo(self._config)
-        except cublaslt_binding.CublasLtError as exc:
+        except CublasLtError as exc:
             log.debug("%s at M=%d: %s", self._config, m, exc)
             plan = None
         else:
@@ -178,7 +179,7 @@ class CublasLtBackend:
             return False
         try:
             cublaslt_binding.library()
-        except (cublaslt_binding.CublasLtError, OSError) as exc:
+        except (CublasLtError, OSError) as exc:
             log.debug("cuBLASLt cannot be called directly: %s", exc)
             return False
         return True
@@ -188,7 +189,7 @@ class CublasLtBackend:
             return []
         try:
             return list(_ranked(problem, torch.cuda.current_device()))
-        except (cublaslt_binding.CublasLtError, ValueError) as exc:  # tuning goes on without them
+        except (CublasLtError, ValueError) as exc:  # tuning goes on without them
             log.warning("gemmtune: no cuBLASLt algorithms for %s: %s", problem.describe(), exc)
             return []
 

@@ -18,6 +18,7 @@ import threading
 import weakref
 from collections.abc import Mapping
 
+from gemmtune.errors import CublasLtError
 from gemmtune.problem import Problem
 
 CUDA_TYPES = {"float16": 2, "bfloat16": 14, "float32": 0}  # cudaDataType_t
@@ -60,10 +61,6 @@ def epilogue(problem: Problem) -> int:
 def fused_activation(problem: Problem) -> bool:
     """Whether cuBLAS applies ``problem``'s activation in its epilogue (else torch does, after)."""
     return problem.activation in EPILOGUE_ACTIVATIONS
-
-
-class CublasLtError(RuntimeError):
-    """A cuBLASLt call answered a status other than success."""
 
 
 def _check(status: int, call: str) -> None:

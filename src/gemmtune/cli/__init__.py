@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _configure_logging(args.verbose)
     console = _console()
-    from gemmtune.store import StoreError
+    from gemmtune.errors import StoreError
 
     try:
         return args.run(args, console)
@@ -210,7 +210,8 @@ def _store_problem(cache: Path | None):
     """The doctor's store line as a warning where the store that ``tune`` and ``cache`` would use
     cannot be used (the doctor's own line says only where it is and how large), or None."""
     from gemmtune.cli.doctor import Check
-    from gemmtune.store import Store, StoreError
+    from gemmtune.errors import StoreError
+    from gemmtune.store import Store
 
     try:
         with Store(cache) as store:

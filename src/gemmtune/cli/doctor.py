@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from gemmtune import settings
 from gemmtune.device import INDUCTOR_MIN_SMS, Device, driver_version
+from gemmtune.errors import CublasLtError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -217,7 +218,7 @@ def cublaslt_check(library: Callable | None = None) -> Check:
 
     try:
         lib = (library or cublaslt_binding.library)()
-    except (cublaslt_binding.CublasLtError, OSError, AttributeError) as error:
+    except (CublasLtError, OSError, AttributeError) as error:
         return Check("cuBLASLt", f"not callable ({error})", "info",
                      "The cublaslt backend is left out: cuBLAS through torch's own calls remains, "
                      "as do gemmtune's Triton kernels.")
