@@ -21,7 +21,7 @@ for f in "${files[@]}"; do
   extra=""
   case "$f" in */test_triton_splitk.py) extra=$spread ;; esac
   # shellcheck disable=SC2086
-  timeout "${GPU_TESTS_TIMEOUT_S:-480}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider $extra "$f" \
+  timeout "${GPU_TESTS_TIMEOUT_S:-520}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider $extra "$f" \
     > "$out/$name.txt" 2>&1 &
 done
 wait

@@ -173,15 +173,16 @@ def test_padded_layers_on_the_gpu(dtype):
                            nn.Linear(4096, 1003))  # K and N odd, K odd twice, then N odd alone
     layers = layers.to("cuda", dtype)
     reference = copy.deepcopy(layers).double()
-    x = torch.randn(7, 4100, device="cuda", dtype=dtype)
-    gemmtune.optimize(layers, (x,), check=False)
+    xs = [torch.randn(rows, 4100, device="cuda", dtype=dtype) for rows in (7, 1, 33, 65, 777)]
+    gemmtune.optimize(layers)
+    # one run over every row count, tuned as optimize tunes its example: candidates compiled together
+    gnn.tune_calls(lambda: [layers(x) for x in xs], check=False)
     assert [type(layer) for layer in layers] == [gnn.AlignedLinear, nn.Identity] + [gnn.AlignedLinear] * 3
     with torch.no_grad():
-        for rows in (1, 33, 65, 777):
-            x = torch.randn(rows, 4100, device="cuda", dtype=dtype)
+        for x in xs:
             out = layers(x)
-            assert out.shape == (rows, 1003) and out.is_contiguous()
-            assert verify.rel_err(out, reference(x.double())) < 2e-2, rows
+            assert out.shape == (len(x), 1003) and out.is_contiguous()
+            assert verify.rel_err(out, reference(x.double())) < 2e-2, len(x)
 
 
 @pytest.mark.gpu
