@@ -19,11 +19,12 @@ alternating rounds:
 host speed drifts by tens of percent within a run: only ratios timed side by side compare),
 ``spread`` half their interquartile range. ``rel_err`` = max|gemmtune - baseline| / max|baseline|
 of the case's output (logits, last_hidden_state) in float32, in the same mode. Per case, on the
-eager step: ``gemms``, the GEMM calls gemmtune saw (every nn.Linear's); ``gemms_kept``, those
-still going through gemmtune after ``optimize`` (whose check hands layers that do not pay back to
-torch); ``gemms_served``, those of them a kernel other than cuBLAS serves (``served_by``: calls per
-backend); ``gemm_flops_seen``, the seen GEMMs' FLOPs over those of every aten mm, addmm, bmm and
-baddbmm of the same step (FlopCounterMode; attention inside SDPA and convolutions not counted).
+eager step: ``gemms``, the GEMM calls gemmtune saw (every nn.Linear's and Conv1D's);
+``gemms_kept``, those still going through gemmtune after ``optimize`` (whose check hands layers
+that do not pay back to torch); ``gemms_served``, those of them a kernel other than cuBLAS serves
+(``served_by``: calls per backend); ``fused_kept``, the layers left running an activation fused
+into their GEMM; ``gemm_flops_seen``, the seen GEMMs' FLOPs over those of every aten mm, addmm, bmm
+and baddbmm of the same step (FlopCounterMode; attention inside SDPA and convolutions not counted).
 Train cases (forward + backward of ``out.float().sum()``, the model in eval mode so that dropout
 leaves the outputs comparable) run eager only. A failed mode is a row with ``error``; the JSON is
 written after every case, and once ``--time-budget-s`` is spent the models and modes left are
@@ -567,6 +568,11 @@ def served_by(case: Case, tuned: nn.Module, kwargs: dict) -> Counter:
     return by
 
 
+def fused_kept(tuned: nn.Module) -> int:
+    """The layers of the optimized model that still run an activation fused into their GEMM."""
+    return sum(1 for m in tuned.modules() if getattr(m, "fused", None) is not None and m.activation != "none")
+
+
 def backend_of(kernel) -> str:
     """The backend a built kernel comes from: the module of its class or function
     (``gemmtune.backends.<name>``); cuBLAS's kernels are functions of ``gemmtune.backends.cublas``."""
@@ -631,7 +637,8 @@ def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budg
     common = identity(case) | {
         "tune_s": tune_s, "gemms": gemms, "gemms_served": sum(c for b, c in by.items() if b not in ("torch", "cublas")),
         "gemms_kept": sum(c for b, c in by.items() if b != "torch"), "served_by": dict(by),
-        "gemm_flops_seen": flops_seen / flops_all if flops_all else None, "gemm_gflop": flops_all / 1e9}
+        "gemm_flops_seen": flops_seen / flops_all if flops_all else None, "gemm_gflop": flops_all / 1e9,
+        "fused_kept": fused_kept(tuned)}
     runners: dict[tuple[str, str], Runner] = {}
     sides = {"base": (base, base_kwargs), "tuned": (tuned, tuned_kwargs)}
 
