@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from gemmtune import kernel_config
+
 
 class Status(str, enum.Enum):
     OK = "ok"
@@ -88,6 +90,11 @@ class Trial:
     def label(self) -> str:
         if not self.config:
             return self.backend
+        if self.backend == kernel_config.BACKEND:
+            try:
+                return f"{self.backend}({kernel_config.KernelConfig.from_dict(self.config).label()})"
+            except (TypeError, ValueError):
+                pass  # as any other config
         inner = ",".join(f"{k}={v}" for k, v in self.config.items())
         return f"{self.backend}({inner})"
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gemmtune import backends, settings
+from gemmtune import kernel_config
 from gemmtune.errors import StoreError
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing, Trial, TuneResult
@@ -547,6 +548,10 @@ def _validate_entry(entry: Any) -> tuple[dict, list[str]]:
         config, issue = _parse_config(entry["backend"], entry.get("config"))
         problems += [issue] if issue else []
         clean["config"] = config
+    if "problem" in entry and "backend" in entry and \
+            kernel_config.is_kernel_key(entry["problem"]) != (entry["backend"] == kernel_config.BACKEND):
+        problems.append(f"backend {kernel_config.BACKEND!r} goes with a kernel key ({kernel_config.KEY_PREFIX}...) "
+                        f"and no other, got {entry['backend']!r} for {entry['problem']!r:.80}")
     return clean, problems
 
 
@@ -555,6 +560,9 @@ def _is_label(value: Any, max_chars: int) -> bool:
 
 
 def _problem_issue(value: Any) -> str | None:
+    if kernel_config.is_kernel_key(value):
+        issue = kernel_config.key_issue(value)
+        return None if issue is None else f"problem: {issue}"
     try:
         Problem.from_key(value)
     except ValueError as exc:
@@ -583,11 +591,14 @@ def _finite(value: Any) -> bool:
 
 
 def _parse_config(backend: Any, config: Any) -> tuple[dict | None, str | None]:
-    if not isinstance(backend, str) or backend not in backends.names():
-        return None, f"backend must be one of {list(backends.names())}, got {backend!r}"
+    accepted = [*backends.names(), kernel_config.BACKEND]
+    if not isinstance(backend, str) or backend not in accepted:
+        return None, f"backend must be one of {accepted}, got {backend!r}"
     if not isinstance(config, dict):
         return None, f"config must be an object, got {type(config).__name__}"
     try:
+        if backend == kernel_config.BACKEND:
+            return kernel_config.KernelConfig.from_dict(config).as_dict(), None
         return backends.get(backend).parse_config(config).as_dict(), None
     except (ValueError, TypeError) as exc:
         return None, f"config: {exc}"

@@ -6,11 +6,17 @@ from collections.abc import Sequence
 
 from rich.table import Table
 
+from gemmtune import kernel_config
 from gemmtune.problem import Problem
 from gemmtune.results import Trial, TuneResult
 
 
 def result_dict(result: TuneResult, name: str | None = None) -> dict:
+    if kernel_config.is_kernel_key(result.problem_key):
+        return {"name": name or result.problem_key, "kernel": result.problem_key, "backend": result.backend,
+                "config": result.config, "choice": result.label(), "time_ms": result.time_ms,
+                "rel_err": result.rel_err, "tune_s": result.tune_s, "from_store": result.from_store,
+                "gpu_timings": result.gpu_timings, "device": result.device}
     problem = Problem.from_key(result.problem_key)
     return {
         "name": name or problem.describe(), "m": problem.m, "n": problem.n, "k": problem.k,
@@ -30,17 +36,26 @@ def results_table(results: Sequence[TuneResult], names: Sequence[str] | None = N
     for column in ("shape", "dtype", "layout", "choice") + numeric:
         table.add_column(column, justify="right" if column in numeric else "left")
     for i, result in enumerate(results):
-        problem = Problem.from_key(result.problem_key)
-        name = names[i] if names else f"{problem.m}x{problem.n}x{problem.k}"
+        name, dtype, layout = _described(result.problem_key)
+        name = names[i] if names else name
         speedup = f"{result.speedup:.2f}x" if result.speedup else "-"
         tune_s = "stored" if result.from_store else f"{result.tune_s:.1f}"
-        dtype = problem.dtype + ("+tf32" if problem.tf32 else "")
-        layout = problem.layout + ("+bias" if problem.bias else "")
-        layout += "" if problem.activation == "none" else f"+{problem.activation}"
         cublas = f"{result.cublas_ms:.4f}" if result.cublas_ms else "-"
         verified = f"{sum(t.ok for t in result.trials)}/{len(result.trials)}" if result.trials else "-"
         table.add_row(name, dtype, layout, result.label(), f"{result.time_ms:.4f}", cublas, speedup, tune_s, verified)
     return table
+
+
+def _described(key: str) -> tuple[str, str, str]:
+    """A stored key's shape, dtype and layout columns; a kernel's key reads as its name and
+    arguments, with "kernel" for its layout."""
+    if kernel_config.is_kernel_key(key):
+        name, _, rest = key[len(kernel_config.KEY_PREFIX):].partition("@")
+        return f"{name}({rest.split('/', 2)[-1]})", "-", "kernel"
+    problem = Problem.from_key(key)
+    layout = problem.layout + ("+bias" if problem.bias else "")
+    layout += "" if problem.activation == "none" else f"+{problem.activation}"
+    return f"{problem.m}x{problem.n}x{problem.k}", problem.dtype + ("+tf32" if problem.tf32 else ""), layout
 
 
 def trials_table(trials: Sequence[Trial]) -> Table:

@@ -1,0 +1,327 @@
+"""``gemmtune.autotune``: the drop-in for ``@triton.autotune`` on a user's own Triton kernels.
+
+It takes triton.autotune's arguments with their meaning (``configs``, ``key``,
+``prune_configs_by``, ``reset_to_zero``, ``restore_value``, ``pre_hook``, ``post_hook``,
+``warmup``, ``rep``, ``use_cuda_graph``, ``do_bench``, ``cache_results``), so changing the import
+is the migration, and adds what triton's lacks:
+
+- the choice is kept in gemmtune's store, keyed by the kernel's source (an edited kernel tunes
+  again), its config list, the key arguments' values, the tensor arguments' dtypes and the device
+  fingerprint (GPU and software versions): a second process launches the stored config without
+  timing anything (``cache_results`` is accepted and always on);
+- every config is checked before it may win (``gemmtune.tuning.autotuner``): against
+  ``reference=``, a function of the call's arguments by name that writes the outputs with torch,
+  else against the outputs most configs agree on; ``outputs=`` names the output arguments where
+  the first run cannot show them;
+- configs are timed side by side in interleaved rounds with L2 flushed between calls; a config
+  that raises is a failed trial;
+- ``GEMMTUNE_MODE=lookup`` never tunes: a miss runs ``default=`` (a config of the list; the first
+  by default), as does a miss while a CUDA graph is being captured; both are logged once;
+- one log line per tuning (as ``TRITON_PRINT_AUTOTUNING`` prints), through gemmtune's logging.
+
+After tuning, every tensor argument holds what it held before, and the call runs once with the
+chosen config. A store hit costs one key (the key arguments' values and the tensor arguments'
+dtypes) and a dict lookup before the launch. What differs from triton.autotune: configs that
+``early_config_prune`` returns must be configs of the list (a choice is stored as its place in
+it); ``do_bench``, when given, replaces gemmtune's timing; later calls do not run
+``reset_to_zero`` (as triton's do not).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from gemmtune import settings
+from gemmtune.device import current
+from gemmtune.kernel_config import KernelConfig, kernel_key
+from gemmtune.results import Timing
+from gemmtune.store import Store
+from gemmtune.tuning import autotuner
+
+log = logging.getLogger("gemmtune")
+
+PRUNE_KEYS = ("perf_model", "top_k", "early_config_prune")
+
+
+def autotune(configs: Sequence, key: Sequence[str], prune_configs_by: dict | None = None,
+             reset_to_zero: Sequence[str] | None = None, restore_value: Sequence[str] | None = None,
+             pre_hook: Callable | None = None, post_hook: Callable | None = None, warmup: int | None = None,
+             rep: int | None = None, use_cuda_graph: bool = False, do_bench: Callable | None = None,
+             cache_results: bool = False, *, reference: Callable | None = None,
+             outputs: Sequence[str] | None = None, default: Any = None) -> Callable:
+    """Decorate a ``@triton.jit`` function as ``triton.autotune`` does (see the module's docstring
+    for what gemmtune adds and what differs)."""
+
+    def decorator(fn) -> Autotuned:
+        return Autotuned(fn, configs, key, prune_configs_by=prune_configs_by, reset_to_zero=reset_to_zero,
+                         restore_value=restore_value, pre_hook=pre_hook, post_hook=post_hook, rep=rep,
+                         use_cuda_graph=use_cuda_graph, do_bench=do_bench, reference=reference,
+                         outputs=outputs, default=default)
+
+    return decorator
+
+
+class Autotuned:
+    """A Triton kernel under ``gemmtune.autotune``: ``kernel[grid](*args, **kwargs)`` as with
+    ``triton.autotune``; ``best_config`` is the config of the last call."""
+
+    def __init__(self, fn, configs: Sequence, key: Sequence[str], *, prune_configs_by: dict | None,
+                 reset_to_zero: Sequence[str] | None, restore_value: Sequence[str] | None,
+                 pre_hook: Callable | None, post_hook: Callable | None, rep: int | None, use_cuda_graph: bool,
+                 do_bench: Callable | None, reference: Callable | None, outputs: Sequence[str] | None,
+                 default: Any) -> None:
+        self.fn = fn
+        self.arg_names = list(getattr(fn, "arg_names", None) or _refuse("fn", fn))
+        self.configs = list(configs) or [_default_config()]
+        self.keys = _names("key", key, self.arg_names)
+        self.reset_to_zero = _names("reset_to_zero", reset_to_zero or (), self.arg_names)
+        self.restore_value = _names("restore_value", restore_value or (), self.arg_names)
+        self.outputs = _names("outputs", outputs or (), self.arg_names)
+        self.prune = _prune_options(prune_configs_by)
+        self.pre_hook, self.post_hook = pre_hook, post_hook
+        self.reference, self.do_bench = reference, do_bench
+        self.budget_ms = float(rep) if rep else autotuner.BUDGET_MS
+        self.graphs = use_cuda_graph
+        self.data = [KernelConfig.of(i, config) for i, config in enumerate(self.configs)]
+        self.default = self._default(default)
+        self.name = getattr(_base_function(fn), "__qualname__", "kernel")
+        self.configs_hash = _digest(json.dumps([d.as_dict() for d in self.data], sort_keys=True))
+        self.chosen: dict[tuple, Any] = {}
+        self.best_config = None
+        self._source_hash: str | None = None
+        self._lock = threading.Lock()
+        self._said: set[tuple] = set()
+
+    def __getitem__(self, grid) -> Callable:
+        return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=False, **kwargs)
+
+    def run(self, *args, grid, warmup: bool = False, **kwargs):
+        if warmup:
+            return self.warmup(*args, grid=grid, **kwargs)
+        named = dict(zip(self.arg_names, args))
+        named.update(kwargs)
+        call_key = self._call_key(named)
+        config = self.chosen.get(call_key)
+        if config is None:
+            config = self._resolve(call_key, args, kwargs, grid, named)
+        self.best_config = config
+        return self._launch(config, args, kwargs, grid, named)
+
+    def warmup(self, *args, grid, **kwargs) -> list:
+        """Compile every config the pruning keeps for these arguments, running none."""
+        named = dict(zip(self.arg_names, args), **kwargs)
+        return [self.fn.warmup(*args, grid=grid, **kwargs, **config.all_kwargs())
+                for config in self._pruned(named, kwargs)]
+
+    # --- one key, one choice ---------------------------------------------------------------------
+
+    def _call_key(self, named: dict) -> tuple:
+        values = tuple(_key_value(named.get(name)) for name in self.keys)
+        return values + tuple(str(v.dtype) for v in named.values() if hasattr(v, "dtype"))
+
+    def _store_key(self, call_key: tuple) -> str:
+        if self._source_hash is None:
+            self._source_hash = _source_hash(self.fn)
+        arguments = ";".join(map(str, call_key))
+        return kernel_key(self.name, self._source_hash, self.configs_hash, arguments)
+
+    def _resolve(self, call_key: tuple, args: tuple, kwargs: dict, grid, named: dict):
+        """The config for a key first seen in this process: the store's, else tuned now (or the
+        default, in lookup mode or inside a CUDA graph capture)."""
+        with self._lock:
+            if call_key in self.chosen:
+                return self.chosen[call_key]
+            key = self._store_key(call_key)
+            device = current()
+            store = Store()
+            config = self._stored(store.get(device.fingerprint(), key))
+            if config is None:
+                config = self._missed(key, call_key, args, kwargs, grid, named, device, store)
+            self.chosen[call_key] = config
+            return config
+
+    def _stored(self, result) -> Any:
+        """The stored choice's config, where the config at its place in the list has its values."""
+        if result is None:
+            return None
+        data = KernelConfig.from_dict(result.config)
+        if data.index < len(self.data) and self.data[data.index] == data:
+            return self.configs[data.index]
+        return None
+
+    def _missed(self, key: str, call_key: tuple, args, kwargs, grid, named: dict, device, store: Store):
+        if len(self.configs) == 1:
+            return self.configs[0]
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if capturing or settings.mode() == "lookup":
+            self._say_once(call_key, "gemmtune.autotune: %s has no stored config for %s (%s), so it runs %s",
+                           self.name, call_key, "inside a CUDA graph capture" if capturing else "lookup mode",
+                           self.data[self.configs.index(self.default)].label())
+            return self.default
+        result, config = self._tune(key, args, kwargs, grid, named, device)
+        if result is not None:
+            store.put(result)
+            timed = sum(t.timing is not None for t in result.trials)
+            log.info("gemmtune.autotune: tuned %s for %s in %.1f s: %s, %.4f ms (%d configs timed, %d failed)",
+                     self.name, call_key, result.tune_s, KernelConfig.from_dict(result.config).label(),
+                     result.time_ms, timed, sum(not t.ok for t in result.trials))
+        return config
+
+    def _tune(self, key: str, args, kwargs, grid, named: dict, device):
+        pruned = self._pruned(named, kwargs)
+        candidates = [(self.data[self._index(config)], config) for config in pruned]
+        tensors = {name: value for name, value in named.items() if isinstance(value, torch.Tensor)}
+        reference = None if self.reference is None else (lambda _tensors: self.reference(**named))
+        call = autotuner.Call(lambda config: self._bench_launch(config, args, kwargs, grid, named), tensors,
+                              outputs=self.outputs, restored=self.restore_value, zeroed=self.reset_to_zero,
+                              reference=reference)
+        timer = None if self.do_bench is None else self._user_timer
+        return autotuner.tune(call, candidates, device, key, budget_ms=self.budget_ms, graphs=self.graphs,
+                              timer=timer)
+
+    def _user_timer(self, runs: dict[str, Callable]) -> dict[str, Timing]:
+        """``do_bench``'s median of each run, where the user gave one."""
+        return {name: Timing((float(_first(self.do_bench(run, quantiles=(0.5, 0.2, 0.8)))),))
+                for name, run in runs.items()}
+
+    def _pruned(self, named: dict, kwargs: dict) -> list:
+        """The configs left after ``prune_configs_by``, as triton.autotune prunes them."""
+        configs = self.configs
+        early, perf_model, top_k = self.prune
+        if early is not None:
+            configs = list(early(self.configs, named, **kwargs))
+            if not configs:
+                raise ValueError("gemmtune.autotune: early_config_prune returned no config; it must return at least one")
+            for config in configs:
+                self._index(config)
+        if perf_model is not None:
+            k = int(len(self.configs) * top_k) if isinstance(top_k, float) and top_k <= 1.0 else top_k
+            if not isinstance(k, int):
+                raise TypeError(f"gemmtune.autotune: top_k must be a float <= 1.0 or an int, got {top_k!r}")
+            if len(configs) > k:
+                estimate = {id(c): perf_model(**named, **kwargs, **c.all_kwargs()) for c in configs}
+                configs = sorted(configs, key=lambda c: estimate[id(c)])[:max(k, 1)]
+        return configs
+
+    def _index(self, config) -> int:
+        for i, mine in enumerate(self.configs):
+            if config is mine:
+                return i
+        for i, mine in enumerate(self.configs):
+            if config == mine:
+                return i
+        raise ValueError(f"gemmtune.autotune: early_config_prune returned a config that is not in configs= "
+                         f"({config}); gemmtune stores a choice as its place in the list")
+
+    def _default(self, default):
+        if default is None:
+            return self.configs[0]
+        self._index(default)
+        return default
+
+    def _say_once(self, call_key: tuple, message: str, *args) -> None:
+        if call_key not in self._said:
+            self._said.add(call_key)
+            log.warning(message, *args)
+
+    # --- launches ----------------------------------------------------------------------------------
+
+    def _launch(self, config, args: tuple, kwargs: dict, grid, named: dict):
+        """A call with ``config``: its pre-hook, then the kernel (as triton.autotune's calls)."""
+        meta = _meta(config, kwargs)
+        if config.pre_hook is not None:
+            config.pre_hook({**named, **meta})
+        return self.fn.run(*args, grid=grid, warmup=False, **kwargs, **meta)
+
+    def _bench_launch(self, config, args: tuple, kwargs: dict, grid, named: dict) -> None:
+        """One tuning run, as triton.autotune's: the config's pre-hook, the decorator's pre-hook
+        (else reset_to_zero), the kernel, the post-hook."""
+        meta = _meta(config, kwargs)
+        full = {**named, **meta}
+        if config.pre_hook is not None:
+            config.pre_hook(full)
+        if self.pre_hook is not None:
+            self.pre_hook(full)
+        for name in () if self.pre_hook is not None else self.reset_to_zero:
+            named[name].zero_()
+        try:
+            self.fn.run(*args, grid=grid, warmup=False, **kwargs, **meta)
+        except Exception as error:
+            if self.post_hook is not None:
+                self.post_hook(full, exception=error)
+            raise
+        if self.post_hook is not None:
+            self.post_hook(full, exception=None)
+
+
+def _meta(config, kwargs: dict) -> dict:
+    """The config's meta-parameters and launch settings, none of them passed by the caller too."""
+    if conflicts := kwargs.keys() & config.kwargs.keys():
+        raise ValueError(f"Conflicting meta-parameters: {', '.join(sorted(conflicts))}. "
+                         "Make sure that you don't re-define auto-tuned symbols.")
+    return config.all_kwargs()
+
+
+def _default_config():
+    import triton
+
+    return triton.Config({}, num_warps=4, num_stages=3, num_ctas=1)
+
+
+def _refuse(argument: str, value: Any):
+    raise TypeError(f"gemmtune.autotune decorates a @triton.jit function (with arg_names), got {type(value).__name__}")
+
+
+def _names(argument: str, names: Sequence[str], arg_names: list[str]) -> tuple[str, ...]:
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"gemmtune.autotune({argument}=...): expected a list of argument names, got {names!r}")
+    if unknown := [n for n in names if n not in arg_names]:
+        raise ValueError(f"gemmtune.autotune({argument}=...): {unknown} are not arguments of the kernel; "
+                         f"accepted: {arg_names}")
+    return tuple(names)
+
+
+def _prune_options(options: dict | None) -> tuple:
+    if options is None:
+        return None, None, 1.0
+    if not isinstance(options, dict) or set(options) - set(PRUNE_KEYS):
+        raise ValueError(f"gemmtune.autotune(prune_configs_by=...): a dict with keys among {list(PRUNE_KEYS)}, "
+                         f"got {options!r:.120}")
+    return options.get("early_config_prune"), options.get("perf_model"), options.get("top_k", 1.0)
+
+
+def _key_value(value: Any) -> Any:
+    """A key argument's value as the key holds it: a tensor by its shape (triton's key would hold
+    the tensor itself), anything else as it is."""
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else value
+
+
+def _base_function(fn) -> Callable:
+    while not inspect.isfunction(fn) and hasattr(fn, "fn"):
+        fn = fn.fn
+    return fn
+
+
+def _source_hash(fn) -> str:
+    """A hash of the kernel's source: Triton's own cache key where it has one (the source of the
+    functions it calls included), else the Python function's source."""
+    cache_key = getattr(fn, "cache_key", None)
+    if isinstance(cache_key, str):
+        return _digest(cache_key)
+    return _digest(inspect.getsource(_base_function(fn)))
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _first(value: Any) -> float:
+    return value[0] if isinstance(value, (list, tuple)) else value

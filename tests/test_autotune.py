@@ -1,0 +1,290 @@
+"""gemmtune.autotune, the drop-in for @triton.autotune: the decorator's semantics (key, dtypes,
+prune, hooks, reset/restore), every config checked (a wrong one never chosen, a failing one a
+failed trial), the store round trip and lookup mode. Run through Triton's interpreter on the CPU
+(on the GPU machine, on the GPU)."""
+
+import logging
+
+import pytest
+import torch
+
+import gemmtune
+from gemmtune import kernel_config
+from gemmtune.autotune import Autotuned
+from gemmtune.device import current
+from gemmtune.results import Status, Timing
+from gemmtune.store import Store
+from gemmtune.tuning import autotuner
+
+triton = pytest.importorskip("triton")
+tl = triton.language
+
+pytestmark = pytest.mark.interpreter
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@triton.jit
+def add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr, SKIP_LAST: tl.constexpr = False):
+    """out = x + y; SKIP_LAST leaves the last element unwritten (a masking bug)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n - 1 if SKIP_LAST else offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) + tl.load(y_ptr + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def accumulate_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """out += x, atomically: right only on a zeroed out (reset_to_zero)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.atomic_add(out_ptr + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def add_in_place_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, FAIL: tl.constexpr = False):
+    """x += y; FAIL makes the config fail to compile."""
+    tl.static_assert(not FAIL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=mask) + tl.load(y_ptr + offs, mask=mask), mask=mask)
+
+
+def blocks(*sizes, **extra):
+    return [triton.Config({"BLOCK": b, **extra}) for b in sizes]
+
+
+def grid(n):
+    return lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
+
+
+def operands(n, dtype=torch.float32):
+    g = torch.Generator().manual_seed(n)
+    x, y = (torch.randn(n, generator=g).to(DEVICE, dtype) for _ in range(2))
+    return x, y, torch.empty_like(x)
+
+
+class Measured(list):
+    """The config labels of each measurement gemmtune made; ``order``: labels fastest first."""
+
+    order: list | None = None
+
+
+@pytest.fixture
+def timings(monkeypatch):
+    """Records gemmtune's measurements of configs, and times config i as i + 1 ms unless a test
+    sets ``order``."""
+    calls = Measured()
+
+    def measure(runs, device, **kwargs):
+        calls.append(sorted(runs))
+        rank = {name: calls.order.index(name) if calls.order else int(name) for name in runs}
+        return {name: Timing((1.0 + rank[name],) * 5) for name in runs}
+
+    monkeypatch.setattr(autotuner.measure, "measure", measure)
+    return calls
+
+
+def stored_entries():
+    return [r for r in Store().choices() if kernel_config.is_kernel_key(r.problem_key)]
+
+
+def test_the_decorated_kernel_computes_and_its_choice_is_stored(timings):
+    kernel = gemmtune.autotune(configs=blocks(16, 32, 64), key=["n"])(add_kernel)
+    x, y, out = operands(100)
+    kernel[grid(100)](x, y, out, 100)
+    assert torch.equal(out, x + y) and len(timings) == 1 and timings[0] == ["0", "1", "2"]
+    assert kernel.best_config.kwargs == {"BLOCK": 16}  # config 0 timed fastest
+    (entry,) = stored_entries()
+    assert entry.backend == kernel_config.BACKEND and entry.config["index"] == 0
+    assert entry.problem_key.startswith("kernel:add_kernel@") and ";torch.float32" in entry.problem_key
+    assert [t.status for t in Store().trials(entry.device, entry.problem_key)] == [Status.OK] * 3
+
+
+def test_a_second_process_launches_the_stored_config_timing_nothing(timings):
+    gemmtune.autotune(configs=blocks(16, 32, 64), key=["n"])(add_kernel)[grid(100)](*operands(100), 100)
+    timings.order = ["2", "1", "0"]
+    again = gemmtune.autotune(configs=blocks(16, 32, 64), key=["n"])(add_kernel)  # a new process's decorator
+    x, y, out = operands(100)
+    again[grid(100)](x, y, out, 100)
+    assert len(timings) == 1 and again.best_config.kwargs == {"BLOCK": 16} and torch.equal(out, x + y)
+
+
+def test_a_new_key_value_or_dtype_tunes_again_and_a_known_one_does_not(timings):
+    kernel = gemmtune.autotune(configs=blocks(16, 32), key=["n"])(add_kernel)
+    for n, dtype in [(100, torch.float32), (100, torch.float32), (37, torch.float32), (100, torch.float16)]:
+        x, y, out = operands(n, dtype)
+        kernel[grid(n)](x, y, out, n)
+        assert torch.equal(out, x + y)
+    assert len(timings) == 3 and len(stored_entries()) == 3
+
+
+def test_an_edited_config_list_or_kernel_is_a_new_key(timings):
+    gemmtune.autotune(configs=blocks(16, 32), key=["n"])(add_kernel)[grid(64)](*operands(64), 64)
+    gemmtune.autotune(configs=blocks(16, 64), key=["n"])(add_kernel)[grid(64)](*operands(64), 64)
+
+    @triton.jit
+    def edited(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):  # add_kernel, written another way
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + tl.load(y_ptr + offs, mask=offs < n),
+                 mask=offs < n)
+
+    gemmtune.autotune(configs=blocks(16, 32), key=["n"])(edited)[grid(64)](*operands(64), 64)
+    keys = [k.split("@")[1].split("/") for k in sorted(e.problem_key for e in stored_entries())]
+    assert len(timings) == 3 and len(keys) == 3
+    assert len({source for source, _, _ in keys}) == 2 and len({configs for _, configs, _ in keys}) == 2
+
+
+@pytest.mark.parametrize("with_reference", [True, False])
+def test_a_config_that_leaves_an_element_unwritten_is_never_chosen(timings, with_reference):
+    """The buggy config times fastest; it is a wrong_result trial, with a reference or against the
+    outputs most configs agree on (the output buffer already holding the right values)."""
+    configs = blocks(16) + blocks(32, SKIP_LAST=True) + blocks(64)
+    reference = (lambda x_ptr, y_ptr, out_ptr, n: out_ptr.copy_(x_ptr + y_ptr)) if with_reference else None
+    kernel = gemmtune.autotune(configs=configs, key=["n"], reference=reference)(add_kernel)
+    timings.order = ["1", "2", "0"]
+    x, y, _ = operands(100)
+    out = x + y  # the right values already there: only poisoning finds the unwritten element
+    kernel[grid(100)](x, y, out, 100)
+    assert kernel.best_config.kwargs == {"BLOCK": 64} and torch.equal(out, x + y)
+    (entry,) = stored_entries()
+    trials = Store().trials(entry.device, entry.problem_key)
+    assert [t.status for t in trials] == [Status.OK, Status.WRONG_RESULT, Status.OK]
+    assert ("reference" if with_reference else "most configs agree") in trials[1].reason
+
+
+def test_configs_that_disagree_with_no_majority_and_no_reference_store_nothing(timings, caplog):
+    kernel = gemmtune.autotune(configs=blocks(16) + blocks(32, SKIP_LAST=True), key=["n"])(add_kernel)
+    x, y, out = operands(50)
+    with caplog.at_level(logging.WARNING, logger="gemmtune"):
+        kernel[grid(50)](x, y, out, 50)
+    assert "no config passed its check" in caplog.text and stored_entries() == []
+    assert kernel.best_config is kernel.configs[0] and torch.equal(out, x + y)
+
+
+def test_a_config_that_fails_is_a_failed_trial_and_the_call_goes_on(timings):
+    configs = blocks(16, FAIL=True) + blocks(32)
+    kernel = gemmtune.autotune(configs=configs, key=["n"])(add_in_place_kernel)
+    x, y, _ = operands(40)
+    expected = x + y
+    kernel[grid(40)](x, y, 40)
+    assert torch.equal(x, expected) and kernel.best_config.kwargs == {"BLOCK": 32}
+    (entry,) = stored_entries()
+    failed, ok = Store().trials(entry.device, entry.problem_key)
+    assert failed.status is not Status.OK and not failed.ok and failed.reason and ok.ok
+
+
+@pytest.mark.parametrize("restore", [True, False])
+def test_an_in_place_kernel_runs_once_as_far_as_the_caller_sees(timings, restore):
+    """With restore_value as triton.autotune asks, and without it too: gemmtune puts every tensor
+    argument back after tuning, then the call runs once."""
+    kernel = gemmtune.autotune(configs=blocks(16, 32, 64), key=["n"],
+                               restore_value=["x_ptr"] if restore else None)(add_in_place_kernel)
+    x, y, _ = operands(70)
+    expected = x + y
+    kernel[grid(70)](x, y, 70)
+    assert torch.equal(x, expected)
+    kernel[grid(70)](x, y, 70)  # a stored choice: the plain call
+    assert torch.equal(x, expected + y)
+
+
+def test_reset_to_zero_zeroes_before_each_tuning_run(timings):
+    kernel = gemmtune.autotune(configs=blocks(16, 32), key=["n"], reset_to_zero=["out_ptr"])(accumulate_kernel)
+    x, _, _ = operands(33)
+    out = torch.zeros_like(x)
+    kernel[grid(33)](x, out, 33)
+    assert torch.equal(out, x)
+    (entry,) = stored_entries()
+    assert all(t.ok for t in Store().trials(entry.device, entry.problem_key))
+
+
+def test_hooks_run_as_triton_autotune_runs_them(timings):
+    seen = []
+    configs = [triton.Config({"BLOCK": 16}, pre_hook=lambda args: seen.append(("config", args["BLOCK"]))),
+               triton.Config({"BLOCK": 32})]
+    kernel = gemmtune.autotune(configs=configs, key=["n"], pre_hook=lambda args: seen.append(("pre", args["BLOCK"])),
+                               post_hook=lambda args, exception: seen.append(("post", exception)))(add_kernel)
+    kernel[grid(20)](*operands(20), 20)
+    assert ("pre", 16) in seen and ("pre", 32) in seen and ("config", 16) in seen and ("post", None) in seen
+    seen.clear()
+    kernel[grid(20)](*operands(20), 20)  # a known key: the chosen config's pre-hook alone, as triton's
+    assert seen == [("config", 16)]
+
+
+def test_prune_configs_by_as_triton_autotune(timings):
+    def early(configs, named, **kwargs):
+        return [c for c in configs if c.kwargs["BLOCK"] <= named["n"]]
+
+    kernel = gemmtune.autotune(configs=blocks(16, 32, 64, 128), key=["n"],
+                               prune_configs_by={"early_config_prune": early,
+                                                 "perf_model": lambda **kw: -kw["BLOCK"], "top_k": 1})(add_kernel)
+    x, y, out = operands(40)
+    kernel[grid(40)](x, y, out, 40)
+    assert timings == [["0"]] and torch.equal(out, x + y)  # 16 and 32 left, 32 ranked first by the model
+    (entry,) = stored_entries()
+    assert [t.config["kwargs"]["BLOCK"] for t in Store().trials(entry.device, entry.problem_key)] == [32]
+
+
+def test_a_pruning_that_returns_another_config_is_refused(timings):
+    kernel = gemmtune.autotune(configs=blocks(16, 32), key=["n"],
+                               prune_configs_by={"early_config_prune": lambda c, named: blocks(8)})(add_kernel)
+    with pytest.raises(ValueError, match="not in configs="):
+        kernel[grid(8)](*operands(8), 8)
+
+
+def test_lookup_mode_runs_the_default_and_tunes_nothing(timings, monkeypatch, caplog):
+    monkeypatch.setenv("GEMMTUNE_MODE", "lookup")
+    configs = blocks(16, 32, 64)
+    kernel = gemmtune.autotune(configs=configs, key=["n"], default=configs[2])(add_kernel)
+    with caplog.at_level(logging.WARNING, logger="gemmtune"):
+        for _ in range(2):
+            x, y, out = operands(90)
+            kernel[grid(90)](x, y, out, 90)
+            assert torch.equal(out, x + y)
+    assert timings == [] and kernel.best_config is configs[2] and stored_entries() == []
+    assert caplog.text.count("lookup mode") == 1
+
+
+def test_a_stored_choice_that_no_longer_matches_its_config_is_a_miss(timings):
+    gemmtune.autotune(configs=blocks(16, 32), key=["n"])(add_kernel)[grid(64)](*operands(64), 64)
+    (entry,) = stored_entries()
+    kernel = gemmtune.autotune(configs=blocks(16, 32), key=["n"])(add_kernel)
+    tampered = kernel_config.KernelConfig(0, (("BLOCK", 32),)).as_dict()
+    assert kernel._stored(entry) is kernel.configs[0]
+    assert kernel._stored(type(entry)(**{**vars(entry), "config": tampered})) is None
+
+
+def test_conflicting_meta_parameters_are_an_error(timings):
+    kernel = gemmtune.autotune(configs=blocks(16, 32), key=["n"])(add_kernel)
+    with pytest.raises(ValueError, match="Conflicting meta-parameters: BLOCK"):
+        kernel[grid(16)](*operands(16), 16, BLOCK=16)
+
+
+def test_arguments_are_checked_with_errors_that_name_them():
+    with pytest.raises(ValueError, match=r"key=.*\['m'\] are not arguments of the kernel"):
+        gemmtune.autotune(configs=blocks(16), key=["m"])(add_kernel)
+    with pytest.raises(ValueError, match="reset_to_zero"):
+        gemmtune.autotune(configs=blocks(16), key=["n"], reset_to_zero=["nope"])(add_kernel)
+    with pytest.raises(TypeError, match="key=.*list of argument names"):
+        gemmtune.autotune(configs=blocks(16), key="n")(add_kernel)
+    with pytest.raises(TypeError, match=r"configs\[1\]: expected a triton.Config"):
+        gemmtune.autotune(configs=[triton.Config({"BLOCK": 16}), {"BLOCK": 32}], key=["n"])(add_kernel)
+    with pytest.raises(ValueError, match="prune_configs_by"):
+        gemmtune.autotune(configs=blocks(16), key=["n"], prune_configs_by={"topk": 1})(add_kernel)
+    with pytest.raises(TypeError, match="decorates a @triton.jit function"):
+        gemmtune.autotune(configs=blocks(16), key=["n"])(lambda x: x)
+
+
+def test_the_decorator_with_no_configs_runs_triton_s_default():
+    kernel = gemmtune.autotune(configs=[], key=[])(accumulate_kernel)
+    assert isinstance(kernel, Autotuned) and kernel.configs[0].num_warps == 4
+
+
+def test_measured_for_real_the_fastest_passing_config_is_chosen():
+    """No fake timer: gemmtune's measurement on this device picks a config that passed."""
+    kernel = gemmtune.autotune(configs=blocks(32, 64), key=["n"])(add_kernel)
+    x, y, out = operands(200)
+    kernel[grid(200)](x, y, out, 200)
+    (entry,) = stored_entries()
+    trials = Store().trials(entry.device, entry.problem_key)
+    best = min((t for t in trials if t.ok), key=lambda t: t.median_ms)
+    assert entry.config == best.config and entry.gpu_timings == (not current().interpreter)
+    assert torch.equal(out, x + y)
