@@ -79,7 +79,7 @@ class Autotuned:
                  do_bench: Callable | None, reference: Callable | None, outputs: Sequence[str] | None,
                  default: Any) -> None:
         self.fn = fn
-        self.arg_names = list(getattr(fn, "arg_names", None) or _refuse("fn", fn))
+        self.arg_names = list(getattr(fn, "arg_names", None) or _not_a_kernel(fn))
         self.configs = list(configs) or [_default_config()]
         self.keys = _names("key", key, self.arg_names)
         self.reset_to_zero = _names("reset_to_zero", reset_to_zero or (), self.arg_names)
@@ -276,7 +276,7 @@ def _default_config():
     return triton.Config({}, num_warps=4, num_stages=3, num_ctas=1)
 
 
-def _refuse(argument: str, value: Any):
+def _not_a_kernel(value: Any):
     raise TypeError(f"gemmtune.autotune decorates a @triton.jit function (with arg_names), got {type(value).__name__}")
 
 
