@@ -48,6 +48,17 @@ def add_in_place_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, FAIL: tl.constexpr
     tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=mask) + tl.load(y_ptr + offs, mask=mask), mask=mask)
 
 
+@triton.jit
+def sign_kernel(x_ptr, sign_ptr, abs_ptr, n, BLOCK: tl.constexpr, OFF_BY_ONE: tl.constexpr = False):
+    """Two outputs, one of them integer: sign (int32) and |x|; OFF_BY_ONE writes sign + 1."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    sign = tl.where(x > 0, 1, tl.where(x < 0, -1, 0)).to(tl.int32) + (1 if OFF_BY_ONE else 0)
+    tl.store(sign_ptr + offs, sign, mask=mask)
+    tl.store(abs_ptr + offs, tl.abs(x), mask=mask)
+
+
 def blocks(*sizes, **extra):
     return [triton.Config({"BLOCK": b, **extra}) for b in sizes]
 
@@ -149,6 +160,39 @@ def test_a_config_that_leaves_an_element_unwritten_is_never_chosen(timings, with
     trials = Store().trials(entry.device, entry.problem_key)
     assert [t.status for t in trials] == [Status.OK, Status.WRONG_RESULT, Status.OK]
     assert ("reference" if with_reference else "most configs agree") in trials[1].reason
+
+
+def test_every_output_is_checked_an_integer_one_exactly(timings):
+    configs = blocks(16) + blocks(32, OFF_BY_ONE=True) + blocks(64)
+    kernel = gemmtune.autotune(configs=configs, key=["n"])(sign_kernel)
+    timings.order = ["1", "0", "2"]
+    x, _, magnitude = operands(77)
+    sign = torch.zeros(77, dtype=torch.int32, device=DEVICE)
+    kernel[grid(77)](x, sign, magnitude, 77)
+    assert kernel.best_config.kwargs == {"BLOCK": 16}
+    assert torch.equal(sign, torch.sign(x).to(torch.int32)) and torch.equal(magnitude, x.abs())
+    (entry,) = stored_entries()
+    assert [t.status for t in Store().trials(entry.device, entry.problem_key)] == [
+        Status.OK, Status.WRONG_RESULT, Status.OK]
+
+
+def test_threads_that_meet_a_new_key_together_tune_it_once(timings):
+    import threading
+
+    kernel = gemmtune.autotune(configs=blocks(16, 32), key=["n"])(add_kernel)
+    results = []
+
+    def call():
+        x, y, out = operands(64)
+        kernel[grid(64)](x, y, out, 64)
+        results.append(torch.equal(out, x + y))
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 4 and len(timings) == 1
 
 
 def test_configs_that_disagree_with_no_majority_and_no_reference_store_nothing(timings, caplog):
