@@ -332,3 +332,65 @@ def test_measured_for_real_the_fastest_passing_config_is_chosen():
     best = min((t for t in trials if t.ok), key=lambda t: t.median_ms)
     assert entry.config == best.config and entry.gpu_timings == (not current().interpreter)
     assert torch.equal(out, x + y)
+
+
+def test_do_bench_replaces_gemmtune_s_timing(timings):
+    seen = []
+
+    def do_bench(fn, quantiles):
+        seen.append(fn)
+        return [float(3 - len(seen)), 0.0, 0.0]  # the later config reads faster
+
+    kernel = gemmtune.autotune(configs=blocks(16, 32), key=["n"], do_bench=do_bench)(add_kernel)
+    x, y, out = operands(48)
+    kernel[grid(48)](x, y, out, 48)
+    assert len(seen) == 2 and timings == [] and kernel.best_config.kwargs == {"BLOCK": 32}
+    assert torch.equal(out, x + y)
+
+
+def isolated(name):
+    import autotuned_kernels
+
+    return getattr(autotuned_kernels, name)
+
+
+def test_isolated_a_config_that_ends_its_process_is_a_failed_trial_and_the_program_goes_on():
+    kernel = isolated("add_with_a_crash")
+    x, y, out = operands(100)
+    before = x.clone(), y.clone()
+    kernel[grid(100)](x, y, out, 100)
+    assert torch.equal(out, x + y) and torch.equal(x, before[0]) and torch.equal(y, before[1])
+    assert kernel.best_config.kwargs["BLOCK"] in (16, 64)
+    (entry,) = stored_entries()
+    trials = {t.config["index"]: t for t in Store().trials(entry.device, entry.problem_key)}
+    assert trials[1].status is Status.LAUNCH_ERROR and "exit code 9" in trials[1].reason
+    assert trials[0].ok and trials[2].ok
+
+
+def test_isolated_a_config_that_hangs_is_a_timeout_trial(monkeypatch):
+    from gemmtune.tuning import kernel_worker
+
+    monkeypatch.setattr(kernel_worker, "TIMEOUT_S", 20.0)
+    kernel = isolated("add_with_a_hang")
+    x, y, out = operands(40)
+    kernel[grid(40)](x, y, out, 40)
+    assert torch.equal(out, x + y) and kernel.best_config.kwargs == {"BLOCK": 32}
+    (entry,) = stored_entries()
+    hung, ok = Store().trials(entry.device, entry.problem_key)
+    assert hung.status is Status.TIMEOUT and ok.ok
+
+
+def test_isolated_tuning_finds_what_tuning_in_process_finds():
+    kernel = isolated("add_isolated")
+    x, y, out = operands(64)
+    kernel[grid(64)](x, y, out, 64)
+    (entry,) = stored_entries()
+    assert torch.equal(out, x + y) and [t.ok for t in Store().trials(entry.device, entry.problem_key)] == [True, True]
+
+
+def test_a_kernel_no_other_process_can_import_is_tuned_in_this_one(timings, caplog):
+    kernel = gemmtune.autotune(configs=blocks(16, 32), key=["n"], isolate=True)(add_kernel)  # not at a module's top
+    x, y, out = operands(30)
+    with caplog.at_level(logging.WARNING, logger="gemmtune"):
+        kernel[grid(30)](x, y, out, 30)
+    assert torch.equal(out, x + y) and len(timings) == 1 and "tuned in this process" in caplog.text

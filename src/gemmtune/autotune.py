@@ -14,7 +14,9 @@ is the migration, and adds what triton's lacks:
   else against the outputs most configs agree on; ``outputs=`` names the output arguments where
   the first run cannot show them;
 - configs are timed side by side in interleaved rounds with L2 flushed between calls; a config
-  that raises is a failed trial;
+  that raises is a failed trial; with ``isolate=True`` tuning runs in a child process on copies of
+  the arguments (``gemmtune.tuning.kernel_worker``), so a config that faults, kills its process or
+  hangs is a failed trial too, and the program goes on;
 - ``GEMMTUNE_MODE=lookup`` never tunes: a miss runs ``default=`` (a config of the list; the first
   by default), as does a miss while a CUDA graph is being captured; both are logged once;
 - one log line per tuning (as ``TRITON_PRINT_AUTOTUNING`` prints), through gemmtune's logging.
@@ -44,7 +46,7 @@ from gemmtune.device import current
 from gemmtune.kernel_config import KernelConfig, kernel_key
 from gemmtune.results import Timing
 from gemmtune.store import Store
-from gemmtune.tuning import autotuner
+from gemmtune.tuning import autotuner, kernel_worker
 
 log = logging.getLogger("gemmtune")
 
@@ -56,7 +58,7 @@ def autotune(configs: Sequence, key: Sequence[str], prune_configs_by: dict | Non
              pre_hook: Callable | None = None, post_hook: Callable | None = None, warmup: int | None = None,
              rep: int | None = None, use_cuda_graph: bool = False, do_bench: Callable | None = None,
              cache_results: bool = False, *, reference: Callable | None = None,
-             outputs: Sequence[str] | None = None, default: Any = None) -> Callable:
+             outputs: Sequence[str] | None = None, default: Any = None, isolate: bool = False) -> Callable:
     """Decorate a ``@triton.jit`` function as ``triton.autotune`` does (see the module's docstring
     for what gemmtune adds and what differs)."""
 
@@ -64,7 +66,7 @@ def autotune(configs: Sequence, key: Sequence[str], prune_configs_by: dict | Non
         return Autotuned(fn, configs, key, prune_configs_by=prune_configs_by, reset_to_zero=reset_to_zero,
                          restore_value=restore_value, pre_hook=pre_hook, post_hook=post_hook, rep=rep,
                          use_cuda_graph=use_cuda_graph, do_bench=do_bench, reference=reference,
-                         outputs=outputs, default=default)
+                         outputs=outputs, default=default, isolate=isolate)
 
     return decorator
 
@@ -77,7 +79,7 @@ class Autotuned:
                  reset_to_zero: Sequence[str] | None, restore_value: Sequence[str] | None,
                  pre_hook: Callable | None, post_hook: Callable | None, rep: int | None, use_cuda_graph: bool,
                  do_bench: Callable | None, reference: Callable | None, outputs: Sequence[str] | None,
-                 default: Any) -> None:
+                 default: Any, isolate: bool = False) -> None:
         self.fn = fn
         self.arg_names = list(getattr(fn, "arg_names", None) or _not_a_kernel(fn))
         self.configs = list(configs) or [_default_config()]
@@ -90,6 +92,7 @@ class Autotuned:
         self.reference, self.do_bench = reference, do_bench
         self.budget_ms = float(rep) if rep else autotuner.BUDGET_MS
         self.graphs = use_cuda_graph
+        self.isolate = isolate
         self.data = [KernelConfig.of(i, config) for i, config in enumerate(self.configs)]
         self.default = self._default(default)
         self.name = getattr(_base_function(fn), "__qualname__", "kernel")
@@ -176,16 +179,29 @@ class Autotuned:
         return config
 
     def _tune(self, key: str, args, kwargs, grid, named: dict, device):
-        pruned = self._pruned(named, kwargs)
-        candidates = [(self.data[self._index(config)], config) for config in pruned]
+        pruned = [self._index(config) for config in self._pruned(named, kwargs)]
+        if self.isolate:
+            place, why = kernel_worker.where(self), kernel_worker.unsupported(named)
+            if place is not None and why is None:
+                return kernel_worker.tune(self, place, args, kwargs, grid, named, pruned, device, key)
+            self._say_once(("isolate",), "gemmtune.autotune: %s is tuned in this process: %s", self.name,
+                           why or "the kernel cannot be imported by name in another process (made in __main__ or "
+                                  "in a function)")
+        call = self.tuning_call(lambda config: self.launch_for_tuning(config, args, kwargs, grid, named), named)
+        candidates = [(self.data[i], self.configs[i]) for i in pruned]
+        return autotuner.tune(call, candidates, device, key, **self.tuning_options())
+
+    def tuning_call(self, launch: Callable, named: dict) -> autotuner.Call:
+        """The call to tune: ``launch(config)`` runs it with a config; ``named``, its arguments."""
         tensors = {name: value for name, value in named.items() if isinstance(value, torch.Tensor)}
         reference = None if self.reference is None else (lambda _tensors: self.reference(**named))
-        call = autotuner.Call(lambda config: self._bench_launch(config, args, kwargs, grid, named), tensors,
-                              outputs=self.outputs, restored=self.restore_value, zeroed=self.reset_to_zero,
-                              reference=reference)
+        return autotuner.Call(launch, tensors, outputs=self.outputs, restored=self.restore_value,
+                              zeroed=self.reset_to_zero, reference=reference)
+
+    def tuning_options(self) -> dict:
+        """How ``autotuner.tune`` times the configs: gemmtune's measurement, or ``do_bench``."""
         timer = None if self.do_bench is None else self._user_timer
-        return autotuner.tune(call, candidates, device, key, budget_ms=self.budget_ms, graphs=self.graphs,
-                              timer=timer)
+        return {"budget_ms": self.budget_ms, "graphs": self.graphs, "timer": timer}
 
     def _user_timer(self, runs: dict[str, Callable]) -> dict[str, Timing]:
         """``do_bench``'s median of each run, where the user gave one."""
@@ -241,7 +257,7 @@ class Autotuned:
             config.pre_hook({**named, **meta})
         return self.fn.run(*args, grid=grid, warmup=False, **kwargs, **meta)
 
-    def _bench_launch(self, config, args: tuple, kwargs: dict, grid, named: dict) -> None:
+    def launch_for_tuning(self, config, args: tuple, kwargs: dict, grid, named: dict) -> None:
         """One tuning run, as triton.autotune's: the config's pre-hook, the decorator's pre-hook
         (else reset_to_zero), the kernel, the post-hook."""
         meta = _meta(config, kwargs)
