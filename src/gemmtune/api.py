@@ -23,7 +23,7 @@ from gemmtune.results import Trial, TuneResult
 from gemmtune.serving import recording as recorder
 from gemmtune.serving.calls import check_linear, check_mm_2d, front_key, matmul_forward, require_tensor, serve_linear
 from gemmtune.serving.dispatch import DISPATCHER
-from gemmtune.store import Store
+from gemmtune.store import ServerStore, Store, open_store
 from gemmtune.tuning.tuner import TuneOptions, tune_many
 from gemmtune.tuning.worker import IsolatedRunner
 
@@ -32,7 +32,7 @@ _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 
 
-def tune(problems: Problem | Iterable[Problem], *, store: Store | str | Path | None = None,
+def tune(problems: Problem | Iterable[Problem], *, store: Store | ServerStore | str | Path | None = None,
          options: TuneOptions | None = None, retune: bool = False, isolate: bool = False,
          on_result: Callable[[TuneResult], None] | None = None,
          on_trial: Callable[[Trial], None] | None = None) -> list[TuneResult]:
@@ -46,7 +46,7 @@ def tune(problems: Problem | Iterable[Problem], *, store: Store | str | Path | N
     for i, problem in enumerate(problems):
         if not isinstance(problem, Problem):
             raise TypeError(f"tune(problems=...): item {i} is a {type(problem).__name__}, expected gemmtune.Problem")
-    store = store if isinstance(store, Store) else Store(store)
+    store = store if isinstance(store, (Store, ServerStore)) else open_store(store)
     device = current()
     runner = IsolatedRunner(device, device_index=torch.cuda.current_device() if not device.interpreter else 0) \
         if isolate else None

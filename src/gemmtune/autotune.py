@@ -45,7 +45,7 @@ from gemmtune import settings
 from gemmtune.device import current
 from gemmtune.kernel_config import KernelConfig, kernel_key
 from gemmtune.results import Timing
-from gemmtune.store import Store
+from gemmtune.store import ServerStore, Store, open_store
 from gemmtune.tuning import autotuner, kernel_worker
 
 log = logging.getLogger("gemmtune")
@@ -144,7 +144,7 @@ class Autotuned:
                 return self.chosen[call_key]
             key = self._store_key(call_key)
             device = current()
-            store = Store()
+            store = open_store()
             config = self._stored(store.get(device.fingerprint(), key))
             if config is None:
                 config = self._missed(key, call_key, args, kwargs, grid, named, device, store)
@@ -160,7 +160,8 @@ class Autotuned:
             return self.configs[data.index]
         return None
 
-    def _missed(self, key: str, call_key: tuple, args, kwargs, grid, named: dict, device, store: Store):
+    def _missed(self, key: str, call_key: tuple, args, kwargs, grid, named: dict, device,
+                store: Store | ServerStore):
         if len(self.configs) == 1:
             return self.configs[0]
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

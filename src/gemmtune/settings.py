@@ -41,7 +41,11 @@ MISSES = Knob("GEMMTUNE_MISSES", "",
                "in lookup mode, append each shape missing from the store to this file (JSON Lines), "
                "for `gemmtune tune --from FILE`")
 
-KNOBS = (CACHE_DIR, MODE, LOG_LEVEL, BUCKET, COMPILE_WORKERS, COMPILE_FORK, MISSES)
+STORE = Knob("GEMMTUNE_STORE", "",
+              "the tuning store: a postgresql:// URL (a server a fleet shares), or a SQLite file or directory "
+              "(default: the SQLite file in GEMMTUNE_CACHE_DIR)")
+
+KNOBS = (CACHE_DIR, STORE, MODE, LOG_LEVEL, BUCKET, COMPILE_WORKERS, COMPILE_FORK, MISSES)
 
 
 def cache_dir() -> Path:
@@ -69,6 +73,12 @@ def store_file(path: str | Path | None = None) -> Path:
     path = Path(path).expanduser()
     names_a_file = path.is_file() or (not path.exists() and bool(path.suffix))
     return path if names_a_file else path / STORE_FILENAME
+
+
+def store_location() -> str | None:
+    """``GEMMTUNE_STORE`` where set (a server's URL, or a SQLite file or directory), else None:
+    the SQLite file of ``store_file()``."""
+    return STORE.raw().strip() or None
 
 
 def triton_cache_dir() -> Path:

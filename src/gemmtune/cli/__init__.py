@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="what this GPU is, what limits it, and what gemmtune will do here")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
-    doctor.add_argument("--cache", type=Path, help="store file or directory (default: $GEMMTUNE_CACHE_DIR or the user cache dir)")
+    _store_argument(doctor)
     doctor.set_defaults(run=_doctor)
 
     tune = sub.add_parser("tune", help="tune shapes and print the choices beside cuBLAS",
@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="run candidates in this process (default: a worker process, so a crashing or "
                            "hanging candidate becomes a failed trial)")
     tune.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
-    tune.add_argument("--cache", type=Path, help="store file or directory")
+    _store_argument(tune)
     tune.set_defaults(run=_tune)
 
     bench = sub.add_parser("bench", help="time each shape's stored choice beside cuBLAS (and inductor), now",
@@ -93,11 +93,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="wall time of each shape's rounds, past which no more start once N ran (default 1000)")
     bench.add_argument("--out", type=Path, metavar="FILE", help="write the rows as a suite file (JSON)")
     bench.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
-    bench.add_argument("--cache", type=Path, help="store file or directory")
+    _store_argument(bench)
     bench.set_defaults(run=_bench)
 
     cache = sub.add_parser("cache", help="inspect, export, import or clear the tuning store")
-    cache.add_argument("--cache", type=Path, help="store file or directory")
+    _store_argument(cache)
     cache_sub = cache.add_subparsers(dest="action", required=True, metavar="ACTION")
     listing = cache_sub.add_parser("list", help="every stored choice")
     listing.add_argument("--device", help="only this device fingerprint")
@@ -198,7 +198,7 @@ def _doctor(args, console: Console) -> int:
     from gemmtune.cli import doctor
 
     checks = [_store_problem(args.cache) or check if check.name == "store" else check
-              for check in doctor.collect(store_path=settings.store_file(args.cache))]
+              for check in doctor.collect(store_path=args.cache)]
     if args.json:
         console.print_json(json.dumps(doctor.as_dict(checks)))
     else:
@@ -206,15 +206,22 @@ def _doctor(args, console: Console) -> int:
     return 0
 
 
-def _store_problem(cache: Path | None):
+def _store_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", "--cache", dest="cache", metavar="STORE",
+                        help="the tuning store: a SQLite file or directory, or a postgresql:// URL shared by a fleet "
+                             "(default: $GEMMTUNE_STORE, else the SQLite file in $GEMMTUNE_CACHE_DIR or the user "
+                             "cache dir)")
+
+
+def _store_problem(cache: str | None):
     """The doctor's store line as a warning where the store that ``tune`` and ``cache`` would use
     cannot be used (the doctor's own line says only where it is and how large), or None."""
     from gemmtune.cli.doctor import Check
     from gemmtune.errors import StoreError
-    from gemmtune.store import Store
+    from gemmtune.store import open_store
 
     try:
-        with Store(cache) as store:
+        with open_store(cache) as store:
             store.check()
     except StoreError as exc:
         return Check("store", str(exc), "warn")
@@ -225,12 +232,12 @@ def _tune(args, console: Console) -> int:
     from gemmtune import api
     from gemmtune.cli import report
     from gemmtune.device import current
-    from gemmtune.store import Store
+    from gemmtune.store import open_store
 
     named = _named_problems(args, current())
     if args.validate:
         return _validate_buckets(named, args, console)
-    store = Store(args.cache)
+    store = open_store(args.cache)
     store.check()  # a store that cannot keep the choices is said before tuning, not after
     results = _tune_with_progress(api, named, args, console, store)
     if args.json:
@@ -434,9 +441,9 @@ def _report(args, console: Console) -> int:
 
 def _cache(args, console: Console) -> int:
     from gemmtune.cli import report
-    from gemmtune.store import Store
+    from gemmtune.store import open_store
 
-    store = Store(args.cache, strict=True)  # a store that cannot be used is this command's error
+    store = open_store(args.cache, strict=True)  # a store that cannot be used is this command's error
     if args.action == "list":
         choices = store.choices(args.device)
         console.print(f"store: {store.path} ({store.size_bytes() / 1024:.0f} KiB), {len(choices)} choices")

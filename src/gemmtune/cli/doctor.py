@@ -60,7 +60,7 @@ class Check:
             raise ValueError(f"Check.status={self.status!r}; accepted: {', '.join(STATUSES)}")
 
 
-def collect(store_path: Path | None = None, device: Device | None = None) -> list[Check]:
+def collect(store_path: str | Path | None = None, device: Device | None = None) -> list[Check]:
     """Gather every check for ``device`` (default: the current GPU, or the CPU interpreter).
 
     Clocks and throttle reasons are read live from NVML only for the device this process runs
@@ -382,8 +382,16 @@ def store_size(path: Path) -> int:
     return total
 
 
-def store_check(store_path: Path | None = None) -> Check:
-    path = settings.store_file(store_path)
+def store_check(store_path: str | Path | None = None) -> Check:
+    """Where the store is and how large; a server's store is reached to be measured."""
+    from gemmtune.store import ServerStore, open_store
+
+    location = store_path if store_path is not None else settings.store_location()
+    store = open_store(location, strict=True)
+    if isinstance(store, ServerStore):
+        with store:
+            return Check("store", f"{store.path} (a server; {_size(store.size_bytes())})", "ok")
+    path = store.path
     if not path.exists():
         return Check("store", f"{path} (not created yet)", "info")
     return Check("store", f"{path} ({_size(store_size(path))})", "ok")

@@ -14,7 +14,7 @@ from gemmtune import backends, settings
 from gemmtune.device import Device, current
 from gemmtune.problem import Problem, bucket
 from gemmtune.shapes import entry
-from gemmtune.store import Store
+from gemmtune.store import ServerStore, Store, open_store
 from gemmtune.tuning.tuner import TuneOptions, tune_problem
 
 log = logging.getLogger("gemmtune")
@@ -45,7 +45,7 @@ class DispatchKey(NamedTuple):
 
 
 class Dispatcher:
-    def __init__(self, store: Store | None = None) -> None:
+    def __init__(self, store: Store | ServerStore | None = None) -> None:
         self.kernels: dict[DispatchKey, object] = {}  # read directly by the hot path
         # api.linear's front path: its operands' own attributes -> the kernel that served them
         self.front: dict[tuple, object] = {}
@@ -55,9 +55,9 @@ class Dispatcher:
         self._local = threading.local()  # .deferring: this thread is inside deferring()
 
     @property
-    def store(self) -> Store:
+    def store(self) -> Store | ServerStore:
         if self._store is None:
-            self._store = Store()
+            self._store = open_store()
         return self._store
 
     def kernel(self, key: DispatchKey) -> object:

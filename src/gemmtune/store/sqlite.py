@@ -1,9 +1,4 @@
-"""The tuning store: every choice and every trial, in one SQLite file (WAL) per user.
-
-A choice is keyed by (device fingerprint, problem key). Whatever comes out of the store, or into
-it from a shared JSON file, is validated the same way, because a config read from disk must not
-be able to launch an invalid kernel: an invalid row is skipped with a warning, an invalid import
-file is refused whole. JSON and SQLite only; never pickle, eval or exec.
+"""The default store: every choice and every trial in one SQLite file (WAL) per user.
 
 gemmtune writes only into files it made: it marks them with SQLite's application_id
 (APPLICATION_ID) and leaves any other SQLite file exactly as it found it. A store that cannot be
@@ -12,9 +7,7 @@ used never breaks the caller of ``gemmtune.linear``, ``matmul`` or ``tune``: see
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import random
 import sqlite3
@@ -27,22 +20,19 @@ from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gemmtune import backends, settings
-from gemmtune import kernel_config
+from gemmtune import settings
 from gemmtune.errors import StoreError
-from gemmtune.problem import Problem
-from gemmtune.results import Status, Timing, Trial, TuneResult
+from gemmtune.results import Trial, TuneResult
+from gemmtune.store.entries import (choice_row, entry_of_result, export_document, import_entries, now,
+                                    result_of_row, trial_of_row, trial_row, validate_entry)
 from gemmtune.version import __version__
 
 SCHEMA_VERSION = 1
 # PRAGMA application_id of every store gemmtune creates: the ASCII bytes "gmtu". A file with
 # another id is another program's, and gemmtune never writes into it.
 APPLICATION_ID = 0x676D7475
-EXPORT_FORMAT = "gemmtune-store"
-EXPORT_VERSION = 1
 BUSY_TIMEOUT_S = 30.0  # SQLite's own wait for a lock, inside one attempt
 RETRY_FOR_S = 60.0  # our retries on top of it, when a writer holds the lock longer
-MAX_DEVICE_CHARS = 200
 
 log = logging.getLogger("gemmtune.store")
 T = TypeVar("T")
@@ -53,8 +43,6 @@ _WARNED: set[Path] = set()  # the store paths whose failure this process has alr
 _WARNED_LOCK = threading.Lock()
 _ELSEWHERE = f"move it away, or set {settings.CACHE_DIR.env} (--cache in the CLI) to another directory"
 
-_FIELDS = ("device", "problem", "backend", "config", "time_ms", "cublas_ms", "rel_err", "tune_s", "gpu_timings")
-_NUMBERS = {"time_ms": (False, True), "cublas_ms": (True, False), "rel_err": (True, False), "tune_s": (False, False)}
 _CHOICE_COLUMNS = "device, problem_key, backend, config_json, time_ms, cublas_ms, rel_err, tune_s, gpu_timings"
 _UPSERT_CHOICE = (f"INSERT OR REPLACE INTO choices ({_CHOICE_COLUMNS}, gemmtune_version, created_at) "
                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
@@ -133,16 +121,16 @@ class Store:
         row = self._run(lambda c: c.execute(
             f"SELECT {_CHOICE_COLUMNS} FROM choices WHERE device = ? AND problem_key = ?",
             (device, problem_key)).fetchone(), empty=None)
-        return None if row is None else _result_of_row(row)
+        return None if row is None else result_of_row(row)
 
     def put(self, result: TuneResult) -> None:
         """Upsert the choice and append every trial, in one transaction."""
-        entry, problems = _validate_entry(_entry_of_result(result))
+        entry, problems = validate_entry(entry_of_result(result))
         if problems:
             raise ValueError(f"result for {result.problem_key!r} cannot be stored: {'; '.join(problems)}")
-        now = _now()
-        choice = _choice_row(entry, __version__, now)
-        trials = [_trial_row(result.device, result.problem_key, trial, now) for trial in result.trials]
+        stamp = now()
+        choice = choice_row(entry, __version__, stamp)
+        trials = [trial_row(result.device, result.problem_key, trial, stamp) for trial in result.trials]
 
         def write(conn: sqlite3.Connection) -> None:
             conn.execute(_UPSERT_CHOICE, choice)
@@ -157,7 +145,7 @@ class Store:
         rows = self._run(lambda c: c.execute(
             "SELECT backend, config_json, status, reason, samples_json, rel_err FROM trials"
             " WHERE device = ? AND problem_key = ? ORDER BY id", (device, problem_key)).fetchall(), empty=[])
-        return [t for t in map(_trial_of_row, rows) if t is not None]
+        return [t for t in map(trial_of_row, rows) if t is not None]
 
     def devices(self) -> list[str]:
         rows = self._run(lambda c: c.execute("SELECT DISTINCT device FROM choices ORDER BY device").fetchall(),
@@ -176,20 +164,13 @@ class Store:
         return self._run(delete, write=True, empty=0)
 
     def export_json(self, path: str | Path, device: str | None = None) -> int:
-        entries = [_entry_of_result(result) for result in self._choices(device, empty=_REFUSE)]
-        document = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "gemmtune": __version__,
-                    "choices": entries}
-        _write_atomically(Path(path), json.dumps(document, indent=1, allow_nan=False) + "\n")
-        return len(entries)
+        return export_document(Path(path), self._choices(device, empty=_REFUSE))
 
     def import_json(self, path: str | Path) -> int:
         """Upsert every choice of an export file, or none: any invalid entry refuses the file."""
-        document = _read_json(Path(path))
-        entries = _validated_entries(document, Path(path))
-        source = document.get("gemmtune")
-        version = source if _is_label(source, 64) else None
-        now = _now()
-        rows = [_choice_row(entry, version, now) for entry in entries]
+        entries, version = import_entries(Path(path))
+        stamp = now()
+        rows = [choice_row(entry, version, stamp) for entry in entries]
         self._run(lambda c: c.executemany(_UPSERT_CHOICE, rows), write=True)
         return len(rows)
 
@@ -201,7 +182,7 @@ class Store:
         rows = self._run(lambda c: c.execute(
             f"SELECT {_CHOICE_COLUMNS} FROM choices {where} ORDER BY device, problem_key", args).fetchall(),
             empty=empty)
-        return [r for r in map(_result_of_row, rows) if r is not None]
+        return [r for r in map(result_of_row, rows) if r is not None]
 
     def _run(self, work: Callable[[sqlite3.Connection], T], write: bool = False, empty: Any = _REFUSE) -> T:
         """``work`` on the connection. On a failure, what an empty store answers (``empty``) once
@@ -436,185 +417,7 @@ def _retry(attempt: Callable[[], T]) -> T:
         delay = min(1.0, 2 * delay)
 
 
-# --- rows, entries, validation ------------------------------------------------------------------
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
 def _device_filter(device: str | None) -> tuple[str, tuple]:
     return ("", ()) if device is None else ("WHERE device = ?", (device,))
 
 
-def _entry_of_result(result: TuneResult) -> dict:
-    return {"device": result.device, "problem": result.problem_key, "backend": result.backend,
-            "config": result.config, "time_ms": result.time_ms, "cublas_ms": result.cublas_ms,
-            "rel_err": result.rel_err, "tune_s": result.tune_s, "gpu_timings": result.gpu_timings}
-
-
-def _choice_row(entry: dict, version: str | None, now: str) -> tuple:
-    return (entry["device"], entry["problem"], entry["backend"], json.dumps(entry["config"]), entry["time_ms"],
-            entry["cublas_ms"], entry["rel_err"], entry["tune_s"], int(entry["gpu_timings"]), version, now)
-
-
-def _trial_row(device: str, problem_key: str, trial: Trial, now: str) -> tuple:
-    samples = None if trial.timing is None else json.dumps(list(trial.timing.samples))
-    return (device, problem_key, trial.backend, json.dumps(trial.config), Status(trial.status).value,
-            trial.reason, samples, trial.rel_err, now)
-
-
-def _loads(text: Any) -> Any:
-    try:
-        return json.loads(text)
-    except (TypeError, ValueError, RecursionError):
-        return None
-
-
-def _result_of_row(row: tuple) -> TuneResult | None:
-    device, key, backend, config_json, time_ms, cublas_ms, rel_err, tune_s, gpu = row
-    entry = {"device": device, "problem": key, "backend": backend, "config": _loads(config_json),
-             "time_ms": time_ms, "cublas_ms": cublas_ms, "rel_err": rel_err, "tune_s": tune_s,
-             "gpu_timings": bool(gpu) if gpu in (0, 1) else gpu}
-    entry, problems = _validate_entry(entry)
-    if problems:
-        log.warning("skipping the stored choice for %s on %s: %s", key, device, "; ".join(problems))
-        return None
-    return TuneResult(problem_key=key, device=device, backend=entry["backend"], config=entry["config"],
-                      time_ms=entry["time_ms"], cublas_ms=entry["cublas_ms"], tune_s=entry["tune_s"],
-                      rel_err=entry["rel_err"], from_store=True, gpu_timings=entry["gpu_timings"])
-
-
-def _trial_of_row(row: tuple) -> Trial | None:
-    backend, config_json, status, reason, samples_json, rel_err = row
-    try:
-        samples = None if samples_json is None else tuple(float(s) for s in json.loads(samples_json))
-        return Trial(backend, json.loads(config_json), Status(status),
-                     None if samples is None else Timing(samples), rel_err, reason)
-    except (TypeError, ValueError) as exc:
-        log.warning("skipping an unreadable stored trial of %s: %s", backend, exc)
-        return None
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_bytes())  # JSON only: a shared file must never be able to run code
-    except (ValueError, RecursionError) as exc:
-        raise StoreError(f"{path} is not a JSON file: {exc}") from None
-
-
-def _validated_entries(document: Any, path: Path) -> list[dict]:
-    if not isinstance(document, dict) or document.get("format") != EXPORT_FORMAT:
-        found = document.get("format") if isinstance(document, dict) else type(document).__name__
-        raise StoreError(f"{path}: format must be {EXPORT_FORMAT!r}, got {found!r}")
-    version = document.get("version")
-    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= EXPORT_VERSION:
-        raise StoreError(f"{path}: version {version!r} is not one this gemmtune reads (1 to {EXPORT_VERSION}); "
-                         "a newer file needs a newer gemmtune")
-    entries = document.get("choices")
-    if not isinstance(entries, list):
-        raise StoreError(f"{path}: 'choices' must be a list, got {type(entries).__name__}")
-    results = [_validate_entry(entry) for entry in entries]
-    invalid = [f"entry {i}: {'; '.join(problems)}" for i, (_, problems) in enumerate(results) if problems]
-    if invalid:
-        raise StoreError(f"{path}: {len(invalid)} of {len(entries)} entries are invalid; nothing imported:\n"
-                         + "\n".join(invalid))
-    return [entry for entry, _ in results]
-
-
-def _validate_entry(entry: Any) -> tuple[dict, list[str]]:
-    """The entry made canonical (config as its backend writes it), and every problem found."""
-    if not isinstance(entry, dict):
-        return {}, [f"must be an object with keys {list(_FIELDS)}, got {type(entry).__name__}"]
-    problems = []
-    if missing := [k for k in _FIELDS if k not in entry]:
-        problems.append(f"missing keys {missing}")
-    if extra := sorted(str(k) for k in entry if k not in _FIELDS):
-        problems.append(f"unexpected keys {extra}; accepted: {list(_FIELDS)}")
-    clean = dict(entry)
-    if "device" in entry and not _is_label(entry["device"], MAX_DEVICE_CHARS):
-        problems.append(f"device must be a non-empty printable str of at most {MAX_DEVICE_CHARS} chars, "
-                        f"got {entry['device']!r}")
-    if "problem" in entry and (issue := _problem_issue(entry["problem"])):
-        problems.append(issue)
-    for name in _NUMBERS:
-        if name in entry and (issue := _number_issue(name, entry[name])):
-            problems.append(issue)
-        elif name in entry and entry[name] is not None:
-            clean[name] = float(entry[name])
-    if "gpu_timings" in entry and not isinstance(entry["gpu_timings"], bool):
-        problems.append(f"gpu_timings must be true or false, got {entry['gpu_timings']!r}")
-    if "backend" in entry:
-        config, issue = _parse_config(entry["backend"], entry.get("config"))
-        problems += [issue] if issue else []
-        clean["config"] = config
-    if "problem" in entry and "backend" in entry and \
-            kernel_config.is_kernel_key(entry["problem"]) != (entry["backend"] == kernel_config.BACKEND):
-        problems.append(f"backend {kernel_config.BACKEND!r} goes with a kernel key ({kernel_config.KEY_PREFIX}...) "
-                        f"and no other, got {entry['backend']!r} for {entry['problem']!r:.80}")
-    return clean, problems
-
-
-def _is_label(value: Any, max_chars: int) -> bool:
-    return isinstance(value, str) and 0 < len(value) <= max_chars and value.isprintable()
-
-
-def _problem_issue(value: Any) -> str | None:
-    if kernel_config.is_kernel_key(value):
-        issue = kernel_config.key_issue(value)
-        return None if issue is None else f"problem: {issue}"
-    try:
-        Problem.from_key(value)
-    except ValueError as exc:
-        return f"problem: {exc}"
-    return None
-
-
-def _number_issue(name: str, value: Any) -> str | None:
-    nullable, positive = _NUMBERS[name]
-    if value is None and nullable:
-        return None
-    if _finite(value) and (value > 0 if positive else value >= 0):
-        return None
-    accepted = f"a finite number {'> 0' if positive else '>= 0'}{' or null' if nullable else ''}"
-    return f"{name} must be {accepted}, got {value!r}"
-
-
-def _finite(value: Any) -> bool:
-    # bool is an int to Python, but true is no time: refuse it where a number belongs
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # a JSON integer too large for a float
-        return False
-
-
-def _parse_config(backend: Any, config: Any) -> tuple[dict | None, str | None]:
-    accepted = [*backends.names(), kernel_config.BACKEND]
-    if not isinstance(backend, str) or backend not in accepted:
-        return None, f"backend must be one of {accepted}, got {backend!r}"
-    if not isinstance(config, dict):
-        return None, f"config must be an object, got {type(config).__name__}"
-    try:
-        if backend == kernel_config.BACKEND:
-            return kernel_config.KernelConfig.from_dict(config).as_dict(), None
-        return backends.get(backend).parse_config(config).as_dict(), None
-    except (ValueError, TypeError) as exc:
-        return None, f"config: {exc}"
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    # A reader (or a crash) never sees half a file: write beside it, then rename over it.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Not mkstemp: its 0600 mode would make a file meant for sharing unreadable to others.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{random.getrandbits(32):08x}.tmp")
-    try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

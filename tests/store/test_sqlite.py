@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import gemmtune.store
+import gemmtune.store.sqlite
 from gemmtune.results import Status, Timing, Trial, TuneResult
 from gemmtune.settings import STORE_FILENAME
 from gemmtune.errors import StoreError
@@ -154,7 +154,7 @@ def test_threads_share_one_store(store: Store) -> None:
 
 
 def test_a_writer_waits_out_another_writers_lock(store: Store, monkeypatch, caplog) -> None:
-    monkeypatch.setattr(gemmtune.store, "BUSY_TIMEOUT_S", 0.05)  # shorter than the lock: our retries must wait
+    monkeypatch.setattr(gemmtune.store.sqlite, "BUSY_TIMEOUT_S", 0.05)  # shorter than the lock: our retries must wait
     store.put(make_result(key=key_for(1)))
     with closing(sqlite3.connect(store.path, isolation_level=None, check_same_thread=False)) as other:
         other.execute("BEGIN IMMEDIATE")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import gemmtune
-import gemmtune.store
+import gemmtune.store.sqlite
 from gemmtune import backends
 from gemmtune.cli import main
 from gemmtune.device import current
@@ -221,8 +221,8 @@ def test_a_new_store_is_marked(tmp_path, empty_file) -> None:
 
 
 def test_a_lock_held_past_the_retries_drops_the_put_with_one_warning(tmp_path, monkeypatch, caplog) -> None:
-    monkeypatch.setattr(gemmtune.store, "BUSY_TIMEOUT_S", 0.05)
-    monkeypatch.setattr(gemmtune.store, "RETRY_FOR_S", 0.3)
+    monkeypatch.setattr(gemmtune.store.sqlite, "BUSY_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(gemmtune.store.sqlite, "RETRY_FOR_S", 0.3)
     path = gemmtune_store(tmp_path / "busy.sqlite")
     other_key = Problem(9, 16, 16, "float32", "nn").key()
     store = Store(path)
