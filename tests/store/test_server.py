@@ -120,9 +120,8 @@ def test_other_programs_tables_are_left_alone_and_a_newer_schema_refused(postgre
 def _put_and_hang(url: str) -> None:
     """Runs in a spawned process: the choice is written, then the trials' insert waits on the
     server, inside the transaction, until the process is killed."""
-    import gemmtune.store.server as server
-
-    server._INSERT_TRIAL = "SELECT pg_sleep(60) FROM (VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)) AS v"
+    sleep = "SELECT pg_sleep(60) FROM (VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)) AS v"
+    ServerStore._insert_trial = lambda self: sleep
     ServerStore(url, strict=True).put(make_result())
 
 
@@ -153,3 +152,23 @@ def test_redacted_hides_the_password_alone():
     assert redacted("postgresql://u@db/tune?host=/tmp") == "postgresql://u@db/tune?host=/tmp"
     with pytest.raises(ValueError, match="postgresql://"):
         ServerStore(str(Path("/tmp/x.sqlite")))
+
+
+def test_merging_stores_into_the_server_and_back_is_idempotent_and_newest_first(postgres_url, tmp_path, capsys):
+    from gemmtune.cli import main
+    from gemmtune.store import merge
+
+    first, second = Store(tmp_path / "a.sqlite"), Store(tmp_path / "b.sqlite")
+    first.put(make_result(key=key_for(1), time_ms=0.03))
+    first.put(make_result(key=key_for(2)))
+    time.sleep(1.1)  # the stamps are to the second
+    second.put(make_result(key=key_for(1), time_ms=0.01))  # newer than first's
+    with ServerStore(postgres_url) as server:
+        assert merge([second, first], server) == (2, 1)  # first's key 1 is older than second's
+        assert server.get(DEVICE, key_for(1)).time_ms == 0.01
+        assert len(server.trials(DEVICE, key_for(1))) == 2  # the newest choice's trials, not both
+        assert merge([first, second], server) == (0, 3)  # again: nothing copied
+    assert main(["cache", "--store", str(tmp_path / "c.sqlite"), "merge", postgres_url]) == 0  # and back
+    assert "2 choices copied" in capsys.readouterr().out
+    back = Store(tmp_path / "c.sqlite")
+    assert {c.problem_key: c.time_ms for c in back.choices()} == {key_for(1): 0.01, key_for(2): 0.015}

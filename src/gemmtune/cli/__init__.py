@@ -96,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     _store_argument(bench)
     bench.set_defaults(run=_bench)
 
-    cache = sub.add_parser("cache", help="inspect, export, import or clear the tuning store")
+    cache = sub.add_parser("cache", help="inspect, export, import, merge or clear the tuning store")
     _store_argument(cache)
     cache_sub = cache.add_subparsers(dest="action", required=True, metavar="ACTION")
     listing = cache_sub.add_parser("list", help="every stored choice")
@@ -111,6 +111,13 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("path", type=Path)
     clear = cache_sub.add_parser("clear", help="delete stored choices and their trials")
     clear.add_argument("--device", help="only this device fingerprint")
+    merge = cache_sub.add_parser("merge", help="copy other stores' choices and trials into this one, newest first",
+                                 description="Copy every choice of each SOURCE store (a SQLite file or directory, "
+                                             "or a postgresql:// URL) with its trials into the store of --store, "
+                                             "where that store does not hold the choice as new or newer. Merging "
+                                             "again copies nothing; sync a local store with a server by merging "
+                                             "each way.")
+    merge.add_argument("sources", nargs="+", metavar="SOURCE", help="a store to copy from")
     cache.set_defaults(run=_cache)
 
     cmp = sub.add_parser("compare", help="a model in eager, each torch.compile mode and gemmtune, side by side",
@@ -467,6 +474,14 @@ def _cache(args, console: Console) -> int:
     elif args.action == "clear":
         count = store.clear(args.device)
         console.print(f"removed {count} choices from {store.path}")
+    elif args.action == "merge":
+        from gemmtune.store import merge
+
+        for source in args.sources:
+            with open_store(source, strict=True) as opened:
+                copied, kept = merge([opened], store)
+            console.print(f"merged {opened.path} into {store.path}: {copied} choices copied, "
+                          f"{kept} already there as new or newer")
     return 0
 
 

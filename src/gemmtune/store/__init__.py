@@ -8,7 +8,8 @@ out of either store, or into it from a shared JSON file, is validated the same w
 (``entries``), because a config read from a store must not be able to launch an invalid kernel:
 an invalid row is skipped with a warning, an invalid import file is refused whole. JSON and SQL
 only; never pickle, eval or exec. A store that cannot be used never breaks the caller of
-``gemmtune.linear``, ``matmul`` or ``tune``: it warns once and keeps nothing.
+``gemmtune.linear``, ``matmul`` or ``tune``: it warns once and keeps nothing. ``merge`` copies
+stores into one (``gemmtune cache merge``), newest choice first.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from gemmtune import settings
 from gemmtune.store.server import ServerStore, is_url
 from gemmtune.store.sqlite import APPLICATION_ID, SCHEMA_VERSION, Store
 
-__all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "ServerStore", "Store", "open_store"]
+__all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "ServerStore", "Store", "merge", "open_store"]
 
 
 def open_store(location: str | Path | None = None, strict: bool = False) -> Store | ServerStore:
@@ -30,3 +31,18 @@ def open_store(location: str | Path | None = None, strict: bool = False) -> Stor
     if is_url(location):
         return ServerStore(str(location), strict=strict)
     return Store(location, strict=strict)
+
+
+def merge(sources: list[Store | ServerStore], into: Store | ServerStore) -> tuple[int, int]:
+    """Copy every choice of ``sources`` into ``into`` with its trials, as it was made, where
+    ``into`` does not hold it as new or newer: merging again copies nothing, and the newest choice
+    of each (device, problem) wins whatever the order. Syncing a local store with a server is a
+    merge each way. (choices copied, choices left as they were)."""
+    copied = kept = 0
+    for source in sources:
+        for record in source.records():
+            if into.put_record(record):
+                copied += 1
+            else:
+                kept += 1
+    return copied, kept

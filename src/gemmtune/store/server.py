@@ -17,16 +17,12 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from gemmtune import settings
 from gemmtune.errors import StoreError
-from gemmtune.results import Trial, TuneResult
-from gemmtune.store.entries import (choice_row, entry_of_result, export_document, import_entries, now,
-                                    result_of_row, trial_of_row, trial_row, validate_entry)
-from gemmtune.version import __version__
+from gemmtune.store.queries import CHOICE_COLUMNS, REFUSE, Queries
 
 SCHEMES = ("postgresql", "postgres")
 SCHEMA_VERSION = 1
@@ -35,17 +31,9 @@ CONNECT_TIMEOUT_S = 10
 
 log = logging.getLogger("gemmtune.store")
 T = TypeVar("T")
-_REFUSE: Any = object()
 _WARNED: set[str] = set()
 _WARNED_LOCK = threading.Lock()
 
-_CHOICE_COLUMNS = "device, problem_key, backend, config_json, time_ms, cublas_ms, rel_err, tune_s, gpu_timings"
-_UPSERT_CHOICE = (f"INSERT INTO gemmtune_choices ({_CHOICE_COLUMNS}, gemmtune_version, created_at) "
-                  "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (device, problem_key) DO UPDATE SET "
-                  + ", ".join(f"{c} = EXCLUDED.{c}" for c in ("backend", "config_json", "time_ms", "cublas_ms", "rel_err",
-                                                                "tune_s", "gpu_timings", "gemmtune_version", "created_at")))
-_INSERT_TRIAL = ("INSERT INTO gemmtune_trials (device, problem_key, backend, config_json, status, reason, "
-                 "samples_json, rel_err, created_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)")
 _TABLES = (
     "CREATE TABLE IF NOT EXISTS gemmtune_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS gemmtune_choices (device TEXT NOT NULL, problem_key TEXT NOT NULL,"
@@ -74,10 +62,17 @@ def redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-class ServerStore:
-    """The store in a PostgreSQL database (see the module's docstring); the interface of
-    ``gemmtune.store.Store``. The connection opens on first use and is the process's own: a
-    process forked from one that used it opens another."""
+class ServerStore(Queries):
+    """The store in a PostgreSQL database (see the module's docstring); what it reads and writes
+    is ``Queries``'. The connection opens on first use and is the process's own: a process forked
+    from one that used it opens another."""
+
+    _choices_table, _trials_table, _placeholder = "gemmtune_choices", "gemmtune_trials", "%s"
+    _upsert_choice = (f"INSERT INTO gemmtune_choices ({CHOICE_COLUMNS}, gemmtune_version, created_at) "
+                      f"VALUES ({', '.join(['%s'] * 11)}) ON CONFLICT (device, problem_key) DO UPDATE SET "
+                      + ", ".join(f"{c} = EXCLUDED.{c}" for c in ("backend", "config_json", "time_ms", "cublas_ms",
+                                                                    "rel_err", "tune_s", "gpu_timings",
+                                                                    "gemmtune_version", "created_at")))
 
     def __init__(self, url: str, strict: bool = False) -> None:
         if not is_url(url):
@@ -116,78 +111,20 @@ class ServerStore:
                 self._conn.close()
             self._conn = None
 
-    def get(self, device: str, problem_key: str) -> TuneResult | None:
-        row = self._run(lambda c: c.execute(
-            f"SELECT {_CHOICE_COLUMNS} FROM gemmtune_choices WHERE device = %s AND problem_key = %s",
-            (device, problem_key)).fetchone(), empty=None)
-        return None if row is None else result_of_row(row)
-
-    def put(self, result: TuneResult) -> None:
-        """Upsert the choice and append every trial, in one transaction."""
-        entry, problems = validate_entry(entry_of_result(result))
-        if problems:
-            raise ValueError(f"result for {result.problem_key!r} cannot be stored: {'; '.join(problems)}")
-        stamp = now()
-        choice = choice_row(entry, __version__, stamp)
-        trials = [trial_row(result.device, result.problem_key, trial, stamp) for trial in result.trials]
-
-        def write(conn) -> None:
-            conn.execute(_UPSERT_CHOICE, choice)
-            if trials:
-                conn.cursor().executemany(_INSERT_TRIAL, trials)
-
-        self._run(write, write=True, empty=None)
-
-    def choices(self, device: str | None = None) -> list[TuneResult]:
-        return self._choices(device, empty=[])
-
-    def trials(self, device: str, problem_key: str) -> list[Trial]:
-        rows = self._run(lambda c: c.execute(
-            "SELECT backend, config_json, status, reason, samples_json, rel_err FROM gemmtune_trials"
-            " WHERE device = %s AND problem_key = %s ORDER BY id", (device, problem_key)).fetchall(), empty=[])
-        return [t for t in map(trial_of_row, rows) if t is not None]
-
-    def devices(self) -> list[str]:
-        rows = self._run(lambda c: c.execute(
-            "SELECT DISTINCT device FROM gemmtune_choices ORDER BY device").fetchall(), empty=[])
-        return [row[0] for row in rows]
-
-    def clear(self, device: str | None = None) -> int:
-        """Remove the choices (and their trials) of one device, or of all; returns how many choices."""
-        where, args = ("", ()) if device is None else ("WHERE device = %s", (device,))
-
-        def delete(conn) -> int:
-            removed = conn.execute(f"DELETE FROM gemmtune_choices {where}", args).rowcount
-            conn.execute(f"DELETE FROM gemmtune_trials {where}", args)
-            return removed
-
-        return self._run(delete, write=True, empty=0)
-
-    def export_json(self, path: str | Path, device: str | None = None) -> int:
-        return export_document(Path(path), self._choices(device, empty=_REFUSE))
-
-    def import_json(self, path: str | Path) -> int:
-        """Upsert every choice of an export file, or none: any invalid entry refuses the file."""
-        entries, version = import_entries(Path(path))
-        stamp = now()
-        rows = [choice_row(entry, version, stamp) for entry in entries]
-        self._run(lambda c: c.cursor().executemany(_UPSERT_CHOICE, rows) if rows else None, write=True)
-        return len(rows)
-
     def size_bytes(self) -> int:
         row = self._run(lambda c: c.execute(
             "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c"
             " WHERE c.relname IN ('gemmtune_meta', 'gemmtune_choices', 'gemmtune_trials')").fetchone(), empty=(0,))
         return int(row[0])
 
-    def _choices(self, device: str | None, empty: Any) -> list[TuneResult]:
-        where, args = ("", ()) if device is None else ("WHERE device = %s", (device,))
-        rows = self._run(lambda c: c.execute(
-            f"SELECT {_CHOICE_COLUMNS} FROM gemmtune_choices {where} ORDER BY device, problem_key", args).fetchall(),
-            empty=empty)
-        return [r for r in map(result_of_row, rows) if r is not None]
+    def _many(self, conn, sql: str, rows: list[tuple]) -> None:
+        if rows:
+            conn.cursor().executemany(sql, rows)
 
-    def _run(self, work: Callable[[Any], T], write: bool = False, empty: Any = _REFUSE) -> T:
+    def _lock_problem(self, conn, device: str, problem_key: str) -> None:
+        conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"{device}\n{problem_key}",))
+
+    def _run(self, work: Callable[[Any], T], write: bool = False, empty: Any = REFUSE) -> T:
         """``work`` on the connection, in a transaction. On a failure, what an empty store
         answers (``empty``) once the failure is logged, or StoreError where ``strict`` or the
         caller (no ``empty``) says so. A connection the server dropped is opened again once."""
@@ -208,7 +145,7 @@ class ServerStore:
                         self._drop()
                         self._fail(exc, empty)
                         break
-            if empty is _REFUSE:
+            if empty is REFUSE:
                 raise StoreError(self._failure)
             return empty
 
@@ -216,7 +153,7 @@ class ServerStore:
         failure = str(exc) if isinstance(exc, StoreError) else (
             f"the store at {self.path} cannot be used ({str(exc).strip()}): check that the server runs and the "
             f"URL, user and password are right, or set {settings.STORE.env} (--store in the CLI) to another store")
-        if self._strict or empty is _REFUSE:
+        if self._strict or empty is REFUSE:
             raise StoreError(failure) from None
         self._failure = failure
         with _WARNED_LOCK:

@@ -22,10 +22,7 @@ from typing import Any, TypeVar
 
 from gemmtune import settings
 from gemmtune.errors import StoreError
-from gemmtune.results import Trial, TuneResult
-from gemmtune.store.entries import (choice_row, entry_of_result, export_document, import_entries, now,
-                                    result_of_row, trial_of_row, trial_row, validate_entry)
-from gemmtune.version import __version__
+from gemmtune.store.queries import CHOICE_COLUMNS, REFUSE, Queries
 
 SCHEMA_VERSION = 1
 # PRAGMA application_id of every store gemmtune creates: the ASCII bytes "gmtu". A file with
@@ -38,16 +35,10 @@ log = logging.getLogger("gemmtune.store")
 T = TypeVar("T")
 _INHERITED: list[sqlite3.Connection] = []  # connections a forked child got from its parent
 _FAILURES = (sqlite3.Error, OSError)  # what a store's file, folder, lock or disk can raise
-_REFUSE: Any = object()  # Store._run's ``empty`` when a failure must raise, whatever ``strict`` says
 _WARNED: set[Path] = set()  # the store paths whose failure this process has already logged
 _WARNED_LOCK = threading.Lock()
 _ELSEWHERE = f"move it away, or set {settings.CACHE_DIR.env} (--cache in the CLI) to another directory"
 
-_CHOICE_COLUMNS = "device, problem_key, backend, config_json, time_ms, cublas_ms, rel_err, tune_s, gpu_timings"
-_UPSERT_CHOICE = (f"INSERT OR REPLACE INTO choices ({_CHOICE_COLUMNS}, gemmtune_version, created_at) "
-                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
-_INSERT_TRIAL = ("INSERT INTO trials (device, problem_key, backend, config_json, status, reason, samples_json, "
-                 "rel_err, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
 _TABLES = (
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS choices (device TEXT NOT NULL, problem_key TEXT NOT NULL, backend TEXT NOT NULL,"
@@ -61,8 +52,9 @@ _TABLES = (
 )
 
 
-class Store:
-    """A persistent tuning store; safe to share between threads and processes.
+class Store(Queries):
+    """A persistent tuning store; safe to share between threads and processes. What it reads and
+    writes is ``Queries``'; this class holds the file, its connection and its failures.
 
     The connection opens on first use, so constructing a Store touches no file; a process forked
     from one that used the Store opens its own, as SQLite connections must not cross a fork.
@@ -75,6 +67,9 @@ class Store:
     CLI's cache commands) raises StoreError instead. ``export_json`` and ``import_json`` always
     raise: exporting or importing nothing in silence would be a wrong answer, not a fallback.
     """
+
+    _upsert_choice = (f"INSERT OR REPLACE INTO choices ({CHOICE_COLUMNS}, gemmtune_version, created_at) "
+                      f"VALUES ({', '.join('?' * 11)})")
 
     def __init__(self, path: str | Path | None = None, strict: bool = False) -> None:
         self._path = settings.store_file(path)
@@ -117,74 +112,10 @@ class Store:
                 self._conn.close()
                 self._conn = None
 
-    def get(self, device: str, problem_key: str) -> TuneResult | None:
-        row = self._run(lambda c: c.execute(
-            f"SELECT {_CHOICE_COLUMNS} FROM choices WHERE device = ? AND problem_key = ?",
-            (device, problem_key)).fetchone(), empty=None)
-        return None if row is None else result_of_row(row)
-
-    def put(self, result: TuneResult) -> None:
-        """Upsert the choice and append every trial, in one transaction."""
-        entry, problems = validate_entry(entry_of_result(result))
-        if problems:
-            raise ValueError(f"result for {result.problem_key!r} cannot be stored: {'; '.join(problems)}")
-        stamp = now()
-        choice = choice_row(entry, __version__, stamp)
-        trials = [trial_row(result.device, result.problem_key, trial, stamp) for trial in result.trials]
-
-        def write(conn: sqlite3.Connection) -> None:
-            conn.execute(_UPSERT_CHOICE, choice)
-            conn.executemany(_INSERT_TRIAL, trials)
-
-        self._run(write, write=True, empty=None)
-
-    def choices(self, device: str | None = None) -> list[TuneResult]:
-        return self._choices(device, empty=[])
-
-    def trials(self, device: str, problem_key: str) -> list[Trial]:
-        rows = self._run(lambda c: c.execute(
-            "SELECT backend, config_json, status, reason, samples_json, rel_err FROM trials"
-            " WHERE device = ? AND problem_key = ? ORDER BY id", (device, problem_key)).fetchall(), empty=[])
-        return [t for t in map(trial_of_row, rows) if t is not None]
-
-    def devices(self) -> list[str]:
-        rows = self._run(lambda c: c.execute("SELECT DISTINCT device FROM choices ORDER BY device").fetchall(),
-                         empty=[])
-        return [row[0] for row in rows]
-
-    def clear(self, device: str | None = None) -> int:
-        """Remove the choices (and their trials) of one device, or of all; returns how many choices."""
-        where, args = _device_filter(device)
-
-        def delete(conn: sqlite3.Connection) -> int:
-            removed = conn.execute(f"DELETE FROM choices {where}", args).rowcount
-            conn.execute(f"DELETE FROM trials {where}", args)
-            return removed
-
-        return self._run(delete, write=True, empty=0)
-
-    def export_json(self, path: str | Path, device: str | None = None) -> int:
-        return export_document(Path(path), self._choices(device, empty=_REFUSE))
-
-    def import_json(self, path: str | Path) -> int:
-        """Upsert every choice of an export file, or none: any invalid entry refuses the file."""
-        entries, version = import_entries(Path(path))
-        stamp = now()
-        rows = [choice_row(entry, version, stamp) for entry in entries]
-        self._run(lambda c: c.executemany(_UPSERT_CHOICE, rows), write=True)
-        return len(rows)
-
     def size_bytes(self) -> int:
         return sum(p.stat().st_size for p in _family(self._path) if p.exists())
 
-    def _choices(self, device: str | None, empty: Any) -> list[TuneResult]:
-        where, args = _device_filter(device)
-        rows = self._run(lambda c: c.execute(
-            f"SELECT {_CHOICE_COLUMNS} FROM choices {where} ORDER BY device, problem_key", args).fetchall(),
-            empty=empty)
-        return [r for r in map(result_of_row, rows) if r is not None]
-
-    def _run(self, work: Callable[[sqlite3.Connection], T], write: bool = False, empty: Any = _REFUSE) -> T:
+    def _run(self, work: Callable[[sqlite3.Connection], T], write: bool = False, empty: Any = REFUSE) -> T:
         """``work`` on the connection. On a failure, what an empty store answers (``empty``) once
         the failure is logged, or StoreError where ``strict`` or the caller (no ``empty``) says so."""
         def attempt() -> T:
@@ -197,9 +128,9 @@ class Store:
                     return _retry(attempt)
                 except (*_FAILURES, StoreError) as exc:
                     # a write that failed on an open connection leaves reading as it was
-                    self._fail(_failure_message(self._path, exc), refuse=self._strict or empty is _REFUSE,
+                    self._fail(_failure_message(self._path, exc), refuse=self._strict or empty is REFUSE,
                                readable=write and self._conn is not None)
-            if empty is _REFUSE:
+            if empty is REFUSE:
                 raise StoreError(self._failure)
             return empty
 
@@ -415,9 +346,5 @@ def _retry(attempt: Callable[[], T]) -> T:
             log.debug("store busy (%s); retrying in %.2f s", exc, delay)
         time.sleep(delay * (0.5 + random.random()))  # jitter, so waiting writers do not collide again
         delay = min(1.0, 2 * delay)
-
-
-def _device_filter(device: str | None) -> tuple[str, tuple]:
-    return ("", ()) if device is None else ("WHERE device = ?", (device,))
 
 
