@@ -73,6 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--in-process", action="store_true",
                       help="run candidates in this process (default: a worker process, so a crashing or "
                            "hanging candidate becomes a failed trial)")
+    tune.add_argument("--gpus", metavar="all|N|I,J",
+                      help="spread the shapes over GPUs, one worker process each, into one store: all of this "
+                           "host's, the first N, or those listed; a worker that dies costs only the shape it was "
+                           "tuning, which another worker tunes (without a GPU: N workers on Triton's interpreter)")
     tune.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
     _store_argument(tune)
     tune.set_defaults(run=_tune)
@@ -246,12 +250,61 @@ def _tune(args, console: Console) -> int:
         return _validate_buckets(named, args, console)
     store = open_store(args.cache)
     store.check()  # a store that cannot keep the choices is said before tuning, not after
+    if args.gpus:
+        return _tune_spread(named, args, console, store)
     results = _tune_with_progress(api, named, args, console, store)
     if args.json:
         console.print_json(json.dumps([report.result_dict(r, n.name) for r, n in zip(results, named)]))
     else:
         console.print(report.results_table(results, [n.name for n in named]))
     return 1 if store.failure else 0  # it failed while tuning (a full disk, say): its warning said so
+
+
+def gpus_of(value: str) -> list[int | None]:
+    """``--gpus``: every GPU of this host ("all"), the first N, or the listed indices; without a
+    GPU, N workers on the interpreter (None each)."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    text = value.strip().lower()
+    if text == "all":
+        return list(range(count)) or [None]
+    if text.isdigit() and int(text) > 0:
+        wanted = int(text)
+        if count and wanted > count:
+            raise ValueError(f"--gpus {value}: this host has {count} GPUs")
+        return list(range(wanted)) if count else [None] * wanted
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) > 1 and all(p.isdigit() for p in parts) and count:
+        indices = [int(p) for p in parts]
+        if bad := [i for i in indices if i >= count] or len(set(indices)) != len(indices):
+            raise ValueError(f"--gpus {value}: {bad or 'a GPU listed twice'}; this host's GPUs are 0 to {count - 1}")
+        return indices
+    raise ValueError(f"--gpus {value!r}: accepted: all, a count (2), or GPU indices (0,1)"
+                     + ("" if count else "; this host has no GPU, so a count of interpreter workers"))
+
+
+def _tune_spread(named, args, console: Console, store) -> int:
+    from gemmtune.cli import report
+    from gemmtune.tuning import spread
+    from gemmtune.tuning.tuner import TuneOptions
+
+    gpus = gpus_of(args.gpus)
+    options = TuneOptions(strategy=args.strategy, budget=parse_budget(args.budget))
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=_console(stderr=True), transient=True) as progress:
+        task = progress.add_task(f"tuning on {len(gpus)} workers", total=len(named))
+        done = spread.tune([n.problem for n in named], gpus, location=args.cache, options=options,
+                           retune=args.retune, isolate=not args.in_process, on_result=lambda _: progress.advance(task))
+    tuned = [(n, done.results[n.problem.key()]) for n in named if n.problem.key() in done.results]
+    if args.json:
+        console.print_json(json.dumps([report.result_dict(r, n.name) for n, r in tuned]))
+    elif tuned:
+        console.print(report.results_table([r for _, r in tuned], [n.name for n, _ in tuned]))
+    for problem in done.given_up:
+        console.print(f"[red]given up: {problem.describe()} (it took down {spread.ATTEMPTS} workers)[/red]")
+    return 1 if done.given_up or store.failure else 0
 
 
 def _bench(args, console: Console) -> int:

@@ -1,0 +1,83 @@
+"""Tuning over several workers (gemmtune.tuning.spread, `gemmtune tune --gpus`): groups that keep
+a lead with its followers, every result in one store, a worker that dies costing only its group,
+which another worker tunes, and a group that keeps killing workers given up. CPU workers here
+(Triton's interpreter); one per GPU on a GPU machine."""
+
+import pytest
+
+from gemmtune.problem import Problem
+from gemmtune.store import Store
+from gemmtune.tuning import spread
+from gemmtune.tuning.tuner import TuneOptions
+
+from .spread_faults import AlwaysDies, DiesOnce
+
+pytestmark = pytest.mark.interpreter
+OPTIONS = TuneOptions(backends=("cublas", "triton_tiled"))
+
+
+def problems(*rows):
+    return [Problem(m, 24, 40, "float32", "linear", True, False, act) for m, act in rows]
+
+
+def test_groups_keep_a_lead_with_its_followers_in_order():
+    relu, plain, other = problems((5, "relu"), (5, "none"), (6, "none"))
+    assert spread.groups([relu, other, plain]) == [[relu, plain], [other]]
+
+
+def test_two_workers_tune_every_problem_into_one_store(tmp_path):
+    location = str(tmp_path / "store.sqlite")
+    wanted = problems((3, "none"), (3, "relu"), (4, "none"), (5, "gelu"))
+    seen = []
+    done = spread.tune(wanted, [None, None], location=location, options=OPTIONS, isolate=False,
+                       on_result=seen.append)
+    assert sorted(done.results) == sorted(p.key() for p in wanted) and not done.given_up
+    assert len(seen) == 4 and done.restarts == 0
+    stored = Store(location).choices()
+    assert sorted(r.problem_key for r in stored) == sorted(p.key() for p in wanted)
+
+
+def test_a_worker_that_dies_costs_only_its_group_which_another_tunes(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMTUNE_SPREAD_FLAG", str(tmp_path / "died"))
+    wanted = problems((6, "none"), (7, "none"), (7, "relu"), (8, "none"))
+    done = spread.tune(wanted, [None, None], location=str(tmp_path / "s.sqlite"), options=OPTIONS,
+                       runner_factory=DiesOnce)
+    assert (tmp_path / "died").exists() and done.restarts == 1
+    assert sorted(done.results) == sorted(p.key() for p in wanted) and not done.given_up
+
+
+def test_a_group_that_keeps_killing_workers_is_given_up_and_the_rest_tuned(tmp_path, caplog):
+    wanted = problems((9, "none"), (10, "none"))
+    done = spread.tune(wanted, [None, None], location=str(tmp_path / "s.sqlite"), options=OPTIONS,
+                       runner_factory=AlwaysDies)
+    assert [p.m for p in done.given_up] == [9] and list(done.results) == [wanted[1].key()]
+    assert done.restarts == spread.ATTEMPTS and "given up" in caplog.text
+
+
+def test_no_device_is_an_error():
+    with pytest.raises(ValueError, match="gpus"):
+        spread.tune(problems((3, "none")), [])
+
+
+def test_the_tune_command_spreads_over_workers(tmp_path, capsys):
+    from gemmtune.cli import main
+
+    store = tmp_path / "cli.sqlite"
+    argv = ["tune", "--gpus", "2", "--in-process", "--store", str(store), "--dtype", "float32",
+            "--shape", "3x24x40", "--shape", "5x24x40"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "3x24x40" in out and "5x24x40" in out and len(Store(store).choices()) == 2
+
+
+@pytest.mark.parametrize("value, message", [("0", "accepted: all"), ("zero", "accepted: all"), ("0,1", "no GPU")])
+def test_gpus_that_cannot_be_had_are_refused_naming_what_is_accepted(value, message):
+    import torch
+
+    from gemmtune.cli import gpus_of
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU's answers: a GPU host accepts indices")
+    with pytest.raises(ValueError, match=message):
+        gpus_of(value)
+    assert gpus_of("all") == [None] and gpus_of("3") == [None] * 3
