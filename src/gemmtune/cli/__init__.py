@@ -77,6 +77,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="spread the shapes over GPUs, one worker process each, into one store: all of this "
                            "host's, the first N, or those listed; a worker that dies costs only the shape it was "
                            "tuning, which another worker tunes (without a GPU: N workers on Triton's interpreter)")
+    tune.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                      help="tune across a Ray cluster, one task per shape (and its epilogue variants) with a GPU "
+                           "each: --ray auto joins the cluster this host is part of, --ray ADDRESS another, --ray "
+                           "alone starts a local instance; set --store to a server's URL so that every host's "
+                           "choices meet (pip install ray)")
     tune.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
     _store_argument(tune)
     tune.set_defaults(run=_tune)
@@ -250,7 +255,7 @@ def _tune(args, console: Console) -> int:
         return _validate_buckets(named, args, console)
     store = open_store(args.cache)
     store.check()  # a store that cannot keep the choices is said before tuning, not after
-    if args.gpus:
+    if args.gpus or args.ray:
         return _tune_spread(named, args, console, store)
     results = _tune_with_progress(api, named, args, console, store)
     if args.json:
@@ -285,25 +290,34 @@ def gpus_of(value: str) -> list[int | None]:
 
 
 def _tune_spread(named, args, console: Console, store) -> int:
+    """``tune --gpus`` (one worker per GPU of this host) or ``--ray`` (tasks across a cluster)."""
     from gemmtune.cli import report
-    from gemmtune.tuning import spread
+    from gemmtune.tuning import cluster, spread
     from gemmtune.tuning.tuner import TuneOptions
 
-    gpus = gpus_of(args.gpus)
+    if args.gpus and args.ray:
+        raise ValueError("--gpus and --ray: choose one (Ray gives each task a GPU of its own)")
     options = TuneOptions(strategy=args.strategy, budget=parse_budget(args.budget))
+    common = {"location": args.cache, "options": options, "retune": args.retune, "isolate": not args.in_process}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TimeRemainingColumn())
+    problems = [n.problem for n in named]
     with Progress(*columns, console=_console(stderr=True), transient=True) as progress:
-        task = progress.add_task(f"tuning on {len(gpus)} workers", total=len(named))
-        done = spread.tune([n.problem for n in named], gpus, location=args.cache, options=options,
-                           retune=args.retune, isolate=not args.in_process, on_result=lambda _: progress.advance(task))
+        if args.ray:
+            task = progress.add_task("tuning on Ray", total=len(named))
+            done = cluster.tune(problems, address=None if args.ray == "local" else args.ray, **common,
+                                on_result=lambda _: progress.advance(task))
+        else:
+            gpus = gpus_of(args.gpus)
+            task = progress.add_task(f"tuning on {len(gpus)} workers", total=len(named))
+            done = spread.tune(problems, gpus, **common, on_result=lambda _: progress.advance(task))
     tuned = [(n, done.results[n.problem.key()]) for n in named if n.problem.key() in done.results]
     if args.json:
         console.print_json(json.dumps([report.result_dict(r, n.name) for n, r in tuned]))
     elif tuned:
         console.print(report.results_table([r for _, r in tuned], [n.name for n, _ in tuned]))
     for problem in done.given_up:
-        console.print(f"[red]given up: {problem.describe()} (it took down {spread.ATTEMPTS} workers)[/red]")
+        console.print(f"[red]given up: {problem.describe()} (its tuning kept taking down its worker)[/red]")
     return 1 if done.given_up or store.failure else 0
 
 

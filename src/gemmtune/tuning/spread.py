@@ -16,6 +16,7 @@ travel once, when it starts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -28,7 +29,7 @@ from multiprocessing.connection import wait
 from gemmtune.problem import Problem
 from gemmtune.results import Trial, TuneResult
 from gemmtune.tuning.processes import main_hidden
-from gemmtune.tuning.tuner import TuneOptions
+from gemmtune.tuning.tuner import TuneOptions, tune_many
 
 log = logging.getLogger("gemmtune")
 
@@ -133,7 +134,7 @@ class _Worker:
             self.why = f"failed ({reply['error']})"
             self.stop()
             return group, None
-        return group, [_result(r) for r in reply["results"]]
+        return group, [result_of_reply(r) for r in reply["results"]]
 
     def stop(self) -> None:
         if self.process.is_alive():
@@ -148,35 +149,55 @@ class _Worker:
         self.conn.close()
 
 
-def _reply(result: TuneResult) -> dict:
+def reply_of_result(result: TuneResult) -> dict:
+    """A result as plain data, for a pipe or a Ray task's return."""
     return {"problem_key": result.problem_key, "device": result.device, "backend": result.backend,
             "config": result.config, "time_ms": result.time_ms, "cublas_ms": result.cublas_ms,
             "tune_s": result.tune_s, "rel_err": result.rel_err, "from_store": result.from_store,
             "gpu_timings": result.gpu_timings, "trials": [t.to_dict() for t in result.trials]}
 
 
-def _result(data: dict) -> TuneResult:
+def result_of_reply(data: dict) -> TuneResult:
+    data = dict(data)
     trials = tuple(Trial.from_dict(t) for t in data.pop("trials"))
     return TuneResult(**data, trials=trials)
 
 
-def serve(conn, gpu: int | None, location: str | None, options: TuneOptions, retune: bool, isolate: bool,
-          runner_factory: Callable | None) -> None:
-    """A worker: tune each group it is handed into the store, answer with the results."""
+@contextlib.contextmanager
+def worker_state(gpu: int | None, location: str | None, isolate: bool, runner_factory: Callable | None):
+    """A worker's device, store and runner (closed after)."""
     import torch
 
     from gemmtune.device import current
     from gemmtune.store import open_store
-    from gemmtune.tuning.tuner import tune_many
     from gemmtune.tuning.worker import IsolatedRunner
 
     if gpu is not None:
         torch.cuda.set_device(gpu)
     device = current(gpu)
     store = open_store(location)
+    index = gpu if gpu is not None else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
     runner = runner_factory(device) if runner_factory is not None else (
-        IsolatedRunner(device, device_index=gpu or 0) if isolate else None)
+        IsolatedRunner(device, device_index=index) if isolate else None)
     try:
+        yield device, store, runner
+    finally:
+        if isinstance(runner, IsolatedRunner):
+            runner.close()
+        store.close()
+
+
+def tune_group(problems: list[Problem], location: str | None, options: TuneOptions, retune: bool, isolate: bool,
+               runner_factory: Callable | None, gpu: int | None = None) -> list[dict]:
+    """One group tuned in this process into the store (a Ray task's work); the results as data."""
+    with worker_state(gpu, location, isolate, runner_factory) as (device, store, runner):
+        return [reply_of_result(r) for r in tune_many(problems, device, store, options, retune=retune, runner=runner)]
+
+
+def serve(conn, gpu: int | None, location: str | None, options: TuneOptions, retune: bool, isolate: bool,
+          runner_factory: Callable | None) -> None:
+    """A worker: tune each group it is handed into the store, answer with the results."""
+    with worker_state(gpu, location, isolate, runner_factory) as (device, store, runner):
         while True:
             request = json.loads(conn.recv_bytes())
             if request.get("exit"):
@@ -190,8 +211,4 @@ def serve(conn, gpu: int | None, location: str | None, options: TuneOptions, ret
                 return
             log.debug("gemmtune: worker on %s tuned %d problems in %.1f s", device.name, len(problems),
                       time.perf_counter() - started)
-            conn.send_bytes(json.dumps({"results": [_reply(r) for r in results]}).encode())
-    finally:
-        if isinstance(runner, IsolatedRunner):
-            runner.close()
-        store.close()
+            conn.send_bytes(json.dumps({"results": [reply_of_result(r) for r in results]}).encode())
