@@ -394,3 +394,20 @@ def test_a_kernel_no_other_process_can_import_is_tuned_in_this_one(timings, capl
     with caplog.at_level(logging.WARNING, logger="gemmtune"):
         kernel[grid(30)](x, y, out, 30)
     assert torch.equal(out, x + y) and len(timings) == 1 and "tuned in this process" in caplog.text
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_miss_inside_graph_capture_runs_the_default_and_tunes_after(timings):
+    configs = blocks(64, 128)
+    kernel = gemmtune.autotune(configs=configs, key=["n"], default=configs[1])(add_kernel)
+    x, y, out = operands(1000)
+    kernel[grid(1000)](x, y, out, 1000)  # warm: compiles outside the capture
+    x2, y2, out2 = operands(3000)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel[grid(3000)](x2, y2, out2, 3000)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out2, x2 + y2) and kernel.best_config is configs[1] and len(timings) == 1
+    kernel[grid(3000)](x2, y2, out2, 3000)  # outside the capture: tuned now
+    assert len(timings) == 2

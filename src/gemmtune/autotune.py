@@ -18,7 +18,8 @@ is the migration, and adds what triton's lacks:
   the arguments (``gemmtune.tuning.kernel_worker``), so a config that faults, kills its process or
   hangs is a failed trial too, and the program goes on;
 - ``GEMMTUNE_MODE=lookup`` never tunes: a miss runs ``default=`` (a config of the list; the first
-  by default), as does a miss while a CUDA graph is being captured; both are logged once;
+  by default), logged once; so does a miss while a CUDA graph is being captured, not kept, so the
+  next call outside the capture tunes;
 - one log line per tuning (as ``TRITON_PRINT_AUTOTUNING`` prints), through gemmtune's logging.
 
 After tuning, every tensor argument holds what it held before, and the call runs once with the
@@ -146,6 +147,11 @@ class Autotuned:
             device = current()
             store = open_store()
             config = self._stored(store.get(device.fingerprint(), key))
+            if config is None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                self._say_once(call_key, "gemmtune.autotune: %s has no stored config for %s inside a CUDA graph "
+                               "capture, so the graph runs %s; call it once before capturing", self.name, call_key,
+                               self.data[self.configs.index(self.default)].label())
+                return self.default  # not kept: the next call outside the capture tunes it
             if config is None:
                 config = self._missed(key, call_key, args, kwargs, grid, named, device, store)
             self.chosen[call_key] = config
@@ -164,11 +170,9 @@ class Autotuned:
                 store: Store | ServerStore):
         if len(self.configs) == 1:
             return self.configs[0]
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        if capturing or settings.mode() == "lookup":
-            self._say_once(call_key, "gemmtune.autotune: %s has no stored config for %s (%s), so it runs %s",
-                           self.name, call_key, "inside a CUDA graph capture" if capturing else "lookup mode",
-                           self.data[self.configs.index(self.default)].label())
+        if settings.mode() == "lookup":
+            self._say_once(call_key, "gemmtune.autotune: %s has no stored config for %s (lookup mode), so it runs %s",
+                           self.name, call_key, self.data[self.configs.index(self.default)].label())
             return self.default
         result, config = self._tune(key, args, kwargs, grid, named, device)
         if result is not None:
