@@ -96,7 +96,9 @@ class Autotuned:
         self.isolate = isolate
         self.data = [KernelConfig.of(i, config) for i, config in enumerate(self.configs)]
         self.default = self._default(default)
-        self.name = getattr(_base_function(fn), "__qualname__", "kernel")
+        self._default_label = self.data[self._index(self.default)].label()
+        base = _base_function(fn)
+        self.name, self.module = getattr(base, "__qualname__", "kernel"), getattr(base, "__module__", None)
         self.configs_hash = _digest(json.dumps([d.as_dict() for d in self.data], sort_keys=True))
         self.chosen: dict[tuple, Any] = {}
         self.best_config = None
@@ -145,15 +147,15 @@ class Autotuned:
                 return self.chosen[call_key]
             key = self._store_key(call_key)
             device = current()
-            store = open_store()
-            config = self._stored(store.get(device.fingerprint(), key))
-            if config is None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                self._say_once(call_key, "gemmtune.autotune: %s has no stored config for %s inside a CUDA graph "
-                               "capture, so the graph runs %s; call it once before capturing", self.name, call_key,
-                               self.data[self.configs.index(self.default)].label())
-                return self.default  # not kept: the next call outside the capture tunes it
-            if config is None:
-                config = self._missed(key, call_key, args, kwargs, grid, named, device, store)
+            with open_store() as store:  # a miss's: one connection, closed after
+                config = self._stored(store.get(device.fingerprint(), key))
+                if config is None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    self._say_once(call_key, "gemmtune.autotune: %s has no stored config for %s inside a CUDA graph "
+                                   "capture, so the graph runs %s; call it once before capturing", self.name,
+                                   call_key, self._default_label)
+                    return self.default  # not kept: the next call outside the capture tunes it
+                if config is None:
+                    config = self._missed(key, call_key, args, kwargs, grid, named, device, store)
             self.chosen[call_key] = config
             return config
 
@@ -172,7 +174,7 @@ class Autotuned:
             return self.configs[0]
         if settings.mode() == "lookup":
             self._say_once(call_key, "gemmtune.autotune: %s has no stored config for %s (lookup mode), so it runs %s",
-                           self.name, call_key, self.data[self.configs.index(self.default)].label())
+                           self.name, call_key, self._default_label)
             return self.default
         result, config = self._tune(key, args, kwargs, grid, named, device)
         if result is not None:

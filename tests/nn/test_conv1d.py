@@ -17,6 +17,8 @@ from gemmtune.nn import conv1d, keep
 from gemmtune.problem import Problem
 from gemmtune.results import TuneResult
 
+from .test_fusion import made
+
 
 class Conv1D(nn.Module):
     """As transformers' ``pytorch_utils.Conv1D``: weight (nx, nf), ``addmm(bias, x, weight)``."""
@@ -53,11 +55,6 @@ class GPT2MLP(nn.Module):
         hidden_states = self.act(hidden_states)
         hidden_states = self.c_proj(hidden_states)
         return self.dropout(hidden_states)
-
-
-def made(cls, *args):
-    torch.manual_seed(0)
-    return cls(*args).eval()
 
 
 def test_a_conv1d_is_taken_over_keeping_its_parameters_and_outputs():

@@ -229,7 +229,7 @@ def test_a_sequential_with_a_forward_of_its_own_is_traced():
     (PytorchGELUTanh(), "gelu_tanh"), (SiLUActivation(), "silu"), (nn.ReLU(inplace=True), "relu"),
 ])
 def test_transformers_activations_are_recognised_by_what_they_compute(act, epilogue):
-    assert gnn._fusable(act) == epilogue
+    assert fusion.epilogue(act) == epilogue
 
 
 def test_an_activation_class_that_computes_something_else_is_not():
@@ -248,8 +248,8 @@ def test_an_activation_class_that_computes_something_else_is_not():
 
     Clipped.__name__ = QuickGELU.__name__ = "GELUActivation"
     for act in (QuickGELU(), Clipped(), Learned()):
-        assert gnn._fusable(act) is None, type(act)
-    assert gnn._fusable(nn.Sigmoid()) is None
+        assert fusion.epilogue(act) is None, type(act)
+    assert fusion.epilogue(nn.Sigmoid()) is None
     assert fusion._computed(GELUActivation()) == "gelu"  # the check itself accepts the real one
 
 
@@ -375,5 +375,5 @@ def test_an_activation_class_is_recognised_by_a_name_that_names_one():
         def forward(self, x):
             return x.clamp(min=0)
 
-    assert gnn._fusable(BloomGelu()) == "gelu_tanh"
-    assert gnn._fusable(QuickGELUActivation()) is None and gnn._fusable(Identity()) is None
+    assert fusion.epilogue(BloomGelu()) == "gelu_tanh"
+    assert fusion.epilogue(QuickGELUActivation()) is None and fusion.epilogue(Identity()) is None

@@ -102,13 +102,6 @@ TransposedLinear = conv1d_layers.TransposedLinear  # a transformers Conv1D taken
 LAYERS = (Linear, TransposedLinear)  # the layers optimize takes over
 
 
-def _fusable(module: nn.Module) -> str | None:
-    """The epilogue name of an activation module gemmtune can fuse, or None: ``nn.ReLU``,
-    ``nn.SiLU``, ``nn.GELU`` by type, transformers' and timm's activation classes by name and what
-    they compute (``gemmtune.nn.fusion``)."""
-    return fusion.epilogue(module)
-
-
 def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
              filter: Callable[[str, nn.Module], bool] | None = None, fuse: bool = True,
              siblings: bool = False, align: bool = True, check: bool = True,
@@ -198,9 +191,9 @@ def _fuse_activations(model: nn.Module) -> None:
     layer keeps it in ``fused`` to put it back."""
 
     def unfused_layer(module: nn.Module) -> bool:
-        return (type(module) is Linear or isinstance(module, TransposedLinear)) and module.activation == "none"
+        return isinstance(module, LAYERS) and module.activation == "none"
 
-    for pair in fusion.pairs(model, unfused_layer, _fusable):
+    for pair in fusion.pairs(model, unfused_layer):
         layer, act = pair.parent._modules[pair.layer], pair.parent._modules[pair.activation]
         if layer.activation != "none" or isinstance(act, nn.Identity):
             continue  # fused already by an earlier pair

@@ -113,8 +113,7 @@ class Pair(NamedTuple):
     epilogue: str
 
 
-def pairs(model: nn.Module, is_layer: Callable[[nn.Module], bool],
-          fusable: Callable[[nn.Module], str | None] = epilogue) -> list[Pair]:
+def pairs(model: nn.Module, is_layer: Callable[[nn.Module], bool]) -> list[Pair]:
     """Every layer (a module ``is_layer`` accepts) whose output goes to a fusable activation
     module and nowhere else, as the model's structure says (see the module's docstring)."""
     registered: dict[int, set] = {}  # a module -> each (parent, name) it is registered under
@@ -126,14 +125,14 @@ def pairs(model: nn.Module, is_layer: Callable[[nn.Module], bool],
     for parent in model.modules():
         children = parent._modules
         if isinstance(parent, nn.Sequential) and type(parent).forward is nn.Sequential.forward:
-            found += _in_sequence(parent, is_layer, fusable, registered)
+            found += _in_sequence(parent, is_layer, registered)
         elif any(child is not None and is_layer(child) for child in children.values()) and \
-                any(child is not None and not is_layer(child) and fusable(child) for child in children.values()):
-            found += _traced(parent, is_layer, fusable, registered)
+                any(child is not None and not is_layer(child) and epilogue(child) for child in children.values()):
+            found += _traced(parent, is_layer, registered)
     return found
 
 
-def _in_sequence(parent: nn.Sequential, is_layer: Callable, fusable: Callable, registered: dict) -> Iterable[Pair]:
+def _in_sequence(parent: nn.Sequential, is_layer: Callable, registered: dict) -> Iterable[Pair]:
     """The pairs of an ``nn.Sequential``: a layer and the activation module after it. Each slot is
     called once, so an activation module in two slots can be fused in both."""
     names = list(parent._modules)
@@ -141,7 +140,7 @@ def _in_sequence(parent: nn.Sequential, is_layer: Callable, fusable: Callable, r
         layer, act = parent._modules[first], parent._modules[second]
         if layer is None or act is None or not is_layer(layer) or len(registered[id(layer)]) != 1:
             continue
-        name = fusable(act)
+        name = epilogue(act)
         if name is not None and not _hooked(act):
             yield Pair(parent, first, second, name)
 
@@ -214,7 +213,7 @@ def _traceable(parent: nn.Module) -> tuple[nn.Module, dict | None]:
     return traced, {f"**{keywords[0]}": _NoKeywords()} if keywords else None
 
 
-def _traced(parent: nn.Module, is_layer: Callable, fusable: Callable, registered: dict) -> list[Pair]:
+def _traced(parent: nn.Module, is_layer: Callable, registered: dict) -> list[Pair]:
     """The pairs that ``parent``'s forward shows in every trace (both training modes, each
     floating dtype gemmtune serves); none where it cannot be traced."""
     found = None
@@ -225,7 +224,7 @@ def _traced(parent: nn.Module, is_layer: Callable, fusable: Callable, registered
             parent.training = mode  # the parent's flag alone: its children are leaves
             for dtype in TRACED_DTYPES:
                 graph = _ChildrenAsLeaves(dtype).trace(traced, concrete_args=concrete)
-                seen = set(_in_graph(graph, parent, is_layer, fusable, registered))
+                seen = set(_in_graph(graph, parent, is_layer, registered))
                 found = seen if found is None else found & seen
     except Exception as error:  # noqa: BLE001 - fx fails in many ways: any of them means no fusion here
         log.debug("gemmtune.optimize: %s's forward not traced, so nothing in it is fused: %r",
@@ -236,8 +235,7 @@ def _traced(parent: nn.Module, is_layer: Callable, fusable: Callable, registered
     return sorted(found, key=lambda pair: list(parent._modules).index(pair.layer))
 
 
-def _in_graph(graph: fx.Graph, parent: nn.Module, is_layer: Callable, fusable: Callable,
-              registered: dict) -> Iterable[Pair]:
+def _in_graph(graph: fx.Graph, parent: nn.Module, is_layer: Callable, registered: dict) -> Iterable[Pair]:
     children = parent._modules
     calls = Counter(node.target for node in graph.nodes if node.op == "call_module")
 
@@ -259,6 +257,6 @@ def _in_graph(graph: fx.Graph, parent: nn.Module, is_layer: Callable, fusable: C
         act = child(user)
         if act is None or is_layer(act) or user.args != (node,) or user.kwargs or _hooked(act):
             continue
-        name = fusable(act)
+        name = epilogue(act)
         if name is not None:
             yield Pair(parent, node.target, user.target, name)

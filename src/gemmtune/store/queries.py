@@ -6,6 +6,8 @@ handling (``_run``), its table names, its placeholder and its upsert; queries ar
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,9 @@ from gemmtune.store.entries import (choice_row, entry_of_result, export_document
                                     result_of_row, trial_of_row, trial_row, validate_entry)
 from gemmtune.version import __version__
 
+log = logging.getLogger("gemmtune.store")
+_WARNED: set = set()  # the stores (paths, URLs) whose failure this process has already logged
+_WARNED_LOCK = threading.Lock()
 REFUSE: Any = object()  # ``_run``'s ``empty`` when a failure must raise, whatever ``strict`` says
 CHOICE_COLUMNS = "device, problem_key, backend, config_json, time_ms, cublas_ms, rel_err, tune_s, gpu_timings"
 TRIAL_COLUMNS = "device, problem_key, backend, config_json, status, reason, samples_json, rel_err, created_at"
@@ -31,12 +36,27 @@ class Record:
 
 
 class Queries:
-    """The stores' shared queries (see the module's docstring)."""
+    """The stores' shared queries (see the module's docstring), and what both stores are besides:
+    a context manager, and ``failure``, why a store stopped keeping results (None while it works)."""
 
+    _failure: str | None = None
     _choices_table = "choices"
     _trials_table = "trials"
     _placeholder = "?"
     _upsert_choice = ""  # INSERT ... the choice's columns, gemmtune_version, created_at, replacing one there
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
 
     def _run(self, work: Callable[[Any], Any], write: bool = False, empty: Any = REFUSE) -> Any:
         raise NotImplementedError
@@ -155,6 +175,24 @@ class Queries:
             f"SELECT {CHOICE_COLUMNS} FROM {{choices}} {where} ORDER BY device, problem_key"), args).fetchall(),
             empty=empty)
         return [r for r in map(result_of_row, rows) if r is not None]
+
+
+def warn_once(where: Any, failure: str, readable: bool = False) -> None:
+    """One warning per store (its path or URL) in a process: a store that every miss reaches must
+    not flood the log."""
+    with _WARNED_LOCK:
+        if where in _WARNED:
+            return
+        _WARNED.add(where)
+    consequence = ("reads its tuning store but keeps nothing new in it" if readable
+                   else "goes on without its tuning store, reading and keeping nothing")
+    log.warning("gemmtune %s: %s", consequence, failure)
+
+
+def schema_number(version: Any) -> int | None:
+    """A stored schema version as gemmtune writes it (a whole number from 1), or None."""
+    text = "" if version is None else str(version)
+    return int(text) if text.isascii() and text.isdigit() and int(text) >= 1 else None
 
 
 def _valid(result: TuneResult) -> dict:

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from gemmtune import settings
 from gemmtune.errors import StoreError
-from gemmtune.store.queries import CHOICE_COLUMNS, REFUSE, Queries
+from gemmtune.store.queries import CHOICE_COLUMNS, REFUSE, Queries, schema_number, warn_once
 
 SCHEMES = ("postgresql", "postgres")
 SCHEMA_VERSION = 1
@@ -31,8 +31,6 @@ CONNECT_TIMEOUT_S = 10
 
 log = logging.getLogger("gemmtune.store")
 T = TypeVar("T")
-_WARNED: set[str] = set()
-_WARNED_LOCK = threading.Lock()
 
 _TABLES = (
     "CREATE TABLE IF NOT EXISTS gemmtune_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -88,18 +86,8 @@ class ServerStore(Queries):
         """Where the store is, as messages print it (the URL without its password)."""
         return redacted(self._url)
 
-    @property
-    def failure(self) -> str | None:
-        return self._failure
-
     def __repr__(self) -> str:
         return f"ServerStore({self.path!r})"
-
-    def __enter__(self) -> ServerStore:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def check(self) -> None:
         """Raise StoreError, naming the server and what to do, if the store cannot be written."""
@@ -156,11 +144,7 @@ class ServerStore(Queries):
         if self._strict or empty is REFUSE:
             raise StoreError(failure) from None
         self._failure = failure
-        with _WARNED_LOCK:
-            if self.path in _WARNED:
-                return
-            _WARNED.add(self.path)
-        log.warning("gemmtune goes on without its tuning store, reading and keeping nothing: %s", failure)
+        warn_once(self.path, failure)
 
     def _drop(self) -> None:
         if self._conn is not None and self._pid == os.getpid():
@@ -199,10 +183,10 @@ def _open(url: str):
 
 
 def _check_version(url: str, version: Any) -> None:
-    text = "" if version is None else str(version)
-    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+    number = schema_number(version)
+    if number is None:
         raise StoreError(f"the store at {redacted(url)} has schema version {version!r}, which gemmtune never "
                          "wrote, so it leaves the database untouched")
-    if int(text) > SCHEMA_VERSION:
-        raise StoreError(f"the store at {redacted(url)} was made by a newer gemmtune (schema version {text}; this one "
+    if number > SCHEMA_VERSION:
+        raise StoreError(f"the store at {redacted(url)} was made by a newer gemmtune (schema version {number}; this one "
                          f"reads {SCHEMA_VERSION} at most): upgrade gemmtune")

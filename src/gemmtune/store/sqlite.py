@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from gemmtune import settings
 from gemmtune.errors import StoreError
-from gemmtune.store.queries import CHOICE_COLUMNS, REFUSE, Queries
+from gemmtune.store.queries import CHOICE_COLUMNS, REFUSE, Queries, schema_number, warn_once
 
 SCHEMA_VERSION = 1
 # PRAGMA application_id of every store gemmtune creates: the ASCII bytes "gmtu". A file with
@@ -35,8 +35,6 @@ log = logging.getLogger("gemmtune.store")
 T = TypeVar("T")
 _INHERITED: list[sqlite3.Connection] = []  # connections a forked child got from its parent
 _FAILURES = (sqlite3.Error, OSError)  # what a store's file, folder, lock or disk can raise
-_WARNED: set[Path] = set()  # the store paths whose failure this process has already logged
-_WARNED_LOCK = threading.Lock()
 _ELSEWHERE = f"move it away, or set {settings.CACHE_DIR.env} (--cache in the CLI) to another directory"
 
 _TABLES = (
@@ -84,11 +82,6 @@ class Store(Queries):
     def path(self) -> Path:
         return self._path
 
-    @property
-    def failure(self) -> str | None:
-        """Why this store stopped keeping results, or None while it works."""
-        return self._failure
-
     def check(self) -> None:
         """Raise StoreError, naming the file and what to do, if this store cannot be read and
         written, whatever ``strict`` says: the CLI asks before it starts work it could not keep.
@@ -99,12 +92,6 @@ class Store(Queries):
 
     def __repr__(self) -> str:
         return f"Store({str(self._path)!r})"
-
-    def __enter__(self) -> Store:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def close(self) -> None:
         with self._lock:
@@ -138,7 +125,7 @@ class Store(Queries):
         if refuse:
             raise StoreError(failure) from None
         self._failure, self._readable = failure, readable
-        _warn_once(self._path, failure, readable)
+        warn_once(self._path, failure, readable)
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is not None and self._pid != os.getpid():
@@ -253,12 +240,12 @@ def _schema_version(conn: sqlite3.Connection, schema: dict[str, tuple[str, ...]]
 def _check_version(path: Path, version: Any) -> None:
     """Refuse a version gemmtune never wrote, and a newer one: never read with the wrong schema,
     never migrated down, never dropped."""
-    text = "" if version is None else str(version)
-    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+    number = schema_number(version)
+    if number is None:
         found = "no store schema version" if version is None else f"store schema version {version!r}"
         raise StoreError(f"{path} has {found}, and gemmtune writes whole numbers from 1, so it leaves the file "
                          f"untouched: {_ELSEWHERE}")
-    if int(text) > SCHEMA_VERSION:
+    if number > SCHEMA_VERSION:
         raise StoreError(f"{path} was made by a newer gemmtune (store schema version {version!r}; this one reads "
                          f"version {SCHEMA_VERSION} at most), so this one neither reads nor writes it: upgrade "
                          f"gemmtune, or set {settings.CACHE_DIR.env} (--cache in the CLI) to another directory")
@@ -296,17 +283,6 @@ def _failure_message(path: Path, exc: BaseException) -> str:
     return (f"{path} cannot be used as the tuning store ({exc}): check that the file and its directory are "
             f"writable and the disk has space, or set {settings.CACHE_DIR.env} (--cache in the CLI) to another "
             "directory")
-
-
-def _warn_once(path: Path, failure: str, readable: bool) -> None:
-    """One warning per store path in a process: a store that every miss reaches must not flood the log."""
-    with _WARNED_LOCK:
-        if path in _WARNED:
-            return
-        _WARNED.add(path)
-    consequence = ("reads its tuning store but keeps nothing new in it" if readable
-                   else "goes on without its tuning store, reading and keeping nothing")
-    log.warning("gemmtune %s: %s", consequence, failure)
 
 
 def _quarantine(path: Path, identity: tuple[int, int] | None, exc: Exception) -> None:

@@ -44,6 +44,7 @@ class Tunable(Protocol):
 
     configs: list
     data: list[KernelConfig]
+    module: str | None  # the module of the kernel's Python function
 
     def tuning_call(self, launch, named: dict) -> autotuner.Call: ...
 
@@ -68,14 +69,11 @@ class Job:
     progress: str
 
 
-def where(obj: Any) -> tuple[str, str] | None:
+def where(obj: Tunable) -> tuple[str, str] | None:
     """The module and the name in it that hold ``obj`` (the decorated kernel), so that another
     process imports the same object; None where none does (a kernel made in ``__main__`` or in a
     function, or held by no module's name)."""
-    fn = obj.fn
-    while not callable(getattr(fn, "__code__", None)) and hasattr(fn, "fn"):
-        fn = fn.fn
-    module_name = getattr(fn, "__module__", None)
+    module_name = obj.module
     if not module_name or module_name == "__main__":
         return None
     try:
