@@ -153,6 +153,16 @@ def test_a_bound_launch_outlives_its_kernel():
         assert verify.rel_err(out, verify.reference(problem, x, w, None)) <= verify.tolerance(problem)
 
 
+@pytest.mark.parametrize("bias,activation,expected", [
+    (False, "none", 1), (True, "none", 4), (False, "relu", 2), (True, "relu", 6), (False, "gelu_tanh", 32),
+    (True, "gelu_tanh", 36), (True, "gelu", 4), (True, "silu", 4), (False, "gelu", 1)])
+def test_the_epilogue_is_one_that_cublaslt_h_defines(bias, activation, expected):
+    """cublasLtEpilogue_t's values: BIAS (4) is one of its own, not a flag over DEFAULT (1)."""
+    from gemmtune.backends import cublaslt_binding
+
+    assert cublaslt_binding.epilogue(Problem(8, 8, 8, "bfloat16", "linear", bias, False, activation)) == expected
+
+
 EPILOGUES = [(True, "none"), (True, "relu"), (True, "gelu_tanh"), (False, "gelu_tanh"), (False, "relu"),
              (True, "gelu"), (True, "silu")]  # the last two: the bias in cuBLAS's epilogue, the activation torch's
 

@@ -109,6 +109,7 @@ def test_a_conv1d_s_layout_does_not_matter_but_what_it_computes_does(caplog):
                         "(a Conv1D whose forward does not compute x @ weight + bias: 1)"]
 
 
+@pytest.mark.cpu_rule
 def test_a_cpu_model_beside_a_gpu_is_left_unchanged(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     model = two_layers()

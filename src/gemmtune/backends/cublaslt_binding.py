@@ -26,7 +26,9 @@ COMPUTE_32F, COMPUTE_32F_FAST_TF32 = 68, 77  # cublasComputeType_t
 SCALE_32F = 0
 DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8  # cublasLtMatmulDescAttributes_t
 # cublasLtEpilogue_t: what cuBLAS itself applies to the product (its GELU is the tanh approximation,
-# so an exact GELU is torch's, after the product)
+# so an exact GELU is torch's, after the product). BIAS is a value of its own, not a flag over
+# DEFAULT: DEFAULT | BIAS (5) is no epilogue cuBLAS knows, and its algorithms wrote wrong outputs
+# with it (an H100, 2026-11-26); the activations combine with BIAS (RELU_BIAS 6, GELU_BIAS 36).
 EPILOGUE_DEFAULT, EPILOGUE_RELU, EPILOGUE_BIAS, EPILOGUE_GELU = 1, 2, 4, 32
 EPILOGUE_ACTIVATIONS = {"relu": EPILOGUE_RELU, "gelu_tanh": EPILOGUE_GELU}
 PREF_MAX_WORKSPACE = 1  # cublasLtMatmulPreferenceAttributes_t
@@ -54,8 +56,8 @@ class Heuristic(ctypes.Structure):
 def epilogue(problem: Problem) -> int:
     """The cublasLtEpilogue_t cuBLAS applies for ``problem``: its bias and, where cuBLAS has it,
     its activation (``fused_activation``)."""
-    value = EPILOGUE_ACTIVATIONS.get(problem.activation, EPILOGUE_DEFAULT)
-    return value | EPILOGUE_BIAS if problem.bias else value
+    value = EPILOGUE_ACTIVATIONS.get(problem.activation, 0) | (EPILOGUE_BIAS if problem.bias else 0)
+    return value or EPILOGUE_DEFAULT
 
 
 def fused_activation(problem: Problem) -> bool:
