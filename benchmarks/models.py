@@ -17,7 +17,10 @@ alternating rounds:
 
 ``speedup = baseline_ms / gemmtune_ms`` is the median of the per-round ratios (a GPU machine's
 host speed drifts by tens of percent within a run: only ratios timed side by side compare),
-``spread`` half their interquartile range. ``rel_err`` = max|gemmtune - baseline| / max|baseline|
+``spread`` half their interquartile range. In eager mode an untouched copy of the baseline is timed
+as a third side in the same rounds: ``control`` (with ``control_spread``) is baseline / copy, the
+ratio the method reads where nothing differs, so an eager speedup within it of 1.0 is noise (the
+host-bound models' eager rounds time Python, whose speed varies with where objects lie). ``rel_err`` = max|gemmtune - baseline| / max|baseline|
 of the case's output (logits, last_hidden_state) in float32, in the same mode. Per case, on the
 eager step: ``gemms``, the GEMM calls gemmtune saw (every nn.Linear's and Conv1D's);
 ``gemms_kept``, those still going through gemmtune after ``optimize`` (whose check hands layers
@@ -458,27 +461,38 @@ def loop_ms(call: Callable[[], object], calls: int, device: str) -> float:
     return (time.perf_counter() - t0) * 1e3 / calls
 
 
-def paired_rounds(base: Callable, tuned: Callable, rounds: int, round_ms: float, device: str) -> dict:
-    """Both sides timed in ``rounds`` alternating rounds (base first in even rounds, gemmtune
-    first in odd ones), each a loop of the same number of calls filling about ``round_ms``."""
+def paired_rounds(base: Callable, tuned: Callable, rounds: int, round_ms: float, device: str,
+                  control: Callable | None = None) -> dict:
+    """Both sides timed in ``rounds`` interleaved rounds (each round starts with the next side in
+    turn), each a loop of the same number of calls filling about ``round_ms``. ``control``: an
+    untouched copy of the baseline timed as a third side, whose ratio (``control``, 1.0 ideally)
+    is what the method reads where nothing differs: the floor under which a speedup is noise."""
     per_call = max(min(loop_ms(base, 1, device) for _ in range(3)), 1e-3)
     calls = max(1, min(2000, round(round_ms / per_call)))
-    times = {"base": [], "tuned": []}
+    sides = [("base", base), ("tuned", tuned)] + ([("control", control)] if control is not None else [])
+    times: dict[str, list[float]] = {name: [] for name, _ in sides}
     gc_was = gc.isenabled()
     gc.disable()
     try:
         for i in range(rounds):
-            order = (("base", base), ("tuned", tuned)) if i % 2 == 0 else (("tuned", tuned), ("base", base))
-            for side, call in order:
+            for side, call in sides[i % len(sides):] + sides[:i % len(sides)]:
                 times[side].append(loop_ms(call, calls, device))
     finally:
         if gc_was:
             gc.enable()
-    ratios = [b / t for b, t in zip(times["base"], times["tuned"])]
+    result = {"baseline_ms": statistics.median(times["base"]), "gemmtune_ms": statistics.median(times["tuned"]),
+              "rounds": rounds, "calls_per_round": calls}
+    result["speedup"], result["spread"] = ratio_of(times["base"], times["tuned"])
+    if control is not None:
+        result["control"], result["control_spread"] = ratio_of(times["base"], times["control"])
+    return result
+
+
+def ratio_of(base: list[float], other: list[float]) -> tuple[float, float]:
+    """The median of the per-round ratios base / other, and half their interquartile range."""
+    ratios = [b / o for b, o in zip(base, other)]
     q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
-    return {"baseline_ms": statistics.median(times["base"]), "gemmtune_ms": statistics.median(times["tuned"]),
-            "speedup": statistics.median(ratios), "rounds": rounds, "spread": (q3 - q1) / 2,
-            "calls_per_round": calls}
+    return statistics.median(ratios), (q3 - q1) / 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -640,7 +654,10 @@ def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budg
         "gemm_flops_seen": flops_seen / flops_all if flops_all else None, "gemm_gflop": flops_all / 1e9,
         "fused_kept": fused_kept(tuned)}
     runners: dict[tuple[str, str], Runner] = {}
-    sides = {"base": (base, base_kwargs), "tuned": (tuned, tuned_kwargs)}
+    with grad_mode(case):
+        control = copy.deepcopy(base)
+        sides = {"base": (base, base_kwargs), "tuned": (tuned, tuned_kwargs),
+                 "control": (control, case.kwargs(control, shared))}
 
     def runner(side: str, way: str) -> Runner:
         if (side, way) not in runners:
@@ -659,7 +676,8 @@ def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budg
         try:
             with grad_mode(case):
                 b, t = runner("base", base_way), runner("tuned", tuned_way)
-                timing = paired_rounds(b.call, t.call, args.rounds, args.round_ms, device)
+                c = runner("control", base_way).call if mode == "eager" else None  # graphs: no host noise
+                timing = paired_rounds(b.call, t.call, args.rounds, args.round_ms, device, control=c)
             row |= timing | {"setup_s": tune_s + t.setup_s, "baseline_setup_s": b.setup_s,
                              "rel_err": rel_err(t.output, b.output)}
             if case.phase == "train":
@@ -684,7 +702,9 @@ def print_row(row: dict) -> None:
     print(f"{head} {row['baseline_ms']:9.3f} / {row['gemmtune_ms']:9.3f} ms  x{row['speedup']:.3f} "
           f"+-{row['spread']:.3f}  setup {row['setup_s']:.1f}/{row['baseline_setup_s']:.1f} s  "
           f"err {row['rel_err']:.1e}  gemms {row['gemms_served']}/{row['gemms_kept']}/{row['gemms']}  "
-          f"flops seen {'-' if seen is None else f'{seen:.3f}'}", file=sys.stderr, flush=True)
+          f"flops seen {'-' if seen is None else f'{seen:.3f}'}"
+          + (f"  A/A x{row['control']:.3f} +-{row['control_spread']:.3f}" if "control" in row else ""),
+          file=sys.stderr, flush=True)
 
 
 def header(device: str, args) -> dict:
@@ -739,7 +759,7 @@ def parse_args(argv=None):
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
                         help=f"comma-separated modes (default: {','.join(DEFAULT_MODES)}; any of {', '.join(MODES)}; "
                              "'all' for every one). Each torch.compile mode costs about a minute per model")
-    parser.add_argument("--rounds", type=int, default=9, help="alternating rounds per mode (default 9)")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds per mode (default 15)")
     parser.add_argument("--round-ms", type=float, default=None,
                         help="time each side's loop fills per round (default 100 ms; 20 with --tiny)")
     parser.add_argument("--time-budget-s", type=float, default=480.0,
