@@ -59,8 +59,9 @@ class Case:
 
 
 def _rows_block_prune(configs, named, **kwargs):
-    """Keep the blocks that hold a row, up to twice the smallest that does."""
-    n = named["n_cols"]
+    """Keep the blocks that hold a row, up to twice the smallest that does (``n_cols`` is passed
+    by name or by keyword)."""
+    n = kwargs["n_cols"] if "n_cols" in kwargs else named["n_cols"]
     least = triton.next_power_of_2(n)
     return [c for c in configs if least <= c.kwargs["BLOCK_SIZE"] <= 2 * least]
 

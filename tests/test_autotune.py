@@ -278,6 +278,23 @@ def test_prune_configs_by_as_triton_autotune(timings):
     assert [t.config["kwargs"]["BLOCK"] for t in Store().trials(entry.device, entry.problem_key)] == [32]
 
 
+def test_pruning_sees_keyword_arguments_apart_as_triton_autotune_does(timings):
+    """triton.autotune hands ``early_config_prune`` the positional arguments by name and the
+    keyword ones as keywords; perf_model gets both once (a name in both would be a TypeError)."""
+    seen = []
+
+    def early(configs, named, **kwargs):
+        seen.append((sorted(named), sorted(kwargs)))
+        return [c for c in configs if c.kwargs["BLOCK"] <= kwargs["n"]]
+
+    kernel = gemmtune.autotune(configs=blocks(16, 32, 64), key=["n"],
+                               prune_configs_by={"early_config_prune": early,
+                                                 "perf_model": lambda **kw: kw["n"] - kw["BLOCK"], "top_k": 1})(add_kernel)
+    x, y, out = operands(40)
+    kernel[grid(40)](x, y, out, n=40)
+    assert seen == [(["out_ptr", "x_ptr", "y_ptr"], ["n"])] and torch.equal(out, x + y)
+
+
 def test_a_pruning_that_returns_another_config_is_refused(timings):
     kernel = gemmtune.autotune(configs=blocks(16, 32), key=["n"],
                                prune_configs_by={"early_config_prune": lambda c, named: blocks(8)})(add_kernel)

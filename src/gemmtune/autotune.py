@@ -216,9 +216,11 @@ class Autotuned:
                 for name, run in runs.items()}
 
     def _pruned(self, named: dict, kwargs: dict) -> list:
-        """The configs left after ``prune_configs_by``, as triton.autotune prunes them."""
+        """The configs left after ``prune_configs_by``, as triton.autotune prunes them: the
+        positional arguments by name, the keyword ones as keywords."""
         configs = self.configs
         early, perf_model, top_k = self.prune
+        named = {name: value for name, value in named.items() if name not in kwargs}
         if early is not None:
             configs = list(early(self.configs, named, **kwargs))
             if not configs:
