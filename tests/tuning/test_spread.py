@@ -37,6 +37,15 @@ def test_two_workers_tune_every_problem_into_one_store(tmp_path):
     assert sorted(r.problem_key for r in stored) == sorted(p.key() for p in wanted)
 
 
+def test_workers_tune_with_candidates_isolated_in_processes_of_their_own(tmp_path):
+    """The default: each worker runs its candidates in a process of its own (a worker is not a
+    daemon, which multiprocessing forbids to have children)."""
+    location = str(tmp_path / "store.sqlite")
+    wanted = problems((3, "none"), (4, "none"))
+    done = spread.tune(wanted, [None, None], location=location, options=OPTIONS)
+    assert sorted(done.results) == sorted(p.key() for p in wanted) and not done.given_up and done.restarts == 0
+
+
 def test_a_worker_that_dies_costs_only_its_group_which_another_tunes(tmp_path, monkeypatch):
     monkeypatch.setenv("GEMMTUNE_SPREAD_FLAG", str(tmp_path / "died"))
     wanted = problems((6, "none"), (7, "none"), (7, "relu"), (8, "none"))

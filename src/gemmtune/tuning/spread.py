@@ -111,7 +111,9 @@ class _Worker:
         context = multiprocessing.get_context("spawn")
         self.gpu, self.group, self.why = gpu, None, ""
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=serve, args=(child, gpu, *setup), daemon=True)
+        # not a daemon: a worker runs its candidates in processes of its own (IsolatedRunner), which
+        # multiprocessing forbids a daemon; one whose parent is gone ends on the closed pipe
+        self.process = context.Process(target=serve, args=(child, gpu, *setup))
         with main_hidden():
             self.process.start()
         child.close()
@@ -199,7 +201,10 @@ def serve(conn, gpu: int | None, location: str | None, options: TuneOptions, ret
     """A worker: tune each group it is handed into the store, answer with the results."""
     with worker_state(gpu, location, isolate, runner_factory) as (device, store, runner):
         while True:
-            request = json.loads(conn.recv_bytes())
+            try:
+                request = json.loads(conn.recv_bytes())
+            except EOFError:  # the parent is gone
+                return
             if request.get("exit"):
                 return
             started = time.perf_counter()
