@@ -13,8 +13,8 @@ and the file says:
 - ``scaling = plain_s / gpus_all_s`` against the ideal ``gpus`` (the goal: >= 0.9 x gpus);
 - ``scheduler_overhead = gpus_1_s / plain_s - 1`` (the goal: <= 5%);
 - ``agreement``: the share of problems whose choice under ``--gpus all`` is the plain run's;
-  for each that differs, ``loss`` = the plain run's time of the other choice over its own choice's
-  (from the plain run's trials; null where the plain run did not time that candidate), so a
+  for each that differs, ``loss`` = the plain run's trial median of the other choice over that of
+  its own choice (both from the same run's trials; null where it did not time the other), so a
   difference within noise reads ~1.0.
 
     PYTHONPATH=src python3 benchmarks/fleet.py --out fleet.json [--count 200]
@@ -84,9 +84,9 @@ def agreement(plain: Path, spread: Path) -> dict:
             same += 1
         else:
             timed = {t.label(): t.median_ms for t in base.trials(ours.device, ours.problem_key) if t.ok}
-            other_ms = timed.get(their.label())
+            mine, other_ms = timed.get(ours.label()), timed.get(their.label())
             differences.append({"problem": ours.problem_key, "plain": ours.label(), "spread": their.label(),
-                                "loss": other_ms / ours.time_ms if other_ms and ours.time_ms else None})
+                                "loss": other_ms / mine if other_ms and mine else None})
     total = len(base.choices())
     return {"problems": total, "same": same, "agreement": same / total if total else None,
             "differences": differences}
