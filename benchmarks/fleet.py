@@ -1,6 +1,6 @@
 """Tuning a zoo over every GPU of a host against one GPU: the ``fleet`` file of RESULTS.md.
 
-A zoo of ``--count`` problems (the shapes of benchmarks/shapes/public.json and zoo.json, each
+A zoo of ``--count`` problems (126 at most) (the shapes of benchmarks/shapes/public.json and zoo.json, each
 (n, k) at several row counts, bf16; deterministic) is tuned three times from empty stores and
 empty Triton compile caches, each a ``gemmtune tune`` process:
 
@@ -95,7 +95,7 @@ def agreement(plain: Path, spread: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="the JSON file to write")
-    parser.add_argument("--count", type=int, default=200, help="problems in the zoo (default 200)")
+    parser.add_argument("--count", type=int, default=126, help="problems in the zoo (default and most: 126)")
     parser.add_argument("--timeout-s", type=float, default=400.0, help="the longest one tuning run may take")
     args = parser.parse_args(argv)
     gpu = torch.cuda.is_available()
