@@ -17,7 +17,7 @@ and the file says:
   its own choice (both from the same run's trials; null where it did not time the other), so a
   difference within noise reads ~1.0.
 
-    PYTHONPATH=src python3 benchmarks/fleet.py --out fleet.json [--count 200]
+    PYTHONPATH=src python3 benchmarks/fleet.py --out fleet.json [--count 126]
 
 Without a GPU the workers run Triton's interpreter on a small zoo: NOT GPU timings.
 """
