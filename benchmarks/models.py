@@ -654,10 +654,11 @@ def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budg
         "gemm_flops_seen": flops_seen / flops_all if flops_all else None, "gemm_gflop": flops_all / 1e9,
         "fused_kept": fused_kept(tuned)}
     runners: dict[tuple[str, str], Runner] = {}
-    with grad_mode(case):
-        control = copy.deepcopy(base)
-        sides = {"base": (base, base_kwargs), "tuned": (tuned, tuned_kwargs),
-                 "control": (control, case.kwargs(control, shared))}
+    sides = {"base": (base, base_kwargs), "tuned": (tuned, tuned_kwargs)}
+    if "eager" in modes:  # the control side, eager rounds only
+        with grad_mode(case):
+            control = copy.deepcopy(base)
+            sides["control"] = (control, case.kwargs(control, shared))
 
     def runner(side: str, way: str) -> Runner:
         if (side, way) not in runners:
