@@ -1,8 +1,9 @@
 """Tuning a zoo over every GPU of a host against one GPU: the ``fleet`` file of RESULTS.md.
 
-A zoo of ``--count`` problems (126 at most) (the shapes of benchmarks/shapes/public.json and zoo.json, each
-(n, k) at several row counts, bf16; deterministic) is tuned three times from empty stores and
-empty Triton compile caches, each a ``gemmtune tune`` process:
+A zoo of ``--count`` problems (210 at most; default 200: the goal's) (the shapes of
+benchmarks/shapes/public.json and zoo.json, each (n, k) at ten row counts from 1 to 4096, bf16;
+deterministic) is tuned three times from empty stores and empty Triton compile caches, each a
+``gemmtune tune`` process:
 
     gpus_all      --gpus all: one worker process per GPU, every result into one store
     plain         no scheduler: the command's own tuning on one GPU
@@ -12,12 +13,19 @@ and the file says:
 
 - ``scaling = plain_s / gpus_all_s`` against the ideal ``gpus`` (the goal: >= 0.9 x gpus);
 - ``scheduler_overhead = gpus_1_s / plain_s - 1`` (the goal: <= 5%);
-- ``agreement``: the share of problems whose choice under ``--gpus all`` is the plain run's;
-  for each that differs, ``loss`` = the plain run's trial median of the other choice over that of
-  its own choice (both from the same run's trials; null where it did not time the other), so a
-  difference within noise reads ~1.0.
+- ``work_s``: per run, the seconds its problems' tuning took (their ``tune_s``, summed), so that
+  what a run spends outside tuning (process starts, the scheduler, a GPU left idle at the end)
+  reads as ``*_s - work_s / gpus``;
+- ``agreement``: the share of problems whose choice under ``--gpus all`` is the plain run's, and
+  ``repeat``: the same between the two one-GPU runs (``plain`` and ``gpus_1``, on the same GPU:
+  how far two tunings agree at all). For each that differs, ``loss`` = the other choice's time over
+  the run's own choice's, the median of their per-round ratios in that run's final rounds, and
+  ``noise`` the spread of those ratios (null where the other choice was not among the run's
+  finalists), so a difference within noise reads 1.0 +- noise.
 
-    PYTHONPATH=src python3 benchmarks/fleet.py --out fleet.json [--count 126]
+    PYTHONPATH=src python3 benchmarks/fleet.py --out fleet.json [--count 200] [--keep DIR]
+
+``--keep DIR`` keeps the three runs' stores there (every trial's samples: to study the choices).
 
 Without a GPU the workers run Triton's interpreter on a small zoo: NOT GPU timings.
 """
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,7 +45,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-ROWS = (1, 16, 64, 256, 1024, 4096)
+ROWS = (1, 8, 16, 33, 64, 128, 256, 1024, 2048, 4096)
 
 
 def zoo(count: int, tiny: bool) -> list[dict]:
@@ -70,7 +79,7 @@ def tune(shapes: Path, store: Path, cache: Path, extra: list[str], timeout: floa
 
 
 def agreement(plain: Path, spread: Path) -> dict:
-    """The choices of the spread run against the plain run's, problem by problem."""
+    """The choices of the ``spread`` store against the ``plain`` store's, problem by problem."""
     from gemmtune.store import Store
 
     base, other = Store(plain), Store(spread)
@@ -83,19 +92,40 @@ def agreement(plain: Path, spread: Path) -> dict:
         elif their.label() == ours.label():
             same += 1
         else:
-            timed = {t.label(): t.median_ms for t in base.trials(ours.device, ours.problem_key) if t.ok}
-            mine, other_ms = timed.get(ours.label()), timed.get(their.label())
-            differences.append({"problem": ours.problem_key, "plain": ours.label(), "spread": their.label(),
-                                "loss": other_ms / mine if other_ms and mine else None})
+            final = finalists(base.trials(ours.device, ours.problem_key))
+            mine, others = final.get(ours.label()), final.get(their.label())
+            loss, noise = (others.ratio_to(mine), others.spread_against(mine)) if mine and others else (None, None)
+            differences.append({"problem": ours.problem_key, "plain": ours.label(), "other": their.label(),
+                                "loss": loss, "noise": noise})
     total = len(base.choices())
     return {"problems": total, "same": same, "agreement": same / total if total else None,
+            "within_noise": sum(1 for d in differences if d.get("loss") is not None
+                                and abs(d["loss"] - 1.0) <= max(d["noise"], 0.02)),
             "differences": differences}
+
+
+def finalists(trials) -> dict:
+    """The timings of a problem's final round, by label: the trials timed round by round beside
+    cuBLAS (as many samples as cuBLAS's final timing, at least the tuner's minimum of rounds)."""
+    from gemmtune.tuning.tuner import MIN_ROUNDS_FINAL
+
+    reference = next((t for t in trials if t.ok and t.backend == "cublas"), None)
+    rounds = len(reference.timing.samples) if reference else 0
+    return {t.label(): t.timing for t in trials if t.ok and rounds >= MIN_ROUNDS_FINAL
+            and len(t.timing.samples) == rounds}
+
+
+def work_of(store: Path) -> float:
+    from gemmtune.store import Store
+
+    return sum(r.tune_s for r in Store(store).choices() if r.tune_s)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="the JSON file to write")
-    parser.add_argument("--count", type=int, default=126, help="problems in the zoo (default and most: 126)")
+    parser.add_argument("--count", type=int, default=200, help="problems in the zoo (default 200, at most 210)")
+    parser.add_argument("--keep", type=Path, help="a folder to keep the three runs' stores in")
     parser.add_argument("--timeout-s", type=float, default=400.0, help="the longest one tuning run may take")
     args = parser.parse_args(argv)
     gpu = torch.cuda.is_available()
@@ -112,16 +142,23 @@ def main(argv: list[str] | None = None) -> int:
         # the scaling and the agreement first: each is written as soon as it is known
         runs = {"gpus_all": ["--gpus", "all" if gpu else str(gpus)], "plain": [], "gpus_1": ["--gpus", "1"]}
         for name, extra in runs.items():
-            result[f"{name}_s"] = tune(shapes, work / f"{name}.sqlite", work / f"{name}-triton", extra, args.timeout_s)
+            store = work / f"{name}.sqlite"
+            result[f"{name}_s"] = tune(shapes, store, work / f"{name}-triton", extra, args.timeout_s)
+            result.setdefault("work_s", {})[name] = work_of(store)
             print(f"{name}: {result[f'{name}_s']:.1f} s", file=sys.stderr, flush=True)
+            if args.keep:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                shutil.copy(store, args.keep / store.name)
             if name == "plain":
                 result["scaling"] = result["plain_s"] / result["gpus_all_s"]
                 result |= agreement(work / "plain.sqlite", work / "gpus_all.sqlite")
             out.write_text(json.dumps(result, indent=1))
         result["scheduler_overhead"] = result["gpus_1_s"] / result["plain_s"] - 1
+        result["repeat"] = agreement(work / "plain.sqlite", work / "gpus_1.sqlite")
     out.write_text(json.dumps(result, indent=1))
     print(f"{gpus} GPUs: scaling {result['scaling']:.2f}x (ideal {gpus}), scheduler overhead "
-          f"{result['scheduler_overhead']:+.1%}, agreement {result['same']}/{result['problems']}", file=sys.stderr)
+          f"{result['scheduler_overhead']:+.1%}, agreement {result['same']}/{result['problems']} "
+          f"(one GPU twice: {result['repeat']['same']}/{result['repeat']['problems']})", file=sys.stderr)
     return 0
 
 

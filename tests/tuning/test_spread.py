@@ -1,7 +1,7 @@
-"""Tuning over several workers (gemmtune.tuning.spread, `gemmtune tune --gpus`): groups that keep
-a lead with its followers, every result in one store, a worker that dies costing only its group,
-which another worker tunes, and a group that keeps killing workers given up. CPU workers here
-(Triton's interpreter); one per GPU on a GPU machine."""
+"""Tuning over several GPUs (gemmtune.tuning.spread, `gemmtune tune --gpus`): groups that keep a
+lead with its followers, handed out costliest first, every result in one store, a group whose
+candidates' process dies costing only that group, which the next free lane tunes, and a group that
+keeps failing given up. CPU lanes here (Triton's interpreter); one per GPU on a GPU machine."""
 
 import pytest
 
@@ -25,28 +25,28 @@ def test_groups_keep_a_lead_with_its_followers_in_order():
     assert spread.groups([relu, other, plain]) == [[relu, plain], [other]]
 
 
-def test_two_workers_tune_every_problem_into_one_store(tmp_path):
+def test_groups_are_handed_out_costliest_first_ties_in_order():
+    small, big, also_small = problems((3, "none"), (9, "none"), (3, "relu"))
+    same = Problem(3, 24, 40, "float32", "linear", True, True, "none")  # another shape of equal cost
+    assert spread.costliest_first([[small], [big], [same]]) == [[big], [small], [same]]
+    assert spread.costliest_first([[same], [small, also_small], [big]]) == [[big], [small, also_small], [same]]
+
+
+def test_two_lanes_tune_every_problem_into_one_store(tmp_path):
     location = str(tmp_path / "store.sqlite")
     wanted = problems((3, "none"), (3, "relu"), (4, "none"), (5, "gelu"))
     seen = []
-    done = spread.tune(wanted, [None, None], location=location, options=OPTIONS, isolate=False,
-                       on_result=seen.append)
+    done = spread.tune(wanted, [None, None], location=location, options=OPTIONS, on_result=seen.append)
     assert sorted(done.results) == sorted(p.key() for p in wanted) and not done.given_up
     assert len(seen) == 4 and done.restarts == 0
     stored = Store(location).choices()
     assert sorted(r.problem_key for r in stored) == sorted(p.key() for p in wanted)
+    follower = next(r for r in stored if r.problem_key == wanted[1].key())
+    assert {t.label() for t in follower.trials} < {t.label() for t in done.results[wanted[0].key()].trials} | {
+        t.label() for t in follower.trials if t.backend == "cublas"}  # the follower tried its lead's shortlist
 
 
-def test_workers_tune_with_candidates_isolated_in_processes_of_their_own(tmp_path):
-    """The default: each worker runs its candidates in a process of its own (a worker is not a
-    daemon, which multiprocessing forbids to have children)."""
-    location = str(tmp_path / "store.sqlite")
-    wanted = problems((3, "none"), (4, "none"))
-    done = spread.tune(wanted, [None, None], location=location, options=OPTIONS)
-    assert sorted(done.results) == sorted(p.key() for p in wanted) and not done.given_up and done.restarts == 0
-
-
-def test_a_worker_that_dies_costs_only_its_group_which_another_tunes(tmp_path, monkeypatch):
+def test_a_group_whose_candidates_process_dies_costs_only_that_group_which_another_lane_tunes(tmp_path, monkeypatch):
     monkeypatch.setenv("GEMMTUNE_SPREAD_FLAG", str(tmp_path / "died"))
     wanted = problems((6, "none"), (7, "none"), (7, "relu"), (8, "none"))
     done = spread.tune(wanted, [None, None], location=str(tmp_path / "s.sqlite"), options=OPTIONS,
@@ -55,7 +55,7 @@ def test_a_worker_that_dies_costs_only_its_group_which_another_tunes(tmp_path, m
     assert sorted(done.results) == sorted(p.key() for p in wanted) and not done.given_up
 
 
-def test_a_group_that_keeps_killing_workers_is_given_up_and_the_rest_tuned(tmp_path, caplog):
+def test_a_group_that_keeps_failing_is_given_up_and_the_rest_tuned(tmp_path, caplog):
     wanted = problems((9, "none"), (10, "none"))
     done = spread.tune(wanted, [None, None], location=str(tmp_path / "s.sqlite"), options=OPTIONS,
                        runner_factory=AlwaysDies)
@@ -75,11 +75,20 @@ def test_the_tune_command_spreads_over_workers(tmp_path, capsys):
 
     store = tmp_path / "cli.sqlite"
     workers = str(torch.cuda.device_count() or 2)  # a GPU host accepts as many as it has
-    argv = ["tune", "--gpus", workers, "--in-process", "--store", str(store), "--dtype", "float32",
+    argv = ["tune", "--gpus", workers, "--store", str(store), "--dtype", "float32",
             "--shape", "3x24x40", "--shape", "5x24x40"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "3x24x40" in out and "5x24x40" in out and len(Store(store).choices()) == 2
+
+
+def test_the_tune_command_refuses_gpus_with_in_process_naming_both(tmp_path, capsys):
+    from gemmtune.cli import main
+
+    argv = ["tune", "--gpus", "1", "--in-process", "--store", str(tmp_path / "s.sqlite"), "--shape", "3x24x40"]
+    assert main(argv) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--gpus and --in-process: choose one" in err
 
 
 @pytest.mark.parametrize("value, message", [("0", "accepted: all"), ("zero", "accepted: all"), ("0,1", "no GPU")])

@@ -74,9 +74,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="run candidates in this process (default: a worker process, so a crashing or "
                            "hanging candidate becomes a failed trial)")
     tune.add_argument("--gpus", metavar="all|N|I,J",
-                      help="spread the shapes over GPUs, one worker process each, into one store: all of this "
-                           "host's, the first N, or those listed; a worker that dies costs only the shape it was "
-                           "tuning, which another worker tunes (without a GPU: N workers on Triton's interpreter)")
+                      help="spread the shapes over GPUs, the costliest first, into one store: all of this "
+                           "host's, the first N, or those listed; each GPU runs its candidates in a process of its "
+                           "own, and a shape whose tuning fails is tuned again on the next free GPU (without a GPU: "
+                           "N lanes on Triton's interpreter)")
     tune.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                       help="tune across a Ray cluster, one task per shape (and its epilogue variants) with a GPU "
                            "each: --ray auto joins the cluster this host is part of, --ray ADDRESS another, --ray "
@@ -297,8 +298,11 @@ def _tune_spread(named, args, console: Console, store) -> int:
 
     if args.gpus and args.ray:
         raise ValueError("--gpus and --ray: choose one (Ray gives each task a GPU of its own)")
+    if args.gpus and args.in_process:
+        raise ValueError("--gpus and --in-process: choose one (--gpus runs each GPU's candidates in a process "
+                         "of its own)")
     options = TuneOptions(strategy=args.strategy, budget=parse_budget(args.budget))
-    common = {"location": args.cache, "options": options, "retune": args.retune, "isolate": not args.in_process}
+    common = {"location": args.cache, "options": options, "retune": args.retune}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TimeRemainingColumn())
     problems = [n.problem for n in named]
@@ -306,10 +310,11 @@ def _tune_spread(named, args, console: Console, store) -> int:
         if args.ray:
             task = progress.add_task("tuning on Ray", total=len(named))
             done = cluster.tune(problems, address=None if args.ray == "local" else args.ray, **common,
-                                on_result=lambda _: progress.advance(task))
+                                isolate=not args.in_process, on_result=lambda _: progress.advance(task))
         else:
             gpus = gpus_of(args.gpus)
-            task = progress.add_task(f"tuning on {len(gpus)} workers", total=len(named))
+            task = progress.add_task(f"tuning on {len(gpus)} {'GPUs' if gpus[0] is not None else 'lanes'}",
+                                     total=len(named))
             done = spread.tune(problems, gpus, **common, on_result=lambda _: progress.advance(task))
     tuned = [(n, done.results[n.problem.key()]) for n in named if n.problem.key() in done.results]
     if args.json:

@@ -15,9 +15,9 @@ import logging
 from collections.abc import Callable, Sequence
 
 from gemmtune.problem import Problem
-from gemmtune.results import TuneResult
+from gemmtune.results import Trial, TuneResult
 from gemmtune.tuning import spread
-from gemmtune.tuning.tuner import TuneOptions
+from gemmtune.tuning.tuner import TuneOptions, tune_many
 
 log = logging.getLogger("gemmtune")
 
@@ -60,7 +60,7 @@ def tune(problems: Sequence[Problem], *, address: str | None = None, location: s
                 done.given_up.extend(group)
                 continue
             for reply in replies:
-                result = spread.result_of_reply(reply)
+                result = result_of_reply(reply)
                 done.results[result.problem_key] = result
                 if on_result is not None:
                     on_result(result)
@@ -72,6 +72,39 @@ def tune(problems: Sequence[Problem], *, address: str | None = None, location: s
 
 def _tune_group(keys: list[str], location: str | None, options: TuneOptions, retune: bool, isolate: bool,
                 runner_factory: Callable | None) -> list[dict]:
-    """A Ray task: tune one group on the GPU Ray gave it (or the interpreter) into the store."""
-    return spread.tune_group([Problem.from_key(key) for key in keys], location, options, retune, isolate,
-                             runner_factory)
+    """A Ray task: tune one group on the GPU Ray gave it (or the interpreter) into the store;
+    the results as plain data. The candidates run in ``runner_factory``'s runner where given (tests:
+    one that ends the task's process), else in a process of their own where ``isolate``, else in
+    the task's."""
+    import torch
+
+    from gemmtune.device import current
+    from gemmtune.store import open_store
+    from gemmtune.tuning.worker import IsolatedRunner
+
+    device = current()
+    index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    runner = runner_factory(device) if runner_factory is not None else (
+        IsolatedRunner(device, device_index=index) if isolate else None)
+    problems = [Problem.from_key(key) for key in keys]
+    try:
+        with open_store(location) as store:
+            return [reply_of_result(r) for r in tune_many(problems, device, store, options, retune=retune,
+                                                          runner=runner)]
+    finally:
+        if isinstance(runner, IsolatedRunner):
+            runner.close()
+
+
+def reply_of_result(result: TuneResult) -> dict:
+    """A result as plain data, for a Ray task's return."""
+    return {"problem_key": result.problem_key, "device": result.device, "backend": result.backend,
+            "config": result.config, "time_ms": result.time_ms, "cublas_ms": result.cublas_ms,
+            "tune_s": result.tune_s, "rel_err": result.rel_err, "from_store": result.from_store,
+            "gpu_timings": result.gpu_timings, "trials": [t.to_dict() for t in result.trials]}
+
+
+def result_of_reply(data: dict) -> TuneResult:
+    data = dict(data)
+    trials = tuple(Trial.from_dict(t) for t in data.pop("trials"))
+    return TuneResult(**data, trials=trials)

@@ -25,6 +25,7 @@ from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing, Trial, TuneResult
 from gemmtune.tuning import compiler
 from gemmtune.tuning.runner import LocalRunner, Runner, matmul_precision
+from gemmtune.tuning.worker import IsolatedRunner
 
 if TYPE_CHECKING:
     from gemmtune.store import Store
@@ -72,6 +73,10 @@ def tune_problem(problem: Problem, device: Device, *, options: TuneOptions = Tun
     ``compiled``: this problem's entry of ``compile_batch`` (its candidates are compiled
     already, these failed); None compiles them here first.
     """
+    if isinstance(runner, IsolatedRunner):
+        # its process sets the precision; here it would be process-wide, which tuning several
+        # GPUs from threads of one process (``spread``) must not touch
+        return _tune(problem, device, options, on_trial, runner, compiled)
     with matmul_precision(problem):
         return _tune(problem, device, options, on_trial, runner, compiled)
 
