@@ -315,6 +315,21 @@ def test_host_times_waits_for_the_gpu_in_the_loop_but_not_in_the_issue(monkeypat
     assert measure.host_loop_ms(taking(clock, 0.1), GPU, calls=20, repeats=2) == pytest.approx(loop)
 
 
+def test_host_rounds_interleave_the_calls_and_give_a_sample_per_round(monkeypatch, clock):
+    """Two calls, three rounds of four calls each: the order of the rounds' loops is shuffled,
+    each sample is a round's time per call, and the GPU's backlog at each loop's end is in the
+    loop's time, not the host's."""
+    order = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: clock.advance(0.4))
+    fns = {"a": taking(clock, 0.1, order, "a"), "b": taking(clock, 0.2, order, "b")}
+    measured = measure.host_rounds(fns, GPU, rounds=3, calls=4, seed=1)
+    loop, issue = measured["a"]
+    assert loop.samples == pytest.approx((0.2,) * 3) and issue.samples == pytest.approx((0.1,) * 3)
+    assert measured["b"][0].samples == pytest.approx((0.3,) * 3)
+    loops = [order[i] for i in range(2, len(order), 4)]  # after the warm-up call of each, a name per loop
+    assert [sorted(loops[i:i + 2]) for i in (0, 2, 4)] == [["a", "b"]] * 3  # both in every round
+
+
 # ----- on the GPU ---------------------------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -28,11 +28,15 @@ def timing(median, spread=0.0, order_seed=None):
     return t
 
 
+def flat(ms, rounds=11):
+    """A cost or host time that read ``ms`` in every round."""
+    return Timing((ms,) * rounds)
+
+
 def decide(cublas_ms, other_ms, cublas_spread=0.0, other_spread=0.0, shared_drift=False):
     timings = {"cublas": timing(cublas_ms, cublas_spread, None if shared_drift else 1),
                "x": timing(other_ms, other_spread, None if shared_drift else 2)}
-    costs = {label: t.median for label, t in timings.items()}
-    return select("cublas", timings, costs)
+    return select("cublas", timings, timings)
 
 
 def test_a_clear_win_is_taken():
@@ -65,7 +69,7 @@ def test_a_win_is_read_from_the_per_round_ratios():
     other = Timing(tuple(c * (0.97 if i % 2 == 0 else 1.0) for i, c in enumerate(clocks)))
     assert other.median / cublas.median > 1 - 0.02 and other.ratio_to(cublas) == pytest.approx(0.97)
     timings = {"cublas": cublas, "x": other}
-    assert select("cublas", timings, {label: t.median for label, t in timings.items()}) == "x"
+    assert select("cublas", timings, timings) == "x"
 
 
 def test_slower_never_wins():
@@ -76,10 +80,10 @@ def test_a_cheaper_launch_does_not_win_with_a_slower_kernel():
     """Host-bound costs: cuBLAS's call 12 us for an 8.7 us kernel, the candidate's 10.6 us for
     a 10.6 us kernel. Cheaper in a plain loop, 22% slower replayed from a CUDA graph."""
     timings = {"cublas": timing(0.0087, 0.01), "x": timing(0.0106, 0.01)}
-    assert select("cublas", timings, {"cublas": 0.012, "x": 0.0106}) == "cublas"
+    assert select("cublas", timings, {"cublas": flat(0.012), "x": flat(0.0106)}) == "cublas"
     # the same launch saving with a kernel as fast as cuBLAS's wins
     timings["x"] = timing(0.0087, 0.01)
-    assert select("cublas", timings, {"cublas": 0.012, "x": 0.0092}) == "x"
+    assert select("cublas", timings, {"cublas": flat(0.012), "x": flat(0.0092)}) == "x"
 
 
 def test_a_faster_kernel_with_a_costlier_launch_does_not_win():
@@ -90,14 +94,33 @@ def test_a_faster_kernel_with_a_costlier_launch_does_not_win():
     from gemmtune.tuning.tuner import HOST_SLACK
 
     timings = {"cublas": timing(0.043, 0.005), "tma": timing(0.040, 0.005), "bound": timing(0.0415, 0.005)}
-    costs = {label: t.median for label, t in timings.items()}
-    slow_launch = {"cublas": 0.015, "tma": 0.015 * (1 + 2 * HOST_SLACK), "bound": 0.008}
+    costs = dict(timings)
+    slow_launch = {"cublas": flat(0.015), "tma": flat(0.015 * (1 + 2 * HOST_SLACK)), "bound": flat(0.008)}
     assert select("cublas", timings, costs, slow_launch) == "bound"
     del timings["bound"], costs["bound"]
     assert select("cublas", timings, costs, slow_launch) == "cublas"
-    assert select("cublas", timings, costs, {**slow_launch, "tma": 0.015 * (1 + HOST_SLACK / 2)}) == "tma"
-    assert select("cublas", timings, costs, {"cublas": None, "tma": 0.03}) == "tma"  # not measured: no rule
+    assert select("cublas", timings, costs, {**slow_launch, "tma": flat(0.015 * (1 + HOST_SLACK / 2))}) == "tma"
+    assert select("cublas", timings, costs, {"cublas": None, "tma": flat(0.03)}) == "tma"  # not measured: no rule
     assert select(None, timings, costs, slow_launch) == "tma"  # cuBLAS failed verification
+
+
+def test_among_winners_that_cost_the_same_the_fastest_kernel_is_chosen():
+    """Three kernels under a launch-bound cost of 10 us (within noise of each other), cuBLAS's
+    call at 12 us: whichever reads cheapest by a hair, the fastest kernel is taken, as cheap in
+    a loop and faster in a CUDA graph; a kernel cheaper beyond the noise still wins outright."""
+    timings = {"cublas": timing(0.0060, 0.01), "a": timing(0.0050, 0.01), "b": timing(0.0040, 0.01),
+               "c": timing(0.0045, 0.01)}
+    costs = {"cublas": timing(0.012, 0.01, 1), "a": timing(0.00990, 0.01, 2), "b": timing(0.0100, 0.01, 3),
+             "c": timing(0.0101, 0.01, 4)}
+    assert select("cublas", timings, costs) == "b"
+    costs["a"] = timing(0.0080, 0.01, 2)
+    assert select("cublas", timings, costs) == "a"
+
+
+def test_a_winner_whose_kernel_is_slower_gives_way_to_the_next_cheapest():
+    timings = {"cublas": timing(0.0087, 0.01), "x": timing(0.0106, 0.01), "y": timing(0.0080, 0.01)}
+    costs = {"cublas": flat(0.012), "x": flat(0.0090), "y": flat(0.0100)}
+    assert select("cublas", timings, costs) == "y"
 
 
 @pytest.mark.interpreter

@@ -68,7 +68,7 @@ def validate(problem: Problem, policy: str, count: int, device: Device, *, optio
             final = runner.final([(chosen.backend, chosen.config), (exact.backend, exact.config)],
                                  options.final_budget_ms, MIN_ROUNDS_FINAL)
         ours, best = _label(chosen), _label(exact)
-        loss = final[ours][1] / final[best][1] - 1.0 if ours in final and best in final else None
+        loss = final[ours][1].ratio_to(final[best][1]) - 1.0 if ours in final and best in final else None
         checks.append(BucketCheck(sample, rep, ours, best, loss))
     return checks
 

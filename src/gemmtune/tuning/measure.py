@@ -255,6 +255,34 @@ def host_times(fn: Callable[[], object], device: Device, *, calls: int = 100,
     return loop, issue
 
 
+def host_rounds(fns: Mapping[str, Callable[[], object]], device: Device, *, rounds: int = 11, calls: int = 50,
+                seed: int = 0) -> dict[str, tuple[Timing, Timing]]:
+    """``host_times`` of several calls in the same interleaved rounds, for comparing them: per
+    name, the loop's time per call and the host's own, one sample a round, each round's order
+    shuffled. Timed one after another, two loops of the same call read up to several percent
+    apart (the host's clocks, other processes); the per-round ratios of these cancel that."""
+    sync = _synchronizer(device)
+    names = list(fns)
+    for name in names:  # warm: a first call may load or build something
+        fns[name]()
+    sync()
+    loops: dict[str, list[float]] = {name: [] for name in names}
+    issues: dict[str, list[float]] = {name: [] for name in names}
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        rng.shuffle(names)
+        for name in names:
+            fn = fns[name]
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            issued = time.perf_counter()
+            sync()
+            loops[name].append((time.perf_counter() - t0) * 1e3 / calls)
+            issues[name].append((issued - t0) * 1e3 / calls)
+    return {name: (Timing(tuple(loops[name])), Timing(tuple(issues[name]))) for name in fns}
+
+
 def _synchronizer(device: Device) -> Callable[[], None]:
     if device.interpreter:
         return lambda: None

@@ -74,7 +74,7 @@ class Runner(Protocol):
         ...
 
     def final(self, candidates: list[tuple[str, dict]], budget_ms: float,
-              min_rounds: int) -> dict[str, tuple[Timing, float, float | None, str]]:
+              min_rounds: int) -> dict[str, tuple[Timing, Timing, Timing | None, str]]:
         """The finalists timed side by side: label -> (timing, a user's call's cost, the host's
         time per call or None, why its check after the timing failed or "")."""
         ...
@@ -161,7 +161,7 @@ class LocalRunner:
         return self._reference
 
     def final(self, candidates: list[tuple[str, dict]], budget_ms: float,
-              min_rounds: int) -> dict[str, tuple[Timing, float, float | None, str]]:
+              min_rounds: int) -> dict[str, tuple[Timing, Timing, Timing | None, str]]:
         """The finalists timed side by side, then each checked again on the second inputs:
         label -> (timing, cost of a user's call, the host's own time per call where it was
         measured, else None, and why it failed that check, else "")."""
@@ -172,7 +172,8 @@ class LocalRunner:
                 labels.append(label)
         timings = measure.measure({label: self._bound(label) for label in labels}, self.device,
                                 budget_ms=budget_ms, min_rounds=min_rounds)
-        return {label: (timing, *self._cost(label, timing), self._recheck(label)) for label, timing in timings.items()}
+        costs, hosts = self._costs(timings)
+        return {label: (timing, costs[label], hosts[label], self._recheck(label)) for label, timing in timings.items()}
 
     def _recheck(self, label: str) -> str:
         """Why the kernel of ``label``, after its timing rounds, gets the second inputs wrong; ""
@@ -207,23 +208,33 @@ class LocalRunner:
         a, b, bias = self._inputs.a, self._inputs.b, self._inputs.bias
         return lambda: kernel(a, b, bias)
 
-    def _cost(self, label: str, timing: Timing) -> tuple[float, float | None]:
-        """What a call costs: the kernel's median, or the back-to-back wall time if that is larger
-        (for layout linear, of the call linear's front path makes: a bound launch where the
-        kernel has one, which costs the host several microseconds less than its wrapper); and
-        the host's own time per call (``measure.host_times``), measured for kernels under
-        HOST_BOUND_MS only."""
-        if self.device.interpreter or timing.median >= HOST_BOUND_MS:
-            return timing.median, None
-        if self._problem.layout == "linear":
-            a, b, bias = self._inputs.a, self._inputs.b, self._inputs.bias
-            front = front_entry(self._ready[label][0], a, b, bias)
-            pa, pb, pbias = a.data_ptr(), b.data_ptr(), 0 if bias is None else bias.data_ptr()
-            call = lambda: front(a, b, bias, pa, pb, pbias)  # noqa: E731
-        else:
-            call = self._bound(label)
-        loop, issue = measure.host_times(call, self.device)
-        return max(timing.median, loop), issue
+    def _costs(self, timings: dict[str, Timing]) -> tuple[dict[str, Timing], dict[str, Timing | None]]:
+        """What a call of each finalist costs, and the host's own time per call where it counts.
+
+        Where every kernel takes HOST_BOUND_MS or more, the kernels' timings are the costs. Else
+        each call is also timed back to back, all in the same interleaved rounds
+        (``measure.host_rounds``), and a round's cost is the larger of the kernel's median and
+        the loop's time per call (for layout linear, the loop of the call linear's front path
+        makes: a bound launch where the kernel has one, which costs the host several
+        microseconds less than its wrapper). The host's own time is kept for the kernels under
+        HOST_BOUND_MS: above it, a kernel hides its launch."""
+        if self.device.interpreter or all(t.median >= HOST_BOUND_MS for t in timings.values()):
+            return dict(timings), dict.fromkeys(timings)
+        measured = measure.host_rounds({label: self._call(label) for label in timings}, self.device)
+        costs = {label: Timing(tuple(max(timings[label].median, s) for s in loop.samples))
+                 for label, (loop, _) in measured.items()}
+        hosts = {label: issue if timings[label].median < HOST_BOUND_MS else None
+                 for label, (_, issue) in measured.items()}
+        return costs, hosts
+
+    def _call(self, label: str) -> Callable[[], object]:
+        """A user's call of ``label``'s kernel on the first inputs."""
+        if self._problem.layout != "linear":
+            return self._bound(label)
+        a, b, bias = self._inputs.a, self._inputs.b, self._inputs.bias
+        front = front_entry(self._ready[label][0], a, b, bias)
+        pa, pb, pbias = a.data_ptr(), b.data_ptr(), 0 if bias is None else bias.data_ptr()
+        return lambda: front(a, b, bias, pa, pb, pbias)
 
 
 def _ratio(timing: Timing, reference: Timing | None) -> float:

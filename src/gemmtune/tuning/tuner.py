@@ -219,7 +219,8 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
     trials = [_after_final(t, timings, failed) for t in trials]
     return TuneResult(
         problem_key=problem.key(), device=device.fingerprint(), backend=chosen.backend,
-        config=chosen.config, time_ms=costs[chosen.label()], cublas_ms=costs[kept.label()] if kept else None,
+        config=chosen.config, time_ms=costs[chosen.label()].median,
+        cublas_ms=costs[kept.label()].median if kept else None,
         tune_s=time.perf_counter() - started, rel_err=chosen.rel_err, trials=tuple(trials),
         gpu_timings=not device.interpreter,
     )
@@ -237,13 +238,13 @@ def _after_final(trial: Trial, timings: dict[str, Timing], failed: dict[str, str
     return dataclasses.replace(trial, timing=timings[label], final=True) if label in timings else trial
 
 
-def select(reference: str | None, timings: dict[str, Timing], costs: dict[str, float],
-           hosts: dict[str, float | None] | None = None) -> str:
-    """The label of the cheapest candidate if it beats the reference beyond the measured noise
-    and its kernel is not slower on the GPU, else the reference's. The finalists are timed in
-    the same rounds, so the noise is that of their per-round ratio (adding the two spreads
-    would count the drift both saw twice). ``reference`` None: cuBLAS failed verification,
-    and the cheapest verified candidate is chosen.
+def select(reference: str | None, timings: dict[str, Timing], costs: dict[str, Timing],
+           hosts: dict[str, Timing | None] | None = None) -> str:
+    """The label of the cheapest candidate that beats the reference beyond the measured noise
+    and whose kernel is not slower on the GPU, else the reference's. The finalists are timed in
+    the same rounds, and so are their costs, so every comparison reads the median and spread of
+    per-round ratios (adding the two spreads would count the drift both saw twice).
+    ``reference`` None: cuBLAS failed verification, and the cheapest verified candidate is chosen.
 
     ``costs`` include the host's time where a call is host-bound, which a cheaper launch can
     win; but inside a CUDA graph only the kernel's time remains, so a candidate whose kernel is
@@ -256,32 +257,34 @@ def select(reference: str | None, timings: dict[str, Timing], costs: dict[str, f
     but in eager decoding the other operators keep the host busy, and each call's host time is
     what the step pays (on the H200, with TMA kernels chosen for the GPU time they saved, the
     Llama's eager decode at batch 16 read 0.95x eager's speed; with this rule, 1.13x).
+
+    Among the winners whose cost is within noise of the cheapest's, the fastest kernel is
+    chosen: as cheap for a user's loop, and faster inside a CUDA graph. Where launches set the
+    cost, several kernels cost the same launch, and picking by the noise between them made two
+    tunings of one shape on one GPU disagree (docs/selection.md).
     """
     if reference is not None and hosts and hosts.get(reference) is not None:
-        ceiling = hosts[reference] * (1.0 + HOST_SLACK)
+        ceiling = 1.0 + HOST_SLACK
         costs = {label: cost for label, cost in costs.items() if label == reference
-                 or hosts.get(label) is None or hosts[label] <= ceiling}
+                 or hosts.get(label) is None or hosts[label].ratio_to(hosts[reference]) <= ceiling}
     if reference is None:
-        return min(costs, key=costs.get)
-    relative = {label: _relative_cost(label, reference, timings, costs) for label in costs}
-    best = min(relative, key=relative.get)
-    if best == reference:
-        return best
-    noise = timings[best].spread_against(timings[reference])
-    if timings[best].ratio_to(timings[reference]) > 1.0 + noise:
+        return min(costs, key=lambda label: costs[label].median)
+    winners = [label for label in costs if label != reference and _beats(label, reference, timings, costs)]
+    if not winners:
         return reference
-    if relative[best] < 1.0 - max(MIN_GAIN, noise):
-        return best
-    return reference
+    cheapest = min(winners, key=lambda label: costs[label].ratio_to(costs[reference]))
+    tied = [label for label in winners
+            if costs[label].ratio_to(costs[cheapest]) <= 1.0 + costs[label].spread_against(costs[cheapest])]
+    return min(tied, key=lambda label: timings[label].ratio_to(timings[reference]))
 
 
-def _relative_cost(label: str, reference: str, timings: dict[str, Timing], costs: dict[str, float]) -> float:
-    """A finalist's cost over the reference's: where both costs are their kernels' times, the
-    median of the per-round ratios (drift between rounds cancels in it; on an H100 the ratio of
-    the medians read a 2.2% win as 1.9%), else the ratio of the costs (a host loop's time)."""
-    if costs[label] == timings[label].median and costs[reference] == timings[reference].median:
-        return timings[label].ratio_to(timings[reference])
-    return costs[label] / costs[reference]
+def _beats(label: str, reference: str, timings: dict[str, Timing], costs: dict[str, Timing]) -> bool:
+    """Whether ``label`` costs less than the reference by more than MIN_GAIN and the noise of
+    their ratio, with a kernel that is not slower than the reference's beyond its noise."""
+    kernel, cost = timings[label], costs[label]
+    if kernel.ratio_to(timings[reference]) > 1.0 + kernel.spread_against(timings[reference]):
+        return False
+    return cost.ratio_to(costs[reference]) < 1.0 - max(MIN_GAIN, cost.spread_against(costs[reference]))
 
 
 # Failures that come from compiling the candidate, the same wherever it is compiled: the tuner
