@@ -24,6 +24,7 @@ from gemmtune.tuning.compiler import Compiled, classify
 log = logging.getLogger("gemmtune.tuning.runner")
 
 HOST_BOUND_MS = 0.1  # below this a call's cost is checked with a back-to-back loop too
+HOST_LOOP_MS = 0.5  # the GPU time one such loop aims at (between 10 and 50 calls)
 # A candidate whose first two rounds are this much slower than the best so far is not screened
 # further: it cannot become a finalist, and full screening would cost most of the time.
 ABORT_FACTOR = 1.5
@@ -220,7 +221,11 @@ class LocalRunner:
         HOST_BOUND_MS: above it, a kernel hides its launch."""
         if self.device.interpreter or all(t.median >= HOST_BOUND_MS for t in timings.values()):
             return dict(timings), dict.fromkeys(timings)
-        measured = measure.host_rounds({label: self._call(label) for label in timings}, self.device)
+        # loops of about HOST_LOOP_MS of GPU time: a loop of 50 calls of a 0.09 ms kernel cost
+        # 5 ms a round, and the 200-shape zoo's tuning 11% more time (docs/tuning-time.md)
+        longest = max(t.median for t in timings.values())
+        calls = max(10, min(50, round(HOST_LOOP_MS / longest)))
+        measured = measure.host_rounds({label: self._call(label) for label in timings}, self.device, calls=calls)
         costs = {label: Timing(tuple(max(timings[label].median, s) for s in loop.samples))
                  for label, (loop, _) in measured.items()}
         hosts = {label: issue if timings[label].median < HOST_BOUND_MS else None
