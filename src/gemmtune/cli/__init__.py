@@ -291,7 +291,8 @@ def gpus_of(value: str) -> list[int | None]:
 
 
 def _tune_spread(named, args, console: Console, store) -> int:
-    """``tune --gpus`` (one worker per GPU of this host) or ``--ray`` (tasks across a cluster)."""
+    """``tune --gpus`` (a thread and a candidates' process per GPU of this host) or ``--ray`` (tasks
+    across a cluster)."""
     from gemmtune.cli import report
     from gemmtune.tuning import cluster, spread
     from gemmtune.tuning.tuner import TuneOptions
@@ -322,7 +323,8 @@ def _tune_spread(named, args, console: Console, store) -> int:
     elif tuned:
         console.print(report.results_table([r for _, r in tuned], [n.name for n, _ in tuned]))
     for problem in done.given_up:
-        console.print(f"[red]given up: {problem.describe()} (its tuning kept taking down its worker)[/red]")
+        console.print(f"[red]given up: {problem.describe()} (its tuning failed each time it was tried; "
+                      "the warnings above say why)[/red]")
     return 1 if done.given_up or store.failure else 0
 
 

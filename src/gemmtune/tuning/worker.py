@@ -95,8 +95,8 @@ class IsolatedRunner:
             log.warning("gemmtune: the final round failed (%s); keeping %s", failure.reason, candidates[0][0])
             self._restart()
             reply = self._call({**request, "candidates": [list(candidates[0])]})
-        return {label: (Timing(tuple(samples)), Timing(tuple(cost)), None if host is None else Timing(tuple(host)), recheck)
-                for label, (samples, cost, host, recheck) in reply["final"].items()}
+        return {label: (Timing(tuple(samples)), Timing(tuple(cost)), None if host is None else Timing(tuple(host)),
+                        recheck) for label, (samples, cost, host, recheck) in reply["final"].items()}
 
     def close(self) -> None:
         if self._process is not None and self._process.is_alive():
@@ -216,8 +216,9 @@ def _handle(runner, request: dict) -> dict:
                 "broken": not all(t.ok for t in trials) and not _context_healthy(runner.device)}
     if op == "final":
         final = runner.final([tuple(c) for c in request["candidates"]], request["budget_ms"], request["min_rounds"])
-        return {"final": {label: [list(timing.samples), list(cost.samples), None if host is None else list(host.samples),
-                                  recheck] for label, (timing, cost, host, recheck) in final.items()}}
+        return {"final": {label: [list(timing.samples), list(cost.samples),
+                                  None if host is None else list(host.samples), recheck]
+                          for label, (timing, cost, host, recheck) in final.items()}}
     raise ValueError(f"unknown request {op!r}")
 
 
