@@ -239,20 +239,10 @@ def host_times(fn: Callable[[], object], device: Device, *, calls: int = 100,
     """``host_loop_ms``, and the host's own time per call: the same loop timed up to its last
     launch, before waiting for the GPU. A kernel that keeps the GPU busy longer than its launch
     takes hides its launch path in the first figure; in a model whose other operators keep the
-    host busy, as in eager decoding, the second is what the call adds."""
-    sync = _synchronizer(device)
-    fn()
-    sync()
-    loop = issue = float("inf")
-    for _ in range(repeats):  # the fastest repeat: other processes only ever add time
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        issued = time.perf_counter()
-        sync()
-        loop = min(loop, (time.perf_counter() - t0) * 1e3 / calls)
-        issue = min(issue, (issued - t0) * 1e3 / calls)
-    return loop, issue
+    host busy, as in eager decoding, the second is what the call adds. The fastest of
+    ``repeats`` loops: other processes only ever add time."""
+    loop, issue = host_rounds({"call": fn}, device, rounds=repeats, calls=calls)["call"]
+    return min(loop.samples), min(issue.samples)
 
 
 def host_rounds(fns: Mapping[str, Callable[[], object]], device: Device, *, rounds: int = 11, calls: int = 50,

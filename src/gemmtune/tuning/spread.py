@@ -74,15 +74,12 @@ def tune(problems: Sequence[Problem], gpus: Sequence[int | None], *, location: s
     failures: dict[str, int] = {}
     done: queue.Queue = queue.Queue()
     lanes = [_Lane(gpu, location, options, retune, runner_factory, done) for gpu in gpus]
-    busy = 0
     try:
-        while waiting or busy:
+        while waiting or not all(lane.idle for lane in lanes):
             for lane in lanes:
                 if lane.idle and waiting:
                     lane.hand(waiting.popleft())
-                    busy += 1
             lane, group, results, why = done.get()
-            busy -= 1
             lane.idle = True
             if results is None:
                 spread.restarts += 1
@@ -153,14 +150,12 @@ class _Lane:
 
     def _start(self, stack: contextlib.ExitStack, location: str | None, runner_factory: Callable | None):
         """This GPU's device, a connection to the store and the candidates' runner (closed by ``stack``)."""
-        import torch
-
         from gemmtune.device import current
         from gemmtune.store import open_store
         from gemmtune.tuning.worker import IsolatedRunner
 
         device = current(self.gpu)
-        index = self.gpu if self.gpu is not None else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        index = self.gpu if self.gpu is not None else 0  # None: the interpreter, where no index counts
         store = stack.enter_context(open_store(location))
         runner = stack.enter_context(IsolatedRunner(device, device_index=index, runner_factory=runner_factory))
         return device, store, runner
