@@ -14,6 +14,10 @@ alternating rounds:
     reduce-overhead             torch.compile(mode="reduce-overhead") of each side
     max-autotune-no-cudagraphs  the baseline compiled in that mode against gemmtune's side
                                 compiled by default (the row's mode is "compile")
+    gemmtune-compile            torch.compile (default) of the model against gemmtune.compile of
+                                it (no optimize: the compiler's GEMMs are gemmtune's choices;
+                                setup_s is that compile, first-sight tuning included)
+    gemmtune-vs-max-autotune    max-autotune-no-cudagraphs of the model against gemmtune.compile
 
 ``speedup = baseline_ms / gemmtune_ms`` is the median of the per-round ratios (a GPU machine's
 host speed drifts by tens of percent within a run: only ratios timed side by side compare),
@@ -73,12 +77,16 @@ MODES = {
     "compile": ("compile", "compile"),
     "reduce-overhead": ("reduce-overhead", "reduce-overhead"),
     "max-autotune-no-cudagraphs": ("max-autotune-no-cudagraphs", "compile"),
+    "gemmtune-compile": ("compile", "gemmtune-compile"),
+    "gemmtune-vs-max-autotune": ("max-autotune-no-cudagraphs", "gemmtune-compile"),
 }
 COMPILE_MODE = {"compile": None, "reduce-overhead": "reduce-overhead",
                 "max-autotune-no-cudagraphs": "max-autotune-no-cudagraphs"}
 DEFAULT_MODES = ("eager", "graph")
 # the seconds a mode is left to start with: torch.compile's modes compile both sides first
-RESERVE_S = {"eager": 10, "graph": 10, "compile": 60, "reduce-overhead": 60, "max-autotune-no-cudagraphs": 120}
+RESERVE_S = {"eager": 10, "graph": 10, "compile": 60, "reduce-overhead": 60, "max-autotune-no-cudagraphs": 120,
+             "gemmtune-compile": 60, "gemmtune-vs-max-autotune": 120}
+GEMMTUNE_COMPILE = "gemmtune-compile"  # the way of gemmtune.compile's side: the model as it is
 MODEL_RESERVE_S = 20
 GEMM_OPS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm")
 WARMUP_CALLS = 3
@@ -381,7 +389,7 @@ class Runner:
     setup_s: float
 
 
-def compiled(model: nn.Module, mode: str | None) -> Callable:
+def compiled(model: nn.Module, mode: str | None, gemmtune_compile: bool = False) -> Callable:
     """``torch.compile`` of a function of this side's own that calls ``model``. Dynamo keeps
     compiled code per code object, and both sides' forwards are one class's: the side compiled
     second would reuse the first one's code wherever their graphs agree (every layer handed back
@@ -391,11 +399,15 @@ def compiled(model: nn.Module, mode: str | None) -> Callable:
         return model(**kwargs)
 
     forward.__code__ = forward.__code__.replace()  # a code object of its own
+    if gemmtune_compile:
+        import gemmtune
+
+        return gemmtune.compile(forward, mode=mode)
     return torch.compile(forward, mode=mode)
 
 
 def make_runner(way: str, case: Case, model: nn.Module, kwargs: dict, device: str) -> Runner:
-    forward = model if way in ("eager", "graph") else compiled(model, COMPILE_MODE[way])
+    forward = model if way in ("eager", "graph") else compiled(model, COMPILE_MODE.get(way), way == GEMMTUNE_COMPILE)
     step = step_of(case, forward, model, kwargs)
     sync(device)
     t0 = time.perf_counter()
@@ -646,15 +658,22 @@ def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budg
         base_kwargs = case.kwargs(base, shared)
     gemms, flops_seen = seen_gemms(case, base, shared)
     flops_all = all_gemm_flops(case, base, base_kwargs)
-    tuned, tuned_kwargs, tune_s = tune_side(case, base, shared)
-    by = served_by(case, tuned, tuned_kwargs)
-    common = identity(case) | {
-        "tune_s": tune_s, "gemms": gemms, "gemms_served": sum(c for b, c in by.items() if b not in ("torch", "cublas")),
-        "gemms_kept": sum(c for b, c in by.items() if b != "torch"), "served_by": dict(by),
-        "gemm_flops_seen": flops_seen / flops_all if flops_all else None, "gemm_gflop": flops_all / 1e9,
-        "fused_kept": fused_kept(tuned)}
+    common = identity(case) | {"gemms": gemms, "gemm_gflop": flops_all / 1e9,
+                               "gemm_flops_seen": flops_seen / flops_all if flops_all else None}
+    sides = {"base": (base, base_kwargs)}
+    tune_s = 0.0
+    if any(MODES[m][1] != GEMMTUNE_COMPILE for m in modes):  # a mode times optimize's side
+        tuned, tuned_kwargs, tune_s = tune_side(case, base, shared)
+        by = served_by(case, tuned, tuned_kwargs)
+        common |= {"tune_s": tune_s, "served_by": dict(by), "fused_kept": fused_kept(tuned),
+                   "gemms_served": sum(c for b, c in by.items() if b not in ("torch", "cublas")),
+                   "gemms_kept": sum(c for b, c in by.items() if b != "torch")}
+        sides["tuned"] = (tuned, tuned_kwargs)
+    if any(MODES[m][1] == GEMMTUNE_COMPILE for m in modes):  # gemmtune.compile's side: the model as it is
+        with grad_mode(case):
+            plain = copy.deepcopy(base)
+            sides["plain"] = (plain, case.kwargs(plain, shared))
     runners: dict[tuple[str, str], Runner] = {}
-    sides = {"base": (base, base_kwargs), "tuned": (tuned, tuned_kwargs)}
     if "eager" in modes:  # the control side, eager rounds only
         with grad_mode(case):
             control = copy.deepcopy(base)
@@ -676,13 +695,15 @@ def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budg
             continue
         try:
             with grad_mode(case):
-                b, t = runner("base", base_way), runner("tuned", tuned_way)
+                b = runner("base", base_way)
+                t = runner("plain" if tuned_way == GEMMTUNE_COMPILE else "tuned", tuned_way)
                 c = runner("control", base_way).call if mode == "eager" else None  # graphs: no host noise
                 timing = paired_rounds(b.call, t.call, args.rounds, args.round_ms, device, control=c)
-            row |= timing | {"setup_s": tune_s + t.setup_s, "baseline_setup_s": b.setup_s,
+            row |= timing | {"setup_s": t.setup_s + (0 if tuned_way == GEMMTUNE_COMPILE else tune_s),
+                             "baseline_setup_s": b.setup_s,
                              "rel_err": rel_err(t.output, b.output)}
             if case.phase == "train":
-                row["grad_rel_err"] = grad_rel_err(tuned, base)
+                row["grad_rel_err"] = grad_rel_err(sides["tuned"][0], base)
         except Exception as exc:  # noqa: BLE001 - a mode that fails is a row saying why
             traceback.print_exc(file=sys.stderr)
             row["error"] = f"{type(exc).__name__}: {exc}"[:500]
@@ -702,7 +723,7 @@ def print_row(row: dict) -> None:
     seen = row["gemm_flops_seen"]
     print(f"{head} {row['baseline_ms']:9.3f} / {row['gemmtune_ms']:9.3f} ms  x{row['speedup']:.3f} "
           f"+-{row['spread']:.3f}  setup {row['setup_s']:.1f}/{row['baseline_setup_s']:.1f} s  "
-          f"err {row['rel_err']:.1e}  gemms {row['gemms_served']}/{row['gemms_kept']}/{row['gemms']}  "
+          f"err {row['rel_err']:.1e}  gemms {row.get('gemms_served', '-')}/{row.get('gemms_kept', '-')}/{row['gemms']}  "
           f"flops seen {'-' if seen is None else f'{seen:.3f}'}"
           + (f"  A/A x{row['control']:.3f} +-{row['control_spread']:.3f}" if "control" in row else ""),
           file=sys.stderr, flush=True)
@@ -807,7 +828,7 @@ def main(argv=None) -> int:
     doc = header(device, args)
     if device != "cuda":
         print("no CUDA GPU: eager rows only, CPU timings (NOT GPU timings)", file=sys.stderr)
-    elif any(m in COMPILE_MODE for m in args.modes):
+    elif any(m not in ("eager", "graph") for m in args.modes):
         doc["compile_warmup_s"] = throwaway_compile(device)
     budget = Budget(args.time_budget_s)
     started = time.perf_counter()

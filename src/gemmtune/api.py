@@ -1,4 +1,4 @@
-"""The public functions: ``tune``, ``matmul`` and ``linear``.
+"""The public functions: ``tune``, ``matmul``, ``linear`` and ``compile``.
 
 What falls back to torch (documented, never a wrong result): tensors not on a CUDA device,
 dtypes other than float16/bfloat16/float32, a zero-size dimension, a store miss during
@@ -105,6 +105,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return torch_ops.linear(x, weight, bias, act)
     n, k = weight.shape
     return serve_linear(x, weight, bias, act, x.shape, n, k, front)
+
+
+def compile(model, *, mode: str | None = None, fullgraph: bool = False, dynamic: bool | None = None,
+            options: dict | None = None):
+    """``torch.compile`` with gemmtune choosing every mm and addmm of the compiled graphs: the
+    compiler's cuBLAS call, its Triton template with gemmtune's config (its epilogue fusions
+    kept), or a gemmtune kernel called from the generated code. Each GEMM is stored or tuned on
+    first sight, and nothing is benchmarked by the compiler. Arguments as torch.compile's
+    (``gemmtune.inductor.backend``)."""
+    from gemmtune.inductor import backend
+
+    return backend.compile(model, mode=mode, fullgraph=fullgraph, dynamic=dynamic, options=options)
 
 
 def _needs_grad(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

@@ -104,34 +104,60 @@ class Dispatcher:
             self.kernels.clear()
             self.front.clear()
 
+    def choice(self, problem: Problem, device: Device) -> tuple[str, dict]:
+        """The backend and config that serve ``problem`` on ``device``, as a served call finds
+        them (the store, then a tuning), without building the kernel: the compiler asks this
+        of the GEMMs it lowers (``gemmtune.inductor``)."""
+        for name, config in self._stored(problem, device):
+            try:
+                backends.get(name).parse_config(config)
+            except Exception as exc:  # noqa: BLE001 - an entry the library rejects here is passed over
+                log.warning("gemmtune: the stored %s for %s is not a valid config here (%s); passing it over",
+                            name, problem.describe(), exc)
+                continue
+            return name, config
+        return self._fresh(problem, device)
+
     def _resolve(self, problem: Problem, device: Device):
+        for name, config in self._stored(problem, device):
+            try:
+                return backends.build(problem, name, config, device)
+            except Exception as exc:  # noqa: BLE001 - an entry the library rejects here is passed over
+                log.warning("gemmtune: the stored %s for %s cannot be built here (%s); passing it over",
+                            name, problem.describe(), exc)
+        return backends.build(problem, *self._fresh(problem, device), device)
+
+    def _stored(self, problem: Problem, device: Device) -> Iterator[tuple[str, dict]]:
+        """The stored choices that can serve ``problem``: its own shape's first, then its bucket's."""
         target = bucket(problem, settings.bucket_policy())  # the problem whose result serves this one
-        for candidate in dict.fromkeys((problem, target)):  # the exact shape first, then its bucket
+        for candidate in dict.fromkeys((problem, target)):
             stored = self.store.get(device.fingerprint(), candidate.key())
             if stored is not None and _serves(stored.backend, problem, device):
-                try:
-                    return backends.build(problem, stored.backend, stored.config, device)
-                except Exception as exc:  # noqa: BLE001 - an entry the library rejects here is passed over
-                    log.warning("gemmtune: the stored %s for %s cannot be built here (%s); passing it over",
-                                stored.backend, candidate.describe(), exc)
+                yield stored.backend, stored.config
+
+    def _fresh(self, problem: Problem, device: Device) -> tuple[str, dict]:
+        """The choice for a problem the store has nothing for: cuBLAS while deferring or in mode
+        ``lookup``, else a tuning of its bucket's problem, stored."""
+        reference = (backends.REFERENCE, {})
         if self.is_deferring():
-            return backends.build(problem, backends.REFERENCE, {}, device)
+            return reference
         if settings.mode() == "lookup":  # logged once: the fallback is cached like any kernel
             log.info("gemmtune: no tuned kernel for %s on this device; using cuBLAS (GEMMTUNE_MODE=lookup)",
                      problem.describe())
             _append_miss(problem)
-            return backends.build(problem, backends.REFERENCE, {}, device)
+            return reference
+        target = bucket(problem, settings.bucket_policy())
         try:
             result = tune_problem(target, device, options=TuneOptions())
         except Exception:  # noqa: BLE001 - a failed tuning must not break the user's program
             log.warning("gemmtune: tuning %s failed; using cuBLAS", target.describe(), exc_info=True)
-            return backends.build(problem, backends.REFERENCE, {}, device)
+            return reference
         self.store.put(result)
         log.info("gemmtune: tuned %s in %.1f s: %s %.4f ms vs cuBLAS %.4f ms", target.describe(),
                  result.tune_s, result.label(), result.time_ms, result.cublas_ms or float("nan"))
         if not _serves(result.backend, problem, device):
-            return backends.build(problem, backends.REFERENCE, {}, device)
-        return backends.build(problem, result.backend, result.config, device)
+            return reference
+        return result.backend, result.config
 
 
 def _append_miss(problem: Problem) -> None:

@@ -1,0 +1,67 @@
+"""``gemmtune.compile``: ``torch.compile`` with gemmtune choosing the compiled graphs' GEMMs.
+
+The backend is the compiler's own (``compile_fx``), with two changes around each graph it
+compiles, the backward graph of a training step included: gemmtune's ``GemmtuneChoices``
+answers the GEMM lowerings, and the GEMM templates are switched on (``max_autotune_gemm``) so
+that a Triton config gemmtune chose can be the compiler's template, with its epilogue fused.
+Nothing is benchmarked: each GEMM has one candidate. Convolutions keep the compiler's library
+call (``max_autotune_conv_backends="ATEN"``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from gemmtune.inductor import hooks
+
+log = logging.getLogger("gemmtune")
+
+MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+_PATCHES = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON",
+            "max_autotune_conv_backends": "ATEN"}
+
+
+def compile(model, *, mode: str | None = None, fullgraph: bool = False, dynamic: bool | None = None,
+            options: dict[str, Any] | None = None):
+    """``torch.compile(model, mode=..., fullgraph=..., dynamic=..., options=...)`` with every
+    mm and addmm of the compiled graphs run as gemmtune chose it (stored, else tuned on first
+    sight). ``mode`` is torch.compile's (None: ``default``); ``options`` are the compiler's
+    config entries, as torch.compile takes them. On a torch whose compiler hooks moved, this
+    says so once and returns ``torch.compile``'s result."""
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"compile: mode={mode!r} is not a torch.compile mode; accepted: None, "
+                         + ", ".join(MODES))
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"compile: options must be a dict of compiler config entries, got {type(options).__name__}")
+    reason = hooks.missing()
+    if reason is not None:
+        log.warning("gemmtune: %s; compiling with torch.compile alone (checked on torch %s to %s)",
+                    reason, *hooks.TESTED)
+        return torch.compile(model, mode=mode, fullgraph=fullgraph, dynamic=dynamic, options=options)
+    return torch.compile(model, backend=Backend(mode, options), fullgraph=fullgraph, dynamic=dynamic)
+
+
+class Backend:
+    """The compiler's backend with gemmtune's GEMM choices: a ``torch.compile`` backend."""
+
+    def __init__(self, mode: str | None = None, options: dict[str, Any] | None = None) -> None:
+        from gemmtune.inductor.choices import GemmtuneChoices
+
+        self.patches = {**hooks.list_mode_options(mode or "default"), **(options or {}),
+                        **_PATCHES, "inductor_choices_class": GemmtuneChoices}
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs):
+        return hooks.compile_fx(graph, example_inputs, inner_compile=_inner_compile,
+                                config_patches=self.patches)
+
+
+def _inner_compile(graph, example_inputs, **kwargs):
+    """One graph (forward or, when a backward first runs, backward) compiled with gemmtune's
+    choices answering its lowerings."""
+    from gemmtune.inductor.choices import GemmtuneChoices
+
+    with hooks.V.set_choices_handler(GemmtuneChoices()):
+        return hooks.compile_fx_inner(graph, example_inputs, **kwargs)

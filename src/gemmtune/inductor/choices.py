@@ -1,0 +1,142 @@
+"""gemmtune as the compiler's GEMM chooser: each mm and addmm the compiler lowers gets one
+candidate, gemmtune's choice for it, so nothing is benchmarked while compiling.
+
+- cuBLAS: the compiler's own call of it (``aten``), the plain op of a default compile;
+- a ``triton_tiled`` config: the compiler's Triton GEMM template with that config's tiles,
+  warps and stages, so the compiler fuses what follows (bias, activation, residual) into it;
+- any other gemmtune kernel: ``runtime.gemm`` called from the generated code.
+
+Every other GEMM (bmm, a dynamic size, an operand layout or dtype gemmtune does not serve) gets
+what a default ``torch.compile`` gives it: the compiler's first library call, nothing tuned.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import sympy
+
+from gemmtune import backends
+from gemmtune.device import current
+from gemmtune.inductor import hooks, runtime
+from gemmtune.inductor.problems import Operands, problem_of
+from gemmtune.problem import Problem
+from gemmtune.serving.calls import tf32_allowed
+from gemmtune.serving.dispatch import DISPATCHER
+from gemmtune.version import __version__
+
+log = logging.getLogger("gemmtune")
+
+TEMPLATE_BACKEND = "triton_tiled"  # the gemmtune backend whose configs the compiler's template takes
+TEMPLATE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+GEMMTUNE_KERNEL = hooks.extern_choice(runtime.gemm, "gemmtune_gemm")
+# the lowerings whose candidates gemmtune gives (mm and addmm its choice; the others, which
+# it does not serve, their library call, as a default compile); any other is the compiler's
+LOWERINGS = ("mm", "addmm", "bmm", "baddbmm", "mm-ah")
+BIAS_ADDMM = "aten::bias_addmm"
+DEVICE_TYPES = ("cuda",)  # whose GEMMs gemmtune chooses (elsewhere it serves none)
+
+
+def choose(problem: Problem, device_index: int) -> tuple[str, dict]:
+    """gemmtune's backend and config for ``problem``: stored, else tuned now and stored."""
+    return DISPATCHER.choice(problem, current(device_index))
+
+
+class GemmtuneChoices(hooks.InductorChoices):
+    """The compiler's heuristics, except that its GEMM candidates are gemmtune's one choice."""
+
+    def uuid(self) -> str:
+        """Part of the compiler's cache key: a graph compiled with gemmtune's choices is not one
+        compiled without them."""
+        return f"gemmtune-{__version__}"
+
+    def _finalize_template_configs(self, template_choices, kernel_inputs, templates, op_name,
+                                   kwarg_overrides=None):
+        """One candidate per GEMM. A lowering may ask in several calls (torch 2.13's addmm asks
+        for its library calls, then for its templates): the candidate goes with the call that
+        offers the library call, and the others get none."""
+        if op_name not in LOWERINGS:  # an op gemmtune does not know: the compiler chooses as it would
+            return super()._finalize_template_configs(template_choices, kernel_inputs, templates, op_name,
+                                                      kwarg_overrides)
+        library = _library_call(template_choices, templates)
+        if library is None:
+            return []
+        return [self._gemmtune_choice(kernel_inputs, templates, op_name, library) or library]
+
+    def _gemmtune_choice(self, kernel_inputs, templates, op_name, library):
+        problem = _problem(kernel_inputs, op_name)
+        if problem is None:
+            return None
+        with hooks.real_tensors():
+            name, config = choose(problem, kernel_inputs.device().index or 0)
+        if name == backends.REFERENCE:
+            chosen, how = library, "the compiler's cuBLAS call"
+        elif name == TEMPLATE_BACKEND:
+            chosen, how = self._template(kernel_inputs, templates, op_name, config), "the compiler's Triton template"
+        else:
+            chosen, how = None, ""
+        if chosen is None and not hooks.config.cpp_wrapper:  # generated C++ cannot call Python
+            chosen, how = _extern(kernel_inputs), "gemmtune's kernel"
+        if chosen is not None:
+            log.info("gemmtune: compiled %s %s as %s (%s)", op_name, problem.describe(), how,
+                     _label(name, config))
+        return chosen
+
+    def _template(self, kernel_inputs, templates, op_name, config: dict):
+        """The compiler's Triton GEMM template with ``config``'s tiles, or None where it cannot
+        take them. Below 68 SMs the compiler offers no template of its own; gemmtune's config
+        stands for its own benchmark there."""
+        template = next((t for t in templates if t.uid == hooks.mm_template.uid), hooks.mm_template)
+        base = next(iter(self.get_ktc(kernel_inputs, template, op_name)), None)
+        if base is None:
+            return None
+        k = kernel_inputs.shapes_symbolic()[-1][0]
+        params = {**base.params.to_kwargs(), **{f: config[f] for f in TEMPLATE_FIELDS},
+                  "EVEN_K": int(k) % config["BLOCK_K"] == 0}
+        chosen = hooks.KernelTemplateChoice(template=base.template, params=hooks.DictKernelTemplateParams(params),
+                                            extra_kwargs=base.extra_kwargs, layout=base.layout, inputs=base.inputs)
+        return chosen if chosen.choice is not None else None
+
+
+def operands(kernel_inputs, op_name: str) -> Operands:
+    """The sizes, strides and dtypes the compiler lowers for ``op_name``, as numbers."""
+    shapes, strides = kernel_inputs.shapes_symbolic(), kernel_inputs.strides_symbolic()
+    static = all(isinstance(v, (int, sympy.Integer)) for dims in (*shapes, *strides) for v in dims)
+    scalars = {}
+    if op_name == "addmm":
+        scalars = {name: kernel_inputs.get_scalar(name) for name in ("alpha", "beta")}
+    names = tuple(str(d).removeprefix("torch.") for d in kernel_inputs.dtypes())
+    numbers = (lambda dims: tuple(int(v) for v in dims)) if static else (lambda dims: tuple(dims))
+    return Operands(op_name, tuple(map(numbers, shapes)), tuple(map(numbers, strides)), names,
+                    str(kernel_inputs.out_dtype()).removeprefix("torch."), static, scalars)
+
+
+def _problem(kernel_inputs, op_name: str) -> Problem | None:
+    if not isinstance(kernel_inputs, hooks.MMKernelInputs) or kernel_inputs.device().type not in DEVICE_TYPES:
+        return None
+    try:
+        return problem_of(operands(kernel_inputs, op_name), tf32_allowed())
+    except (TypeError, ValueError):  # a symbol where a number was expected, a scalar not there
+        return None
+
+
+def _library_call(template_choices, templates):
+    """The compiler's library call among the candidates (torch.mm, addmm...), or None where
+    this call offers none: addmm's with a bias row (cuBLASLt's bias epilogue, as F.linear
+    runs it) where offered, else the first, as a default compile, which tunes nothing, runs."""
+    offered = [t.uid for t in templates if isinstance(t, hooks.ExternKernelChoice) and t.uid in template_choices]
+    for uid in sorted(offered, key=lambda uid: uid != BIAS_ADDMM):
+        chosen = next(iter(template_choices[uid]), None)
+        if chosen is not None:
+            return chosen
+    return None
+
+
+def _extern(kernel_inputs):
+    return hooks.KernelTemplateChoice(template=GEMMTUNE_KERNEL, params=hooks.DictKernelTemplateParams({}),
+                                      extra_kwargs={}, layout=kernel_inputs.output_layout(flexible=False),
+                                      inputs=kernel_inputs)
+
+
+def _label(name: str, config: dict) -> str:
+    return name + "".join(f" {k}={v}" for k, v in sorted(config.items()))

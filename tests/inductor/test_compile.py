@@ -1,0 +1,184 @@
+"""gemmtune.compile: the compiled graphs' GEMMs run as gemmtune chose them.
+
+On the CPU the compiler lowers GEMMs as on a GPU, so the tests here let gemmtune choose for CPU
+GEMMs (``DEVICE_TYPES``) with a fixed answer (``choose``) and read the generated code; gemmtune's
+kernel then falls back to torch on the CPU, so outputs must match eager exactly. The tests
+marked ``gpu`` compile real choices, and the compiler's Triton template with gemmtune's config.
+"""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch._inductor.utils import run_and_get_code
+
+import gemmtune
+from gemmtune.inductor import choices, hooks
+from gemmtune.serving.dispatch import DISPATCHER
+
+TILES = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compiles():
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def chosen(monkeypatch):
+    """gemmtune chooses for CPU GEMMs too, and answers every problem with ``chosen.answer``;
+    ``chosen.asked`` lists the problems it was asked about."""
+    class Chooser:
+        answer = ("cublaslt", {"algo": 0})
+        asked = []
+
+        def __call__(self, problem, device_index):
+            self.asked.append(problem)
+            return self.answer
+
+    chooser = Chooser()
+    monkeypatch.setattr(choices, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(choices, "choose", chooser)
+    return chooser
+
+
+def mlp(k=33, hidden=64, n=7):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(k, hidden), nn.GELU(), nn.Linear(hidden, n, bias=False)).eval()
+
+
+def compiled_run(model, *inputs):
+    with torch.no_grad():
+        out, code = run_and_get_code(gemmtune.compile(model), *inputs)
+    return out, "\n".join(code)
+
+
+def test_the_compiler_hooks_gemmtune_uses_are_there():
+    """Fails on a torch whose compiler moved one: gemmtune.compile would fall back there."""
+    assert hooks.missing() is None
+
+
+@pytest.mark.parametrize("rows", [(1,), (7,), (3, 5)])
+def test_a_gemmtune_kernel_is_called_from_the_generated_code(chosen, rows):
+    model, x = mlp(), torch.randn(*rows, 33)
+    out, code = compiled_run(model, x)
+    assert code.count("extern_kernels.gemmtune_gemm(") == 2  # the addmm with its bias, and the mm
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    m = x.numel() // 33
+    assert {(p.m, p.n, p.k, p.layout, p.bias) for p in chosen.asked} == {(m, 64, 33, "linear", True),
+                                                                          (m, 7, 64, "linear", False)}
+
+
+def test_a_cublas_choice_keeps_the_compilers_library_call(chosen):
+    chosen.answer = ("cublas", {})
+    model, x = mlp(), torch.randn(7, 33)
+    out, code = compiled_run(model, x)
+    assert "gemmtune_gemm" not in code and "extern_kernels.mm(" in code and "addmm(" in code
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_product_gemmtune_does_not_serve_keeps_the_library_call_untuned(chosen):
+    def batched(a, b):
+        return torch.bmm(a, b) * 2
+
+    a, b = torch.randn(3, 7, 33), torch.randn(3, 33, 5)
+    with torch.no_grad():
+        out, code = run_and_get_code(gemmtune.compile(batched), a, b)
+    assert "extern_kernels.bmm(" in "\n".join(code) and chosen.asked == []
+    torch.testing.assert_close(out, batched(a, b))
+
+
+def test_a_matmul_of_row_major_operands_is_an_nn_problem(chosen):
+    def product(a, b):
+        return (a @ b).relu()
+
+    a, b = torch.randn(7, 33), torch.randn(33, 5)
+    with torch.no_grad():
+        out, code = run_and_get_code(gemmtune.compile(product), a, b)
+    assert "extern_kernels.gemmtune_gemm(" in "\n".join(code)
+    assert [(p.m, p.n, p.k, p.layout) for p in chosen.asked] == [(7, 5, 33, "nn")]
+    torch.testing.assert_close(out, product(a, b))
+
+
+def test_the_backward_graph_is_compiled_with_gemmtune_choices_too(chosen):
+    model, x = mlp(), torch.randn(9, 33, requires_grad=True)
+    reference = mlp()
+    x_ref = x.detach().clone().requires_grad_(True)
+    gemmtune.compile(model)(x).sum().backward()
+    reference(x_ref).sum().backward()
+    forward_problems = 2
+    assert len(chosen.asked) > forward_problems  # the backward's dx products were asked about
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    for p, p_ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_a_torch_whose_hooks_moved_compiles_with_torch_alone(monkeypatch, caplog):
+    monkeypatch.setattr(hooks, "missing", lambda: "torch 9.9 has no InductorChoices")
+    model, x = mlp(), torch.randn(7, 33)
+    with caplog.at_level(logging.WARNING, logger="gemmtune"), torch.no_grad():
+        out = gemmtune.compile(model)(x)
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    assert "has no InductorChoices; compiling with torch.compile alone" in caplog.text
+
+
+def test_bad_arguments_name_what_is_accepted():
+    with pytest.raises(ValueError, match="mode='fast' is not a torch.compile mode; accepted: None, default"):
+        gemmtune.compile(mlp(), mode="fast")
+    with pytest.raises(TypeError, match="options must be a dict"):
+        gemmtune.compile(mlp(), options=[("max_autotune", True)])
+
+
+# --------------------------------------------------------------------------------------------
+# On the GPU
+
+
+@pytest.fixture
+def fresh_store():
+    DISPATCHER.forget()
+    DISPATCHER._store = None
+    yield
+    DISPATCHER.forget()
+    DISPATCHER._store = None
+
+
+def gpu_mlp(dtype, k=768, hidden=3072, act=nn.GELU):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(k, hidden), act(), nn.Linear(hidden, k)).to("cuda", dtype).eval()
+
+
+def relative_error(out, ref):
+    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+@pytest.mark.gpu
+def test_a_triton_config_becomes_the_compilers_template_with_the_activation_fused(chosen):
+    chosen.answer = ("triton_tiled", TILES)
+    model, x = gpu_mlp(torch.bfloat16), torch.randn(64, 768, device="cuda", dtype=torch.bfloat16)
+    out, code = compiled_run(model, x)
+    assert "gemmtune_gemm" not in code and "extern_kernels.mm(" not in code
+    fused = [line for line in code.splitlines() if line.startswith("def triton_tem_fused")]
+    assert any("gelu" in line for line in fused), fused  # the GELU is in the GEMM's epilogue
+    assert "BLOCK_M : tl.constexpr = 64" in code and "BLOCK_N : tl.constexpr = 32" in code
+    with torch.no_grad():
+        reference = model.double()(x.double())
+    assert relative_error(out, reference) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 7, 33, 512])
+def test_a_compiled_model_with_real_choices_matches_a_higher_precision_reference(fresh_store, dtype, rows):
+    model = gpu_mlp(dtype, k=264, hidden=520, act=nn.SiLU)
+    x = torch.randn(rows, 264, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        out = gemmtune.compile(model)(x)
+        reference = model.double()(x.double())
+    assert relative_error(out, reference) < (2e-2 if dtype != torch.float32 else 1e-2)
+    assert len(DISPATCHER.store.choices()) >= 2  # both GEMMs were tuned on first sight and stored
