@@ -93,8 +93,10 @@ class GemmtuneChoices(hooks.InductorChoices):
         k = kernel_inputs.shapes_symbolic()[-1][0]
         params = {**base.params.to_kwargs(), **{f: config[f] for f in TEMPLATE_FIELDS},
                   "EVEN_K": int(k) % config["BLOCK_K"] == 0}
+        # a fixed output layout, as the compiler gives any template: its code is generated now
         chosen = hooks.KernelTemplateChoice(template=base.template, params=hooks.DictKernelTemplateParams(params),
-                                            extra_kwargs=base.extra_kwargs, layout=base.layout, inputs=base.inputs)
+                                            extra_kwargs=base.extra_kwargs, inputs=base.inputs,
+                                            layout=kernel_inputs.output_layout(flexible=False))
         return chosen if chosen.choice is not None else None
 
 
