@@ -4,8 +4,9 @@ The backend is the compiler's own (``compile_fx``), with two changes around each
 compiles, the backward graph of a training step included: gemmtune's ``GemmtuneChoices``
 answers the GEMM lowerings, and the GEMM templates are switched on (``max_autotune_gemm``) so
 that a Triton config gemmtune chose can be the compiler's template, with its epilogue fused.
-Nothing is benchmarked: each GEMM has one candidate. Convolutions keep the compiler's library
-call (``max_autotune_conv_backends="ATEN"``).
+Nothing is benchmarked: each GEMM has one candidate. A library call's output keeps the layout
+the compiler chooses for it, as in a default compile (``max_autotune_allow_flexible_layouts``),
+and convolutions keep the compiler's library call (``max_autotune_conv_backends="ATEN"``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from gemmtune.inductor import hooks
 log = logging.getLogger("gemmtune")
 
 MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+# the GEMM templates on; a library call's output keeps the layout the compiler may choose, as in
+# a default compile (templates and gemmtune's kernel get a fixed one); convolutions untouched
 _PATCHES = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON",
-            "max_autotune_conv_backends": "ATEN"}
+            "max_autotune_allow_flexible_layouts": True, "max_autotune_conv_backends": "ATEN"}
 
 
 def compile(model, *, mode: str | None = None, fullgraph: bool = False, dynamic: bool | None = None,

@@ -21,8 +21,8 @@ def gemm(*operands: torch.Tensor) -> torch.Tensor:
     if calls.falls_back(a, n):
         return calls.torch_mm(a, b, bias)
     layout = layout_of(b.stride(), k, n)
-    if layout == "linear":
-        return calls.run("linear", a, b.t(), bias, m, n, k, "none")
+    if layout == "linear":  # a weight's product: linear's front path, as gemmtune.linear's calls take
+        return calls.serve_front(a, b.t(), bias)
     if layout == "nn":
         return calls.run("nn", a, b, bias, m, n, k, "none")
     return calls.torch_mm(a, b, bias)  # not a layout gemmtune was given: torch computes it

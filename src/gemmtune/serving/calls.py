@@ -84,6 +84,20 @@ def front_key(x, weight, bias, activation, px: int, pw: int, pb: int) -> tuple:
             None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device(), pb & 15))
 
 
+def serve_front(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on operands checked by their caller (compiled code), through
+    ``api.linear``'s front path: a call like one already served (its ``front_key``) goes straight
+    to the launch bound to it, any other is served and bound for the next."""
+    px, pw = x.data_ptr(), weight.data_ptr()
+    pb = 0 if bias is None else bias.data_ptr()
+    front = front_key(x, weight, bias, None, px, pw, pb)
+    call = DISPATCHER.front.get(front)
+    if call is not None:
+        return call(x, weight, bias, px, pw, pb)
+    n, k = weight.shape
+    return serve_linear(x, weight, bias, "none", x.shape, n, k, front)
+
+
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
     """``linear`` on checked operands, without autograd (the body of the custom op)."""
     n, k = weight.shape
