@@ -28,6 +28,11 @@ from gemmtune.version import __version__
 log = logging.getLogger("gemmtune")
 
 TEMPLATE_BACKEND = "triton_tiled"  # the gemmtune backend whose configs the compiler's template takes
+# the gemmtune backends whose kernels compiled code calls (runtime.gemm); a cuBLASLt choice is
+# the compiler's cuBLAS call instead: on an H100 (docs/compile.md) the Python call of a cuBLASLt
+# algorithm from generated code cost 20-50 us of host time more than the compiler's addmm, for
+# GPU gains measured with the L2 flushed that a compiled model's warm weights do not show
+CALLED_BACKENDS = ("triton_splitk", "triton_stream", "triton_persistent", "cublas_padded")
 TEMPLATE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 GEMMTUNE_KERNEL = hooks.extern_choice(runtime.gemm, "gemmtune_gemm")
 # the lowerings whose candidates gemmtune gives (mm and addmm its choice; the others, which
@@ -73,6 +78,8 @@ class GemmtuneChoices(hooks.InductorChoices):
             chosen, how = library, "the compiler's cuBLAS call"
         elif name == TEMPLATE_BACKEND:
             chosen, how = self._template(kernel_inputs, templates, op_name, config), "the compiler's Triton template"
+        elif name not in CALLED_BACKENDS:
+            chosen, how = library, "the compiler's cuBLAS call"
         else:
             chosen, how = None, ""
         if chosen is None and not hooks.config.cpp_wrapper:  # generated C++ cannot call Python
