@@ -33,7 +33,7 @@ def chosen(monkeypatch):
     """gemmtune chooses for CPU GEMMs too, and answers every problem with ``chosen.answer``;
     ``chosen.asked`` lists the problems it was asked about."""
     class Chooser:
-        answer = ("cublaslt", {"algo": 0})
+        answer = ("triton_stream", {"BLOCK_N": 64})
         asked = []
 
         def __call__(self, problem, device_index):
@@ -83,6 +83,17 @@ def test_a_cublas_choice_keeps_the_compilers_library_call(chosen):
         torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
 
 
+def test_a_cublaslt_choice_is_the_compilers_cublas_call(chosen):
+    """A Python call of a cuBLASLt algorithm from generated code costs more host time than the
+    compiler's own addmm (CALLED_BACKENDS)."""
+    chosen.answer = ("cublaslt", {"algo": 0})
+    model, x = mlp(), torch.randn(7, 33)
+    out, code = compiled_run(model, x)
+    assert "gemmtune_gemm" not in code and len(chosen.asked) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+
+
 def test_a_product_gemmtune_does_not_serve_keeps_the_library_call_untuned(chosen):
     def batched(a, b):
         return torch.bmm(a, b) * 2
@@ -117,6 +128,39 @@ def test_the_backward_graph_is_compiled_with_gemmtune_choices_too(chosen):
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
     for p, p_ref in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def templates_on(monkeypatch):
+    """Whether each graph was compiled with the compiler's GEMM templates switched on."""
+    seen = []
+    compile_inner = hooks.compile_fx_inner
+
+    def spy(*args, **kwargs):
+        seen.append(hooks.config.max_autotune_gemm)
+        return compile_inner(*args, **kwargs)
+
+    monkeypatch.setattr(hooks, "compile_fx_inner", spy)
+    return seen
+
+
+@pytest.mark.parametrize("answer,expected", [(("cublas", {}), False), (("triton_stream", {}), False),
+                                             (("triton_tiled", TILES), True)])
+def test_only_a_graph_with_a_template_choice_switches_the_templates_on(chosen, templates_on, answer, expected):
+    chosen.answer = answer
+    model, x = mlp(), torch.randn(7, 33)
+    out, code = compiled_run(model, x)
+    assert templates_on == [expected]
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_graphs_gemms_are_chosen_once_ahead_and_said_in_one_line(chosen, caplog):
+    model = nn.Sequential(nn.Linear(33, 33), nn.ReLU(), nn.Linear(33, 33), nn.ReLU(), nn.Linear(33, 7)).eval()
+    with caplog.at_level(logging.INFO, logger="gemmtune"):
+        compiled_run(model, torch.randn(5, 33))
+    assert len(chosen.asked) == len(set(chosen.asked)) == 2  # two shapes, three GEMMs
+    assert "a compiled graph's 3 GEMMs (2 shapes): 3 on gemmtune's kernels" in caplog.text
 
 
 def test_a_torch_whose_hooks_moved_compiles_with_torch_alone(monkeypatch, caplog):

@@ -2,8 +2,9 @@
 
 The backend is the compiler's own (``compile_fx``), with two changes around each graph it
 compiles, the backward graph of a training step included: gemmtune's ``GemmtuneChoices``
-answers the GEMM lowerings, and the GEMM templates are switched on (``max_autotune_gemm``) so
-that a Triton config gemmtune chose can be the compiler's template, with its epilogue fused.
+answers the GEMM lowerings, having chosen for the graph's GEMMs first, and where one of those
+choices is a Triton config the GEMM templates are switched on (``max_autotune_gemm``) so that
+it can be the compiler's template, with its epilogue fused.
 Nothing is benchmarked: each GEMM has one candidate. A library call's output keeps the layout
 the compiler chooses for it, as in a default compile (``max_autotune_allow_flexible_layouts``),
 and convolutions keep the compiler's library call (``max_autotune_conv_backends="ATEN"``).
@@ -23,8 +24,8 @@ log = logging.getLogger("gemmtune")
 MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 # the GEMM templates on; a library call's output keeps the layout the compiler may choose, as in
 # a default compile (templates and gemmtune's kernel get a fixed one); convolutions untouched
-_PATCHES = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON",
-            "max_autotune_allow_flexible_layouts": True, "max_autotune_conv_backends": "ATEN"}
+_PATCHES = {"max_autotune_gemm_backends": "ATEN,TRITON", "max_autotune_allow_flexible_layouts": True,
+            "max_autotune_conv_backends": "ATEN"}
 
 
 def compile(model, *, mode: str | None = None, fullgraph: bool = False, dynamic: bool | None = None,
@@ -55,16 +56,21 @@ class Backend:
 
         self.patches = {**hooks.list_mode_options(mode or "default"), **(options or {}),
                         **_PATCHES, "inductor_choices_class": GemmtuneChoices}
+        self.templates_asked = bool(self.patches.get("max_autotune_gemm"))  # by the caller's options
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs):
-        return hooks.compile_fx(graph, example_inputs, inner_compile=_inner_compile,
+        return hooks.compile_fx(graph, example_inputs, inner_compile=self.inner_compile,
                                 config_patches=self.patches)
 
+    def inner_compile(self, graph, example_inputs, **kwargs):
+        """One graph (forward or, when a backward first runs, backward) compiled with gemmtune's
+        choices answering its lowerings. They are made for the whole graph first: only a graph
+        with a GEMM on the compiler's Triton template is compiled with the GEMM templates
+        switched on (under torch 2.11 that also makes addmm's library call a Python wrapper,
+        bias_addmm); any other compiles as a default compile does, gemmtune's kernels aside."""
+        from gemmtune.inductor.choices import GemmtuneChoices
 
-def _inner_compile(graph, example_inputs, **kwargs):
-    """One graph (forward or, when a backward first runs, backward) compiled with gemmtune's
-    choices answering its lowerings."""
-    from gemmtune.inductor.choices import GemmtuneChoices
-
-    with hooks.V.set_choices_handler(GemmtuneChoices()):
-        return hooks.compile_fx_inner(graph, example_inputs, **kwargs)
+        handler = GemmtuneChoices()
+        templates = handler.choose_ahead(graph) or self.templates_asked
+        with hooks.config.patch(max_autotune_gemm=templates), hooks.V.set_choices_handler(handler):
+            return hooks.compile_fx_inner(graph, example_inputs, **kwargs)

@@ -13,8 +13,10 @@ what a default ``torch.compile`` gives it: the compiler's first library call, no
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import sympy
+import torch
 
 from gemmtune import backends
 from gemmtune.device import current
@@ -32,12 +34,14 @@ TEMPLATE_BACKEND = "triton_tiled"  # the gemmtune backend whose configs the comp
 # the compiler's cuBLAS call instead: on an H100 (docs/compile.md) the Python call of a cuBLASLt
 # algorithm from generated code cost 20-50 us of host time more than the compiler's addmm, for
 # GPU gains measured with the L2 flushed that a compiled model's warm weights do not show
-CALLED_BACKENDS = ("triton_splitk", "triton_stream", "triton_persistent", "cublas_padded")
+CALLED_BACKENDS = ("triton_splitk", "triton_stream", "triton_persistent", "cublas_padded", "triton_tiled")
+TEMPLATE, CALLED, LIBRARY = "on the compiler's Triton template", "on gemmtune's kernels", "on cuBLAS"
 TEMPLATE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 GEMMTUNE_KERNEL = hooks.extern_choice(runtime.gemm, "gemmtune_gemm")
 # the lowerings whose candidates gemmtune gives (mm and addmm its choice; the others, which
 # it does not serve, their library call, as a default compile); any other is the compiler's
 LOWERINGS = ("mm", "addmm", "bmm", "baddbmm", "mm-ah")
+GRAPH_OPS = {torch.ops.aten.mm.default: "mm", torch.ops.aten.addmm.default: "addmm"}
 BIAS_ADDMM = "aten::bias_addmm"
 DEVICE_TYPES = ("cuda",)  # whose GEMMs gemmtune chooses (elsewhere it serves none)
 
@@ -49,6 +53,28 @@ def choose(problem: Problem, device_index: int) -> tuple[str, dict]:
 
 class GemmtuneChoices(hooks.InductorChoices):
     """The compiler's heuristics, except that its GEMM candidates are gemmtune's one choice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chosen: dict[tuple[Problem, int], tuple[str, dict]] = {}  # (problem, GPU) -> choice
+
+    def choice(self, problem: Problem, device_index: int) -> tuple[str, dict]:
+        """gemmtune's choice for ``problem`` on GPU ``device_index``, asked once per compile."""
+        if (problem, device_index) not in self.chosen:
+            with hooks.real_tensors():
+                self.chosen[problem, device_index] = choose(problem, device_index)
+        return self.chosen[problem, device_index]
+
+    def choose_ahead(self, graph) -> bool:
+        """Choose for every mm and addmm of ``graph`` (the compiler's aten graph) before it is
+        lowered, and say what was chosen; whether any choice is the compiler's Triton template
+        (which needs its GEMM templates switched on)."""
+        found = graph_problems(graph)
+        kinds = Counter(_kind(self.choice(p, index)[0]) for p, index in found)
+        if found:
+            log.info("gemmtune: a compiled graph's %d GEMMs (%d shapes): %s", len(found), len(set(found)),
+                     ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())))
+        return kinds[TEMPLATE] > 0
 
     def uuid(self) -> str:
         """Part of the compiler's cache key: a graph compiled with gemmtune's choices is not one
@@ -72,17 +98,14 @@ class GemmtuneChoices(hooks.InductorChoices):
         problem = _problem(kernel_inputs, op_name)
         if problem is None:
             return None
-        with hooks.real_tensors():
-            name, config = choose(problem, kernel_inputs.device().index or 0)
+        name, config = self.choice(problem, kernel_inputs.device().index or 0)
         if name == backends.REFERENCE:
             chosen, how = library, "the compiler's cuBLAS call"
         elif name == TEMPLATE_BACKEND:
             chosen, how = self._template(kernel_inputs, templates, op_name, config), "the compiler's Triton template"
-        elif name not in CALLED_BACKENDS:
-            chosen, how = library, "the compiler's cuBLAS call"
         else:
             chosen, how = None, ""
-        if chosen is None and not hooks.config.cpp_wrapper:  # generated C++ cannot call Python
+        if chosen is None and _kind(name) != LIBRARY and not hooks.config.cpp_wrapper:  # C++ cannot call Python
             chosen, how = _extern(kernel_inputs), "gemmtune's kernel"
         if chosen is not None:
             log.info("gemmtune: compiled %s %s as %s (%s)", op_name, problem.describe(), how,
@@ -93,6 +116,8 @@ class GemmtuneChoices(hooks.InductorChoices):
         """The compiler's Triton GEMM template with ``config``'s tiles, or None where it cannot
         take them. Below 68 SMs the compiler offers no template of its own; gemmtune's config
         stands for its own benchmark there."""
+        if not (hooks.config.max_autotune or hooks.config.max_autotune_gemm) or kernel_inputs.device().type != "cuda":
+            return None  # a GEMM not chosen ahead, in a graph compiled without templates; not a GPU
         template = next((t for t in templates if t.uid == hooks.mm_template.uid), hooks.mm_template)
         base = next(iter(self.get_ktc(kernel_inputs, template, op_name)), None)
         if base is None:
@@ -105,6 +130,28 @@ class GemmtuneChoices(hooks.InductorChoices):
                                             extra_kwargs=base.extra_kwargs, inputs=base.inputs,
                                             layout=kernel_inputs.output_layout(flexible=False))
         return chosen if chosen.choice is not None else None
+
+
+def graph_problems(graph) -> list[tuple[Problem, int]]:
+    """The gemmtune problems of ``graph``'s mm and addmm nodes (the compiler's aten graph, each
+    node's operands described by their fake tensors), with their GPUs' indices."""
+    found = []
+    for node in graph.graph.nodes:
+        op = GRAPH_OPS.get(node.target) if node.op == "call_function" else None
+        values = [getattr(arg, "meta", {}).get("val") for arg in node.args] if op else []
+        out = node.meta.get("val") if op else None
+        if not values or not all(isinstance(v, torch.Tensor) for v in (*values, out)) \
+                or out.device.type not in DEVICE_TYPES:
+            continue
+        shapes, strides = tuple(tuple(v.shape) for v in values), tuple(v.stride() for v in values)
+        static = all(isinstance(d, int) for dims in (*shapes, *strides) for d in dims)
+        scalars = {name: node.kwargs[name] for name in ("alpha", "beta") if name in node.kwargs}
+        operands = Operands(op, shapes, strides, tuple(str(v.dtype).removeprefix("torch.") for v in values),
+                            str(out.dtype).removeprefix("torch."), static, scalars)
+        problem = problem_of(operands, tf32_allowed()) if static else None
+        if problem is not None:
+            found.append((problem, out.device.index or 0))
+    return found
 
 
 def operands(kernel_inputs, op_name: str) -> Operands:
@@ -139,6 +186,11 @@ def _library_call(template_choices, templates):
         if chosen is not None:
             return chosen
     return None
+
+
+def _kind(backend: str) -> str:
+    """How compiled code runs a gemmtune choice of ``backend``."""
+    return TEMPLATE if backend == TEMPLATE_BACKEND else CALLED if backend in CALLED_BACKENDS else LIBRARY
 
 
 def _extern(kernel_inputs):
