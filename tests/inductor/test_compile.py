@@ -172,6 +172,21 @@ def test_a_torch_whose_hooks_moved_compiles_with_torch_alone(monkeypatch, caplog
     assert "has no InductorChoices; compiling with torch.compile alone" in caplog.text
 
 
+def test_the_compilers_sm_gate_warning_is_explained_once_instead(caplog, monkeypatch):
+    from gemmtune.inductor import backend
+
+    monkeypatch.setattr(backend._GateWarning, "said", False)
+    compiler_log = logging.getLogger(backend.GATE_LOGGER)
+    with caplog.at_level(logging.INFO):
+        for _ in range(2):
+            with backend._gate_warning_explained():
+                compiler_log.warning("Not enough SMs to use max_autotune_gemm mode")
+                compiler_log.warning("another warning of the compiler's")
+        compiler_log.warning("Not enough SMs to use max_autotune_gemm mode")  # outside a gemmtune compile
+    assert caplog.text.count("Not enough SMs") == 1 and caplog.text.count("another warning") == 2
+    assert caplog.text.count("under the compiler's SM gate") == 1
+
+
 def test_bad_arguments_name_what_is_accepted():
     with pytest.raises(ValueError, match="mode='fast' is not a torch.compile mode; accepted: None, default"):
         gemmtune.compile(mlp(), mode="fast")

@@ -171,6 +171,8 @@ def _gate_advice(sms: int) -> str:
         "and padding M, N and K to multiples of 8 or 16 so cuBLAS stays on its fast tensor-core path.",
         "- gemmtune does not use this gate: it scales its search space to the SM count, so its "
         "Triton kernels stay available on this GPU.",
+        "- gemmtune.compile(model) compiles with gemmtune choosing each GEMM: a Triton config it "
+        "chose runs as the compiler's template, its epilogue fused, under the gate too.",
     ))
 
 

@@ -12,7 +12,9 @@ and convolutions keep the compiler's library call (``max_autotune_conv_backends=
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -21,6 +23,7 @@ from gemmtune.inductor import hooks
 
 log = logging.getLogger("gemmtune")
 
+GATE_LOGGER, GATE_WARNING = "torch._inductor.utils", "Not enough SMs to use max_autotune_gemm mode"
 MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 # the GEMM templates on; a library call's output keeps the layout the compiler may choose, as in
 # a default compile (templates and gemmtune's kernel get a fixed one); convolutions untouched
@@ -72,5 +75,34 @@ class Backend:
 
         handler = GemmtuneChoices()
         templates = handler.choose_ahead(graph) or self.templates_asked
-        with hooks.config.patch(max_autotune_gemm=templates), hooks.V.set_choices_handler(handler):
+        with hooks.config.patch(max_autotune_gemm=templates), hooks.V.set_choices_handler(handler), \
+                _gate_warning_explained():
             return hooks.compile_fx_inner(graph, example_inputs, **kwargs)
+
+
+class _GateWarning(logging.Filter):
+    """Drops the compiler's "Not enough SMs to use max_autotune_gemm mode" (it asks once per
+    GPU and process), saying once instead what it means under gemmtune.compile."""
+
+    said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith(GATE_WARNING):
+            return True
+        if not _GateWarning.said:
+            _GateWarning.said = True
+            log.info("gemmtune: this GPU is under the compiler's SM gate for its GEMM templates; under "
+                     "gemmtune.compile a GEMM gemmtune chose a Triton config for still runs the template "
+                     "with that config (`gemmtune doctor` explains the compiler's warning)")
+        return False
+
+
+@contextlib.contextmanager
+def _gate_warning_explained() -> Iterator[None]:
+    logger = logging.getLogger(GATE_LOGGER)
+    gate = _GateWarning()
+    logger.addFilter(gate)
+    try:
+        yield
+    finally:
+        logger.removeFilter(gate)
