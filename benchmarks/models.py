@@ -24,7 +24,8 @@ host speed drifts by tens of percent within a run: only ratios timed side by sid
 ``spread`` half their interquartile range. In eager mode an untouched copy of the baseline is timed
 as a third side in the same rounds: ``control`` (with ``control_spread``) is baseline / copy, the
 ratio the method reads where nothing differs, so an eager speedup within it of 1.0 is noise (the
-host-bound models' eager rounds time Python, whose speed varies with where objects lie). ``rel_err`` = max|gemmtune - baseline| / max|baseline|
+host-bound models' eager rounds time Python, whose speed varies with where objects lie); the
+gemmtune-compile mode times such a copy too, compiled by default. ``rel_err`` = max|gemmtune - baseline| / max|baseline|
 of the case's output (logits, last_hidden_state) in float32, in the same mode. Per case, on the
 eager step: ``gemms``, the GEMM calls gemmtune saw (every nn.Linear's and Conv1D's);
 ``gemms_kept``, those still going through gemmtune after ``optimize`` (whose check hands layers
@@ -87,6 +88,9 @@ DEFAULT_MODES = ("eager", "graph")
 RESERVE_S = {"eager": 10, "graph": 10, "compile": 60, "reduce-overhead": 60, "max-autotune-no-cudagraphs": 120,
              "gemmtune-compile": 60, "gemmtune-vs-max-autotune": 120}
 GEMMTUNE_COMPILE = "gemmtune-compile"  # the way of gemmtune.compile's side: the model as it is
+# the modes whose rounds also time an untouched copy of the baseline (run the baseline's way):
+# their host time varies with where objects lie, and the copy's ratio shows by how much
+CONTROLLED = ("eager", "gemmtune-compile")  # (max-autotune: a third tuning of 100-150 s, not)
 MODEL_RESERVE_S = 20
 GEMM_OPS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm")
 WARMUP_CALLS = 3
@@ -674,7 +678,7 @@ def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budg
             plain = copy.deepcopy(base)
             sides["plain"] = (plain, case.kwargs(plain, shared))
     runners: dict[tuple[str, str], Runner] = {}
-    if "eager" in modes:  # the control side, eager rounds only
+    if any(m in CONTROLLED for m in modes):  # the control side: host-bound rounds only
         with grad_mode(case):
             control = copy.deepcopy(base)
             sides["control"] = (control, case.kwargs(control, shared))
@@ -697,7 +701,7 @@ def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budg
             with grad_mode(case):
                 b = runner("base", base_way)
                 t = runner("plain" if tuned_way == GEMMTUNE_COMPILE else "tuned", tuned_way)
-                c = runner("control", base_way).call if mode == "eager" else None  # graphs: no host noise
+                c = runner("control", base_way).call if mode in CONTROLLED else None  # graphs: no host noise
                 timing = paired_rounds(b.call, t.call, args.rounds, args.round_ms, device, control=c)
             row |= timing | {"setup_s": t.setup_s + (0 if tuned_way == GEMMTUNE_COMPILE else tune_s),
                              "baseline_setup_s": b.setup_s,
