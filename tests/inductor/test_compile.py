@@ -15,7 +15,7 @@ from torch._inductor.utils import run_and_get_code
 
 import gemmtune
 from gemmtune.inductor import choices, hooks
-from gemmtune.serving.dispatch import DISPATCHER
+from gemmtune.serving.dispatch import DISPATCHER, Choice
 
 TILES = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
@@ -33,7 +33,7 @@ def chosen(monkeypatch):
     """gemmtune chooses for CPU GEMMs too, and answers every problem with ``chosen.answer``;
     ``chosen.asked`` lists the problems it was asked about."""
     class Chooser:
-        answer = ("triton_stream", {"BLOCK_N": 64})
+        answer = Choice("triton_stream", {"BLOCK_N": 64}, 0.010, 0.030)  # 20 us faster than cuBLAS
         asked = []
 
         def __call__(self, problem, device_index):
@@ -75,7 +75,7 @@ def test_a_gemmtune_kernel_is_called_from_the_generated_code(chosen, rows):
 
 
 def test_a_cublas_choice_keeps_the_compilers_library_call(chosen):
-    chosen.answer = ("cublas", {})
+    chosen.answer = Choice("cublas", {})
     model, x = mlp(), torch.randn(7, 33)
     out, code = compiled_run(model, x)
     assert "gemmtune_gemm" not in code and "extern_kernels.mm(" in code and "addmm(" in code
@@ -83,10 +83,12 @@ def test_a_cublas_choice_keeps_the_compilers_library_call(chosen):
         torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
 
 
-def test_a_cublaslt_choice_is_the_compilers_cublas_call(chosen):
-    """A Python call of a cuBLASLt algorithm from generated code costs more host time than the
-    compiler's own addmm (CALLED_BACKENDS)."""
-    chosen.answer = ("cublaslt", {"algo": 0})
+@pytest.mark.parametrize("answer", [Choice("cublaslt", {"algo": 0}, 0.010, 0.050),
+                                    Choice("triton_stream", {"BLOCK_N": 64}, 0.010, 0.015)])
+def test_a_kernel_that_does_not_pay_its_call_is_the_compilers_cublas_call(chosen, answer):
+    """A gemmtune kernel called from generated code costs the host more than the compiler's
+    addmm: a cuBLASLt algorithm never pays it without CUDA graphs, a kernel 5 us faster neither."""
+    chosen.answer = answer
     model, x = mlp(), torch.randn(7, 33)
     out, code = compiled_run(model, x)
     assert "gemmtune_gemm" not in code and len(chosen.asked) == 2
@@ -144,8 +146,17 @@ def templates_on(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("answer,expected", [(("cublas", {}), False), (("triton_stream", {}), False),
-                                             (("triton_tiled", TILES), True)])
+def test_under_cuda_graphs_every_gemmtune_kernel_is_called():
+    graphed, plain = choices.GemmtuneChoices(graphs=True), choices.GemmtuneChoices()
+    lt, small = Choice("cublaslt", {}, 0.010, 0.050), Choice("triton_splitk", {}, 0.010, 0.012)
+    assert graphed.kind(lt) == graphed.kind(small) == choices.CALLED
+    assert plain.kind(lt) == plain.kind(small) == choices.LIBRARY
+    assert plain.kind(Choice("triton_tiled", TILES)) == choices.TEMPLATE
+    assert plain.kind(Choice("cublas", {})) == graphed.kind(Choice("cublas", {})) == choices.LIBRARY
+
+
+@pytest.mark.parametrize("answer,expected", [(Choice("cublas", {}), False), (Choice("triton_stream", {}), False),
+                                             (Choice("triton_tiled", TILES), True)])
 def test_only_a_graph_with_a_template_choice_switches_the_templates_on(chosen, templates_on, answer, expected):
     chosen.answer = answer
     model, x = mlp(), torch.randn(7, 33)
@@ -218,7 +229,7 @@ def relative_error(out, ref):
 
 @pytest.mark.gpu
 def test_a_triton_config_becomes_the_compilers_template_with_the_activation_fused(chosen):
-    chosen.answer = ("triton_tiled", TILES)
+    chosen.answer = Choice("triton_tiled", TILES)
     model, x = gpu_mlp(torch.bfloat16), torch.randn(64, 768, device="cuda", dtype=torch.bfloat16)
     out, code = compiled_run(model, x)
     assert "gemmtune_gemm" not in code and "extern_kernels.mm(" not in code

@@ -60,6 +60,7 @@ class Backend:
         self.patches = {**hooks.list_mode_options(mode or "default"), **(options or {}),
                         **_PATCHES, "inductor_choices_class": GemmtuneChoices}
         self.templates_asked = bool(self.patches.get("max_autotune_gemm"))  # by the caller's options
+        self.graphs = bool(self.patches.get("triton.cudagraphs"))  # reduce-overhead, max-autotune
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs):
         return hooks.compile_fx(graph, example_inputs, inner_compile=self.inner_compile,
@@ -73,7 +74,7 @@ class Backend:
         bias_addmm); any other compiles as a default compile does, gemmtune's kernels aside."""
         from gemmtune.inductor.choices import GemmtuneChoices
 
-        handler = GemmtuneChoices()
+        handler = GemmtuneChoices(self.graphs)
         templates = handler.choose_ahead(graph) or self.templates_asked
         with hooks.config.patch(max_autotune_gemm=templates), hooks.V.set_choices_handler(handler), \
                 _gate_warning_explained():

@@ -4,7 +4,8 @@ candidate, gemmtune's choice for it, so nothing is benchmarked while compiling.
 - cuBLAS: the compiler's own call of it (``aten``), the plain op of a default compile;
 - a ``triton_tiled`` config: the compiler's Triton GEMM template with that config's tiles,
   warps and stages, so the compiler fuses what follows (bias, activation, residual) into it;
-- any other gemmtune kernel: ``runtime.gemm`` called from the generated code.
+- any other gemmtune kernel: ``runtime.gemm`` called from the generated code, where that pays
+  for its host time (``GemmtuneChoices.kind``), else the compiler's cuBLAS call.
 
 Every other GEMM (bmm, a dynamic size, an operand layout or dtype gemmtune does not serve) gets
 what a default ``torch.compile`` gives it: the compiler's first library call, nothing tuned.
@@ -24,17 +25,21 @@ from gemmtune.inductor import hooks, runtime
 from gemmtune.inductor.problems import Operands, problem_of
 from gemmtune.problem import Problem
 from gemmtune.serving.calls import tf32_allowed
-from gemmtune.serving.dispatch import DISPATCHER
+from gemmtune.serving.dispatch import DISPATCHER, Choice
 from gemmtune.version import __version__
 
 log = logging.getLogger("gemmtune")
 
 TEMPLATE_BACKEND = "triton_tiled"  # the gemmtune backend whose configs the compiler's template takes
-# the gemmtune backends whose kernels compiled code calls (runtime.gemm); a cuBLASLt choice is
-# the compiler's cuBLAS call instead: on an H100 (docs/compile.md) the Python call of a cuBLASLt
-# algorithm from generated code cost 20-50 us of host time more than the compiler's addmm, for
-# GPU gains measured with the L2 flushed that a compiled model's warm weights do not show
+# The gemmtune kernels compiled code may call (runtime.gemm). Such a call costs the host about
+# 9 us more than the compiler's own library call (H100: 22.3 against torch.addmm's 13.1 us,
+# docs/compile.md). In a graph replayed as a CUDA graph that cost is gone and gemmtune's choice
+# stands; otherwise a kernel serves a GEMM only where its tuning measured it CALL_COST_MS faster
+# than cuBLAS, and a cuBLASLt algorithm never: with the weights warm in L2, as in a model, the
+# ones seen ran cuBLAS's own kernel (compiled BERT-base, the seeds' MLP: 0.64-0.72 of torch.compile).
 CALLED_BACKENDS = ("triton_splitk", "triton_stream", "triton_persistent", "cublas_padded", "triton_tiled")
+GRAPHED_ONLY = ("cublaslt",)
+CALL_COST_MS = 0.010
 TEMPLATE, CALLED, LIBRARY = "on the compiler's Triton template", "on gemmtune's kernels", "on cuBLAS"
 TEMPLATE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 GEMMTUNE_KERNEL = hooks.extern_choice(runtime.gemm, "gemmtune_gemm")
@@ -46,19 +51,21 @@ BIAS_ADDMM = "aten::bias_addmm"
 DEVICE_TYPES = ("cuda",)  # whose GEMMs gemmtune chooses (elsewhere it serves none)
 
 
-def choose(problem: Problem, device_index: int) -> tuple[str, dict]:
-    """gemmtune's backend and config for ``problem``: stored, else tuned now and stored."""
+def choose(problem: Problem, device_index: int) -> Choice:
+    """gemmtune's choice for ``problem``: stored, else tuned now and stored."""
     return DISPATCHER.choice(problem, current(device_index))
 
 
 class GemmtuneChoices(hooks.InductorChoices):
-    """The compiler's heuristics, except that its GEMM candidates are gemmtune's one choice."""
+    """The compiler's heuristics, except that its GEMM candidates are gemmtune's one choice.
+    ``graphs``: the compiled graphs are replayed as CUDA graphs (no host cost per call)."""
 
-    def __init__(self) -> None:
+    def __init__(self, graphs: bool = False) -> None:
         super().__init__()
-        self.chosen: dict[tuple[Problem, int], tuple[str, dict]] = {}  # (problem, GPU) -> choice
+        self.graphs = graphs
+        self.chosen: dict[tuple[Problem, int], Choice] = {}  # (problem, GPU) -> choice
 
-    def choice(self, problem: Problem, device_index: int) -> tuple[str, dict]:
+    def choice(self, problem: Problem, device_index: int) -> Choice:
         """gemmtune's choice for ``problem`` on GPU ``device_index``, asked once per compile."""
         if (problem, device_index) not in self.chosen:
             with hooks.real_tensors():
@@ -70,11 +77,21 @@ class GemmtuneChoices(hooks.InductorChoices):
         lowered, and say what was chosen; whether any choice is the compiler's Triton template
         (which needs its GEMM templates switched on)."""
         found = graph_problems(graph)
-        kinds = Counter(_kind(self.choice(p, index)[0]) for p, index in found)
+        kinds = Counter(self.kind(self.choice(p, index)) for p, index in found)
         if found:
             log.info("gemmtune: a compiled graph's %d GEMMs (%d shapes): %s", len(found), len(set(found)),
                      ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())))
         return kinds[TEMPLATE] > 0
+
+    def kind(self, choice: Choice) -> str:
+        """How compiled code runs ``choice``: TEMPLATE, CALLED or LIBRARY."""
+        if choice.backend == TEMPLATE_BACKEND:
+            return TEMPLATE
+        if choice.backend in GRAPHED_ONLY or choice.backend in CALLED_BACKENDS:
+            saves = choice.cublas_ms - choice.time_ms if choice.cublas_ms and choice.time_ms else 0.0
+            pays = self.graphs or choice.backend not in GRAPHED_ONLY and saves >= CALL_COST_MS
+            return CALLED if pays else LIBRARY
+        return LIBRARY
 
     def uuid(self) -> str:
         """Part of the compiler's cache key: a graph compiled with gemmtune's choices is not one
@@ -98,18 +115,17 @@ class GemmtuneChoices(hooks.InductorChoices):
         problem = _problem(kernel_inputs, op_name)
         if problem is None:
             return None
-        name, config = self.choice(problem, kernel_inputs.device().index or 0)
-        if name == backends.REFERENCE:
-            chosen, how = library, "the compiler's cuBLAS call"
-        elif name == TEMPLATE_BACKEND:
-            chosen, how = self._template(kernel_inputs, templates, op_name, config), "the compiler's Triton template"
-        else:
-            chosen, how = None, ""
-        if chosen is None and _kind(name) != LIBRARY and not hooks.config.cpp_wrapper:  # C++ cannot call Python
-            chosen, how = _extern(kernel_inputs), "gemmtune's kernel"
-        if chosen is not None:
-            log.info("gemmtune: compiled %s %s as %s (%s)", op_name, problem.describe(), how,
-                     _label(name, config))
+        choice = self.choice(problem, kernel_inputs.device().index or 0)
+        kind, chosen = self.kind(choice), None
+        if kind == TEMPLATE:
+            chosen = self._template(kernel_inputs, templates, op_name, choice.config)
+            kind = TEMPLATE if chosen is not None else CALLED  # gemmtune's Triton kernel where the template cannot be
+        if kind == CALLED and hooks.config.cpp_wrapper:  # generated C++ cannot call Python
+            kind = LIBRARY
+        if chosen is None:
+            chosen = _extern(kernel_inputs) if kind == CALLED else library
+        log.debug("gemmtune: compiled %s %s %s (%s)", op_name, problem.describe(), kind,
+                  _label(choice.backend, choice.config))
         return chosen
 
     def _template(self, kernel_inputs, templates, op_name, config: dict):
@@ -186,11 +202,6 @@ def _library_call(template_choices, templates):
         if chosen is not None:
             return chosen
     return None
-
-
-def _kind(backend: str) -> str:
-    """How compiled code runs a gemmtune choice of ``backend``."""
-    return TEMPLATE if backend == TEMPLATE_BACKEND else CALLED if backend in CALLED_BACKENDS else LIBRARY
 
 
 def _extern(kernel_inputs):

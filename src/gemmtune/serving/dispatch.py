@@ -44,6 +44,23 @@ class DispatchKey(NamedTuple):
         return cls(p.layout, p.m, p.n, p.k, p.dtype, p.bias, p.tf32, p.activation, device)
 
 
+class Choice(NamedTuple):
+    """What serves a problem: a backend and its config, with the problem's times as its tuning
+    measured them (None where nothing was measured: a fallback to cuBLAS)."""
+
+    backend: str
+    config: dict
+    time_ms: float | None = None
+    cublas_ms: float | None = None
+
+    @classmethod
+    def of(cls, result) -> Choice:
+        return cls(result.backend, result.config, result.time_ms, result.cublas_ms)
+
+
+REFERENCE_CHOICE = Choice(backends.REFERENCE, {})
+
+
 class Dispatcher:
     def __init__(self, store: Store | ServerStore | None = None) -> None:
         self.kernels: dict[DispatchKey, object] = {}  # read directly by the hot path
@@ -104,60 +121,60 @@ class Dispatcher:
             self.kernels.clear()
             self.front.clear()
 
-    def choice(self, problem: Problem, device: Device) -> tuple[str, dict]:
-        """The backend and config that serve ``problem`` on ``device``, as a served call finds
-        them (the store, then a tuning), without building the kernel: the compiler asks this
-        of the GEMMs it lowers (``gemmtune.inductor``)."""
-        for name, config in self._stored(problem, device):
+    def choice(self, problem: Problem, device: Device) -> Choice:
+        """What serves ``problem`` on ``device``, as a served call finds it (the store, then a
+        tuning), without building the kernel: the compiler asks this of the GEMMs it lowers
+        (``gemmtune.inductor``)."""
+        for choice in self._stored(problem, device):
             try:
-                backends.get(name).parse_config(config)
+                backends.get(choice.backend).parse_config(choice.config)
             except Exception as exc:  # noqa: BLE001 - an entry the library rejects here is passed over
                 log.warning("gemmtune: the stored %s for %s is not a valid config here (%s); passing it over",
-                            name, problem.describe(), exc)
+                            choice.backend, problem.describe(), exc)
                 continue
-            return name, config
+            return choice
         return self._fresh(problem, device)
 
     def _resolve(self, problem: Problem, device: Device):
-        for name, config in self._stored(problem, device):
+        for choice in self._stored(problem, device):
             try:
-                return backends.build(problem, name, config, device)
+                return backends.build(problem, choice.backend, choice.config, device)
             except Exception as exc:  # noqa: BLE001 - an entry the library rejects here is passed over
                 log.warning("gemmtune: the stored %s for %s cannot be built here (%s); passing it over",
-                            name, problem.describe(), exc)
-        return backends.build(problem, *self._fresh(problem, device), device)
+                            choice.backend, problem.describe(), exc)
+        choice = self._fresh(problem, device)
+        return backends.build(problem, choice.backend, choice.config, device)
 
-    def _stored(self, problem: Problem, device: Device) -> Iterator[tuple[str, dict]]:
+    def _stored(self, problem: Problem, device: Device) -> Iterator[Choice]:
         """The stored choices that can serve ``problem``: its own shape's first, then its bucket's."""
         target = bucket(problem, settings.bucket_policy())  # the problem whose result serves this one
         for candidate in dict.fromkeys((problem, target)):
             stored = self.store.get(device.fingerprint(), candidate.key())
             if stored is not None and _serves(stored.backend, problem, device):
-                yield stored.backend, stored.config
+                yield Choice.of(stored)
 
-    def _fresh(self, problem: Problem, device: Device) -> tuple[str, dict]:
+    def _fresh(self, problem: Problem, device: Device) -> Choice:
         """The choice for a problem the store has nothing for: cuBLAS while deferring or in mode
         ``lookup``, else a tuning of its bucket's problem, stored."""
-        reference = (backends.REFERENCE, {})
         if self.is_deferring():
-            return reference
+            return REFERENCE_CHOICE
         if settings.mode() == "lookup":  # logged once: the fallback is cached like any kernel
             log.info("gemmtune: no tuned kernel for %s on this device; using cuBLAS (GEMMTUNE_MODE=lookup)",
                      problem.describe())
             _append_miss(problem)
-            return reference
+            return REFERENCE_CHOICE
         target = bucket(problem, settings.bucket_policy())
         try:
             result = tune_problem(target, device, options=TuneOptions())
         except Exception:  # noqa: BLE001 - a failed tuning must not break the user's program
             log.warning("gemmtune: tuning %s failed; using cuBLAS", target.describe(), exc_info=True)
-            return reference
+            return REFERENCE_CHOICE
         self.store.put(result)
         log.info("gemmtune: tuned %s in %.1f s: %s %.4f ms vs cuBLAS %.4f ms", target.describe(),
                  result.tune_s, result.label(), result.time_ms, result.cublas_ms or float("nan"))
         if not _serves(result.backend, problem, device):
-            return reference
-        return result.backend, result.config
+            return REFERENCE_CHOICE
+        return Choice.of(result)
 
 
 def _append_miss(problem: Problem) -> None:
