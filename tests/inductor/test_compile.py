@@ -252,3 +252,34 @@ def test_a_compiled_model_with_real_choices_matches_a_higher_precision_reference
         reference = model.double()(x.double())
     assert relative_error(out, reference) < (2e-2 if dtype != torch.float32 else 1e-2)
     assert len(DISPATCHER.store.choices()) >= 2  # both GEMMs were tuned on first sight and stored
+
+
+@pytest.mark.parametrize("added", [None, "vector", "rows", "matrix"])
+@pytest.mark.parametrize("weight", [True, False])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (7, 33, 4095), (33, 5, 7)])
+def test_the_runtime_computes_any_operands_it_is_given(added, weight, m, n, k):
+    """What generated code may hand ``runtime.gemm``, on the CPU (torch computes it there; the
+    GPU tests run the kernels): every form of added term and b, against float64."""
+    a = torch.randn(m, k, dtype=torch.float64).float()
+    b = torch.randn(n, k).t() if weight else torch.randn(k, n)
+    extra = {None: None, "vector": torch.randn(n), "rows": torch.randn(n).expand(m, n),
+             "matrix": torch.randn(m, n)}[added]
+    operands = (a, b) if extra is None else (extra, a, b)
+    expected = a.double() @ b.double() + (0 if extra is None else extra.double())
+    torch.testing.assert_close(choices.runtime.gemm(*operands).double(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("added", [None, "vector", "rows"])
+@pytest.mark.parametrize("weight", [True, False])
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (7, 33, 4095), (512, 768, 3072)])
+def test_the_runtime_serves_any_operands_it_is_given_on_the_gpu(fresh_store, added, weight, m, n, k):
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if weight else \
+        torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    extra = {None: None, "vector": torch.randn(n, device="cuda", dtype=torch.bfloat16),
+             "rows": torch.randn(n, device="cuda", dtype=torch.bfloat16).expand(m, n)}[added]
+    operands = (a, b) if extra is None else (extra, a, b)
+    expected = a.double() @ b.double() + (0 if extra is None else extra.double())
+    for _ in range(2):  # the first call tunes and binds, the second takes the bound launch
+        assert relative_error(choices.runtime.gemm(*operands), expected) < 2e-2

@@ -16,6 +16,8 @@ def gemm(*operands: torch.Tensor) -> torch.Tensor:
     is (N,) or (M, N) repeating one row; a row-major, b row-major or a transposed (N, K) weight,
     as ``problems.problem_of`` admitted them when the graph was compiled."""
     *added, a, b = operands
+    if added and added[0].dim() == 2 and added[0].stride(0) != 0 and added[0].shape[0] > 1:
+        return torch.addmm(added[0], a, b)  # not one row repeated: no bias gemmtune takes
     bias = None if not added else added[0] if added[0].dim() == 1 else added[0][0]
     (m, k), n = a.shape, b.shape[1]
     if calls.falls_back(a, n):
