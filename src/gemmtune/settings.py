@@ -71,8 +71,11 @@ def store_file(path: str | Path | None = None) -> Path:
     if path is None:
         return cache_dir() / STORE_FILENAME
     path = Path(path).expanduser()
-    names_a_file = path.is_file() or (not path.exists() and bool(path.suffix))
-    return path if names_a_file else path / STORE_FILENAME
+    # one question of the file system first: two processes opening one new store.sqlite at once
+    # would otherwise see it absent, then present, and take it for a directory
+    if path.is_dir():
+        return path / STORE_FILENAME
+    return path if path.suffix or path.exists() else path / STORE_FILENAME
 
 
 def store_location() -> str | None:
