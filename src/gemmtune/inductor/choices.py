@@ -87,11 +87,16 @@ class GemmtuneChoices(hooks.InductorChoices):
         """How compiled code runs ``choice``: TEMPLATE, CALLED or LIBRARY."""
         if choice.backend == TEMPLATE_BACKEND:
             return TEMPLATE
-        if choice.backend in GRAPHED_ONLY or choice.backend in CALLED_BACKENDS:
-            saves = choice.cublas_ms - choice.time_ms if choice.cublas_ms and choice.time_ms else 0.0
-            pays = self.graphs or choice.backend not in GRAPHED_ONLY and saves >= CALL_COST_MS
-            return CALLED if pays else LIBRARY
-        return LIBRARY
+        return CALLED if self.pays(choice) else LIBRARY
+
+    def pays(self, choice: Choice) -> bool:
+        """Whether calling ``choice``'s gemmtune kernel from compiled code pays for the call."""
+        if choice.backend not in CALLED_BACKENDS + GRAPHED_ONLY:
+            return False
+        if self.graphs:
+            return True
+        saves = choice.cublas_ms - choice.time_ms if choice.cublas_ms and choice.time_ms else 0.0
+        return choice.backend not in GRAPHED_ONLY and saves >= CALL_COST_MS
 
     def uuid(self) -> str:
         """Part of the compiler's cache key: a graph compiled with gemmtune's choices is not one
@@ -119,7 +124,8 @@ class GemmtuneChoices(hooks.InductorChoices):
         kind, chosen = self.kind(choice), None
         if kind == TEMPLATE:
             chosen = self._template(kernel_inputs, templates, op_name, choice.config)
-            kind = TEMPLATE if chosen is not None else CALLED  # gemmtune's Triton kernel where the template cannot be
+            if chosen is None:  # gemmtune's own Triton kernel where the template cannot be, if that pays
+                kind = CALLED if self.pays(choice) else LIBRARY
         if kind == CALLED and hooks.config.cpp_wrapper:  # generated C++ cannot call Python
             kind = LIBRARY
         if chosen is None:
