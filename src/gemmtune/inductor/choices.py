@@ -19,7 +19,6 @@ from collections import Counter
 import sympy
 import torch
 
-from gemmtune import backends
 from gemmtune.device import current
 from gemmtune.inductor import hooks, runtime
 from gemmtune.inductor.problems import Operands, problem_of
