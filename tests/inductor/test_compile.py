@@ -10,11 +10,13 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 
 import gemmtune
-from gemmtune.inductor import choices, hooks
+from gemmtune.inductor import choices, epilogues, hooks
+from gemmtune.problem import Problem
 from gemmtune.serving.dispatch import DISPATCHER, Choice
 
 TILES = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
@@ -70,8 +72,8 @@ def test_a_gemmtune_kernel_is_called_from_the_generated_code(chosen, rows):
     with torch.no_grad():
         torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
     m = x.numel() // 33
-    assert {(p.m, p.n, p.k, p.layout, p.bias) for p in chosen.asked} == {(m, 64, 33, "linear", True),
-                                                                          (m, 7, 64, "linear", False)}
+    assert {(p.m, p.n, p.k, p.layout, p.bias, p.activation) for p in chosen.asked} == {
+        (m, 64, 33, "linear", True, "gelu"), (m, 64, 33, "linear", True, "none"), (m, 7, 64, "linear", False, "none")}
 
 
 def test_a_cublas_choice_keeps_the_compilers_library_call(chosen):
@@ -91,7 +93,8 @@ def test_a_kernel_that_does_not_pay_its_call_is_the_compilers_cublas_call(chosen
     chosen.answer = answer
     model, x = mlp(), torch.randn(7, 33)
     out, code = compiled_run(model, x)
-    assert "gemmtune_gemm" not in code and len(chosen.asked) == 2
+    assert "gemmtune_gemm" not in code
+    assert {p.activation for p in chosen.asked} == {"none", "gelu"}  # the GELU's product asked fused too
     with torch.no_grad():
         torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
 
@@ -170,8 +173,56 @@ def test_a_graphs_gemms_are_chosen_once_ahead_and_said_in_one_line(chosen, caplo
     model = nn.Sequential(nn.Linear(33, 33), nn.ReLU(), nn.Linear(33, 33), nn.ReLU(), nn.Linear(33, 7)).eval()
     with caplog.at_level(logging.INFO, logger="gemmtune"):
         compiled_run(model, torch.randn(5, 33))
-    assert len(chosen.asked) == len(set(chosen.asked)) == 2  # two shapes, three GEMMs
+    assert len(chosen.asked) == len(set(chosen.asked)) == 3  # two shapes (one also fused with its ReLU)
     assert "a compiled graph's 3 GEMMs (2 shapes): 3 on gemmtune's kernels" in caplog.text
+
+
+def dynamo_graph(model, *inputs):
+    graphs = []
+    torch.compile(model, backend=lambda gm, example: (graphs.append(gm), gm.forward)[1])(*inputs)
+    return graphs[0]
+
+
+class Block(nn.Module):
+    """Products each followed by one activation form alone, and products that are not: one
+    shape followed by two activations, one with and without, one whose output has two users."""
+
+    def __init__(self):
+        super().__init__()
+        sizes = {"exact": 32, "tanh": 48, "relu": 40, "inplace": 72, "silu": 56, "a": 8, "b": 8, "twice": 16,
+                 "mixed": 24}
+        self.layers = nn.ModuleDict({name: nn.Linear(16, n) for name, n in sizes.items()})
+        self.inplace = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        lay = self.layers
+        mixed = lay["mixed"](x)
+        return (F.gelu(lay["exact"](x)), F.gelu(lay["tanh"](x), approximate="tanh"), torch.relu(lay["relu"](x)),
+                self.inplace(lay["inplace"](x)), F.silu(lay["silu"](x)), torch.relu(lay["a"](x)), F.silu(lay["b"](x)),
+                lay["twice"](x) * 2 + lay["twice"](x).sum(), torch.relu(lay["mixed"](x)) + mixed)
+
+
+def test_the_activation_alone_after_a_product_is_read_from_dynamos_graph():
+    found = epilogues.activations(dynamo_graph(Block(), torch.randn(2, 3, 16)), ("cpu",), tf32=False)
+    assert {p.n: act for p, act in found.items()} == {32: "gelu", 48: "gelu_tanh", 40: "relu", 72: "relu",
+                                                     56: "silu"}
+    assert {(p.m, p.k, p.bias, p.activation) for p in found} == {(6, 16, True, "none")}
+    assert epilogues.activations(dynamo_graph(Block(), torch.randn(2, 3, 16)), ("cuda",), tf32=False) == {}
+
+
+def test_a_product_an_activation_alone_follows_is_tuned_with_it_fused(chosen):
+    class Ffn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+        def forward(self, x):
+            return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+    found = epilogues.activations(dynamo_graph(Ffn(), torch.randn(5, 16)), ("cpu",), tf32=False)
+    assert found == {Problem(5, 64, 16, "float32", "linear", True): "gelu_tanh"}
+    compiled_run(Ffn(), torch.randn(5, 16))
+    assert Problem(5, 64, 16, "float32", "linear", True, activation="gelu_tanh") in chosen.asked
 
 
 def test_a_torch_whose_hooks_moved_compiles_with_torch_alone(monkeypatch, caplog):

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from gemmtune.inductor import hooks
+from gemmtune.inductor import epilogues, hooks
+from gemmtune.serving.calls import tf32_allowed
 
 log = logging.getLogger("gemmtune")
 
@@ -61,8 +62,14 @@ class Backend:
                         **_PATCHES, "inductor_choices_class": GemmtuneChoices}
         self.templates_asked = bool(self.patches.get("max_autotune_gemm"))  # by the caller's options
         self.graphs = bool(self.patches.get("triton.cudagraphs"))  # reduce-overhead, max-autotune
+        self.epilogues: dict = {}  # the products of the graphs compiled -> the activation alone after
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs):
+        """Dynamo's graph compiled: the activations its linear layers feed read first (the
+        compiler decomposes them), then the compiler's own compile."""
+        from gemmtune.inductor.choices import DEVICE_TYPES
+
+        self.epilogues.update(epilogues.activations(graph, DEVICE_TYPES, tf32_allowed()))
         return hooks.compile_fx(graph, example_inputs, inner_compile=self.inner_compile,
                                 config_patches=self.patches)
 
@@ -74,7 +81,7 @@ class Backend:
         bias_addmm); any other compiles as a default compile does, gemmtune's kernels aside."""
         from gemmtune.inductor.choices import GemmtuneChoices
 
-        handler = GemmtuneChoices(self.graphs)
+        handler = GemmtuneChoices(self.graphs, self.epilogues)
         templates = handler.choose_ahead(graph) or self.templates_asked
         with hooks.config.patch(max_autotune_gemm=templates), hooks.V.set_choices_handler(handler), \
                 _gate_warning_explained():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import replace
 
 import sympy
 import torch
@@ -59,13 +60,25 @@ class GemmtuneChoices(hooks.InductorChoices):
     """The compiler's heuristics, except that its GEMM candidates are gemmtune's one choice.
     ``graphs``: the compiled graphs are replayed as CUDA graphs (no host cost per call)."""
 
-    def __init__(self, graphs: bool = False) -> None:
+    def __init__(self, graphs: bool = False, epilogues: dict[Problem, str] | None = None) -> None:
         super().__init__()
         self.graphs = graphs
+        self.epilogues = epilogues or {}  # a product -> the activation that alone follows it
         self.chosen: dict[tuple[Problem, int], Choice] = {}  # (problem, GPU) -> choice
 
     def choice(self, problem: Problem, device_index: int) -> Choice:
-        """gemmtune's choice for ``problem`` on GPU ``device_index``, asked once per compile."""
+        """gemmtune's choice for ``problem`` on GPU ``device_index``: for a product an activation
+        alone follows, the choice for the two fused where that is a Triton config (the compiler's
+        template then fuses the activation too), else the product's own."""
+        activation = self.epilogues.get(problem)
+        if activation is not None:
+            fused = self._asked(replace(problem, activation=activation), device_index)
+            if fused.backend == TEMPLATE_BACKEND:
+                return fused
+        return self._asked(problem, device_index)
+
+    def _asked(self, problem: Problem, device_index: int) -> Choice:
+        """``choose``'s answer, asked once per compile."""
         if (problem, device_index) not in self.chosen:
             with hooks.real_tensors():
                 self.chosen[problem, device_index] = choose(problem, device_index)
