@@ -334,3 +334,29 @@ def test_the_runtime_serves_any_operands_it_is_given_on_the_gpu(fresh_store, add
     expected = a.double() @ b.double() + (0 if extra is None else extra.double())
     for _ in range(2):  # the first call tunes and binds, the second takes the bound launch
         assert relative_error(choices.runtime.gemm(*operands), expected) < 2e-2
+
+
+def test_a_batch_of_dynamic_size_is_served_by_gemmtunes_kernel_chosen_per_call(chosen, templates_on):
+    model = mlp()
+    compiled = gemmtune.compile(model, dynamic=True)
+    with torch.no_grad():
+        x = torch.randn(5, 33)
+        out, code = run_and_get_code(compiled, x)
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+        for rows in (9, 2):
+            x = torch.randn(rows, 33)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert "\n".join(code).count("extern_kernels.gemmtune_gemm(") == 2
+    assert len(templates_on) == 1  # one graph compiled for every size
+    assert {(p.n, p.k) for p in chosen.asked} == {(64, 33), (7, 64)}  # chosen at the size's hint
+
+
+@pytest.mark.gpu
+def test_a_dynamic_batch_with_real_choices_matches_a_higher_precision_reference(fresh_store):
+    model = gpu_mlp(torch.bfloat16, k=264, hidden=520, act=nn.SiLU)
+    compiled = gemmtune.compile(model, dynamic=True)
+    with torch.no_grad():
+        reference = model.double()
+        for rows in (33, 1, 7, 512):
+            x = torch.randn(rows, 264, device="cuda", dtype=torch.bfloat16)
+            assert relative_error(compiled(x), reference(x.double())) < 2e-2

@@ -189,16 +189,25 @@ def graph_problems(graph) -> list[tuple[Problem, int]]:
 
 
 def operands(kernel_inputs, op_name: str) -> Operands:
-    """The sizes, strides and dtypes the compiler lowers for ``op_name``, as numbers."""
+    """The sizes, strides and dtypes the compiler lowers for ``op_name``, as numbers. Where the
+    rows are a dynamic size (a batch that varies) and nothing else is, their hint stands for
+    them: gemmtune's kernel, called from the generated code, is chosen again per call's rows."""
     shapes, strides = kernel_inputs.shapes_symbolic(), kernel_inputs.strides_symbolic()
-    static = all(isinstance(v, (int, sympy.Integer)) for dims in (*shapes, *strides) for v in dims)
+    rows = shapes[-2][0] if len(shapes[-2]) == 2 else None  # a's M
+    symbols = {v for dims in shapes for v in dims if not _number(v)}
+    static = all(_number(v) for dims in strides for v in dims) and symbols <= {rows}
+    if static:
+        shapes, strides = kernel_inputs.shapes_hinted(), tuple(tuple(int(v) for v in dims) for dims in strides)
     scalars = {}
     if op_name == "addmm":
         scalars = {name: kernel_inputs.get_scalar(name) for name in ("alpha", "beta")}
     names = tuple(str(d).removeprefix("torch.") for d in kernel_inputs.dtypes())
-    numbers = (lambda dims: tuple(int(v) for v in dims)) if static else (lambda dims: tuple(dims))
-    return Operands(op_name, tuple(map(numbers, shapes)), tuple(map(numbers, strides)), names,
+    return Operands(op_name, tuple(tuple(dims) for dims in shapes), tuple(tuple(dims) for dims in strides), names,
                     str(kernel_inputs.out_dtype()).removeprefix("torch."), static, scalars)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, sympy.Integer))
 
 
 def _problem(kernel_inputs, op_name: str) -> Problem | None:
