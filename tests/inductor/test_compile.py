@@ -6,6 +6,7 @@ kernel then falls back to torch on the CPU, so outputs must match eager exactly.
 marked ``gpu`` compile real choices, and the compiler's Triton template with gemmtune's config.
 """
 
+import copy
 import logging
 
 import pytest
@@ -356,7 +357,7 @@ def test_a_dynamic_batch_with_real_choices_matches_a_higher_precision_reference(
     model = gpu_mlp(torch.bfloat16, k=264, hidden=520, act=nn.SiLU)
     compiled = gemmtune.compile(model, dynamic=True)
     with torch.no_grad():
-        reference = model.double()
+        reference = copy.deepcopy(model).double()
         for rows in (33, 1, 7, 512):
             x = torch.randn(rows, 264, device="cuda", dtype=torch.bfloat16)
             assert relative_error(compiled(x), reference(x.double())) < 2e-2
