@@ -26,8 +26,9 @@ log = logging.getLogger("gemmtune")
 
 GATE_LOGGER, GATE_WARNING = "torch._inductor.utils", "Not enough SMs to use max_autotune_gemm mode"
 MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
-# the GEMM templates on; a library call's output keeps the layout the compiler may choose, as in
-# a default compile (templates and gemmtune's kernel get a fixed one); convolutions untouched
+# the templates the compiler may offer (switched on per graph: inner_compile); a library call's
+# output keeps the layout the compiler may choose, as in a default compile (templates and
+# gemmtune's kernel get a fixed one); convolutions keep their library call
 _PATCHES = {"max_autotune_gemm_backends": "ATEN,TRITON", "max_autotune_allow_flexible_layouts": True,
             "max_autotune_conv_backends": "ATEN"}
 
@@ -62,14 +63,14 @@ class Backend:
                         **_PATCHES, "inductor_choices_class": GemmtuneChoices}
         self.templates_asked = bool(self.patches.get("max_autotune_gemm"))  # by the caller's options
         self.graphs = bool(self.patches.get("triton.cudagraphs"))  # reduce-overhead, max-autotune
-        self.epilogues: dict = {}  # the products of the graphs compiled -> the activation alone after
+        self.epilogues: dict = {}  # the products of the graph compiling -> the activation alone after
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs):
         """Dynamo's graph compiled: the activations its linear layers feed read first (the
         compiler decomposes them), then the compiler's own compile."""
         from gemmtune.inductor.choices import DEVICE_TYPES
 
-        self.epilogues.update(epilogues.activations(graph, DEVICE_TYPES, tf32_allowed()))
+        self.epilogues = epilogues.activations(graph, DEVICE_TYPES, tf32_allowed())
         return hooks.compile_fx(graph, example_inputs, inner_compile=self.inner_compile,
                                 config_patches=self.patches)
 
