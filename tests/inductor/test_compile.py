@@ -8,6 +8,8 @@ marked ``gpu`` compile real choices, and the compiler's Triton template with gem
 
 import copy
 import logging
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -361,3 +363,38 @@ def test_a_dynamic_batch_with_real_choices_matches_a_higher_precision_reference(
         for rows in (33, 1, 7, 512):
             x = torch.randn(rows, 264, device="cuda", dtype=torch.bfloat16)
             assert relative_error(compiled(x), reference(x.double())) < 2e-2
+
+
+WARM_START = """
+import os, sys, torch, gemmtune
+from torch import nn
+from torch._dynamo.utils import counters
+from gemmtune.inductor import choices
+from gemmtune.serving.dispatch import Choice
+choices.DEVICE_TYPES = ("cuda", "cpu")
+choices.choose = lambda problem, index: Choice("triton_stream", {}, 0.010, 0.050)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(33, 64), nn.GELU(), nn.Linear(64, 7)).eval()
+x = torch.randn(5, 33)
+with torch.no_grad():
+    torch.testing.assert_close(gemmtune.compile(model)(x), model(x), rtol=1e-5, atol=1e-5)
+print(sorted(counters["inductor"].items()))
+"""
+
+
+def test_a_second_process_takes_the_compiled_graph_from_the_compilers_cache(tmp_path):
+    """A warm start: the generated code, which calls gemmtune's kernel by name, is loaded from
+    the compiler's cache by a process that compiled nothing."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(Path(gemmtune.__file__).parents[1]),
+                                                       os.environ.get("PYTHONPATH"))))}
+    runs = [subprocess.run([sys.executable, "-c", WARM_START], env=env, capture_output=True, text=True, timeout=600)
+            for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    first, second = (run.stdout.strip().splitlines()[-1] for run in runs)
+    assert "('fxgraph_cache_miss', 1)" in first
+    assert "('fxgraph_cache_hit', 1)" in second and "fxgraph_cache_miss" not in second
