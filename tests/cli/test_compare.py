@@ -1,4 +1,4 @@
-"""`gemmtune compare` on the CPU: eager and gemmtune only, the compare file and its chart."""
+"""`gemmtune compare`: on the CPU eager and gemmtune only, the compare file and its chart; gemmtune.compile on the GPU."""
 
 import json
 
@@ -38,3 +38,17 @@ def test_models_are_named_clearly():
         compare.load_model("builtins:dict")
     with pytest.raises(ValueError, match="mode 'turbo' is unknown"):
         compare.run(compare.seed_mlp(8), torch.randn(2, 8), ("turbo",))
+
+
+def test_gemmtune_compile_is_a_mode_the_cpu_skips_as_it_skips_torch_compiles():
+    rows = compare.run(compare.seed_mlp(32), torch.randn(4, 32), modes=("eager", "gemmtune.compile"), calls=5,
+                       rounds=2)
+    assert [row.mode for row in rows] == ["eager"]
+
+
+@pytest.mark.gpu
+def test_gemmtune_compile_runs_beside_eager_on_the_gpu():
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    rows = compare.run(compare.seed_mlp(256), x, modes=("eager", "gemmtune.compile"), calls=5, rounds=2)
+    assert [row.mode for row in rows] == ["eager", "gemmtune.compile"]
+    assert rows[1].max_rel_err < 2e-2 and rows[1].gpu_ms > 0

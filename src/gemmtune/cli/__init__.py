@@ -144,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     cmp.add_argument("--modes", nargs="+", default=None, metavar="MODE",
                      help="modes to run (default all): eager, default, reduce-overhead, max-autotune, "
-                          "max-autotune-no-cudagraphs, gemmtune, gemmtune+cudagraph")
+                          "max-autotune-no-cudagraphs, gemmtune, gemmtune+cudagraph, gemmtune.compile")
     cmp.add_argument("--out", type=Path, default=Path("compare.json"), help="results file (default compare.json)")
     cmp.add_argument("--no-png", action="store_true", help="skip the chart (written beside --out otherwise)")
     cmp.set_defaults(run=_compare)
