@@ -727,7 +727,8 @@ def print_row(row: dict) -> None:
     seen = row["gemm_flops_seen"]
     print(f"{head} {row['baseline_ms']:9.3f} / {row['gemmtune_ms']:9.3f} ms  x{row['speedup']:.3f} "
           f"+-{row['spread']:.3f}  setup {row['setup_s']:.1f}/{row['baseline_setup_s']:.1f} s  "
-          f"err {row['rel_err']:.1e}  gemms {row.get('gemms_served', '-')}/{row.get('gemms_kept', '-')}/{row['gemms']}  "
+          f"err {row['rel_err']:.1e}  "
+          f"gemms {row.get('gemms_served', '-')}/{row.get('gemms_kept', '-')}/{row['gemms']}  "
           f"flops seen {'-' if seen is None else f'{seen:.3f}'}"
           + (f"  A/A x{row['control']:.3f} +-{row['control_spread']:.3f}" if "control" in row else ""),
           file=sys.stderr, flush=True)

@@ -1,4 +1,5 @@
-"""`gemmtune compare`: on the CPU eager and gemmtune only, the compare file and its chart; gemmtune.compile on the GPU."""
+"""`gemmtune compare`: on the CPU eager and gemmtune only, the compare file and its chart;
+gemmtune.compile on the GPU."""
 
 import json
 

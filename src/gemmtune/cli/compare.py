@@ -1,9 +1,9 @@
 """``gemmtune compare``: one model, run in eager mode, under each torch.compile mode, through
-gemmtune (with and without a CUDA graph) and through ``gemmtune.compile``, side by side in one process: setup time from empty
-caches, GPU time, host time per call (with its ratio to eager's, timed in alternating rounds) and the
-largest error against a float64 run. By default the seeds'
-MLP (Linear 1024->1024, ReLU, Linear 1024->1024 on a batch of 256), where max-autotune once
-made a model 29x slower than eager.
+gemmtune (with and without a CUDA graph) and through ``gemmtune.compile``, side by side in one
+process: setup time from empty caches, GPU time, host time per call (with its ratio to eager's,
+timed in alternating rounds) and the largest error against a float64 run. By default the seeds'
+MLP (Linear 1024->1024, ReLU, Linear 1024->1024 on a batch of 256), where max-autotune once made
+a model 29x slower than eager.
 
 On a machine without a GPU only eager and gemmtune run (the layers fall back to torch) and the
 timings are CPU timings; the compile modes are skipped, since timing them there says nothing
