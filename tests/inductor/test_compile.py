@@ -71,7 +71,7 @@ def test_the_compiler_hooks_gemmtune_uses_are_there():
 def test_a_gemmtune_kernel_is_called_from_the_generated_code(chosen, rows):
     model, x = mlp(), torch.randn(*rows, 33)
     out, code = compiled_run(model, x)
-    assert code.count("extern_kernels.gemmtune_gemm(") == 2  # the addmm with its bias, and the mm
+    assert code.count("extern_kernels.gemmtune_linear(") == 2  # the addmm with its bias, and the mm
     with torch.no_grad():
         torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
     m = x.numel() // 33
@@ -83,7 +83,7 @@ def test_a_cublas_choice_keeps_the_compilers_library_call(chosen):
     chosen.answer = Choice("cublas", {})
     model, x = mlp(), torch.randn(7, 33)
     out, code = compiled_run(model, x)
-    assert "gemmtune_gemm" not in code and "extern_kernels.mm(" in code and "addmm(" in code
+    assert "extern_kernels.gemmtune_" not in code and "extern_kernels.mm(" in code and "addmm(" in code
     with torch.no_grad():
         torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
 
@@ -96,7 +96,7 @@ def test_a_kernel_that_does_not_pay_its_call_is_the_compilers_cublas_call(chosen
     chosen.answer = answer
     model, x = mlp(), torch.randn(7, 33)
     out, code = compiled_run(model, x)
-    assert "gemmtune_gemm" not in code
+    assert "extern_kernels.gemmtune_" not in code
     assert {p.activation for p in chosen.asked} == {"none", "gelu"}  # the GELU's product asked fused too
     with torch.no_grad():
         torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
@@ -120,7 +120,7 @@ def test_a_matmul_of_row_major_operands_is_an_nn_problem(chosen):
     a, b = torch.randn(7, 33), torch.randn(33, 5)
     with torch.no_grad():
         out, code = run_and_get_code(gemmtune.compile(product), a, b)
-    assert "extern_kernels.gemmtune_gemm(" in "\n".join(code)
+    assert "extern_kernels.gemmtune_mm(" in "\n".join(code)
     assert [(p.m, p.n, p.k, p.layout) for p in chosen.asked] == [(7, 5, 33, "nn")]
     torch.testing.assert_close(out, product(a, b))
 
@@ -286,7 +286,7 @@ def test_a_triton_config_becomes_the_compilers_template_with_the_activation_fuse
     chosen.answer = Choice("triton_tiled", TILES)
     model, x = gpu_mlp(torch.bfloat16), torch.randn(64, 768, device="cuda", dtype=torch.bfloat16)
     out, code = compiled_run(model, x)
-    assert "gemmtune_gemm" not in code and "extern_kernels.mm(" not in code
+    assert "extern_kernels.gemmtune_" not in code and "extern_kernels.mm(" not in code
     fused = [line for line in code.splitlines() if line.startswith("def triton_tem_fused")]
     assert any("gelu" in line for line in fused), fused  # the GELU is in the GEMM's epilogue
     assert "BLOCK_M : tl.constexpr = 64" in code and "BLOCK_N : tl.constexpr = 32" in code
@@ -312,7 +312,7 @@ def test_a_compiled_model_with_real_choices_matches_a_higher_precision_reference
 @pytest.mark.parametrize("weight", [True, False])
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (7, 33, 4095), (33, 5, 7)])
 def test_the_runtime_computes_any_operands_it_is_given(added, weight, m, n, k):
-    """What generated code may hand ``runtime.gemm``, on the CPU (torch computes it there; the
+    """What generated code may hand ``runtime.linear`` and ``runtime.mm``, on the CPU (torch computes it there; the
     GPU tests run the kernels): every form of added term and b, against float64."""
     a = torch.randn(m, k, dtype=torch.float64).float()
     b = torch.randn(n, k).t() if weight else torch.randn(k, n)
@@ -320,7 +320,8 @@ def test_the_runtime_computes_any_operands_it_is_given(added, weight, m, n, k):
              "matrix": torch.randn(m, n)}[added]
     operands = (a, b) if extra is None else (extra, a, b)
     expected = a.double() @ b.double() + (0 if extra is None else extra.double())
-    torch.testing.assert_close(choices.runtime.gemm(*operands).double(), expected, rtol=1e-4, atol=1e-4)
+    serve = choices.runtime.linear if weight else choices.runtime.mm
+    torch.testing.assert_close(serve(*operands).double(), expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -335,8 +336,9 @@ def test_the_runtime_serves_any_operands_it_is_given_on_the_gpu(fresh_store, add
              "rows": torch.randn(n, device="cuda", dtype=torch.bfloat16).expand(m, n)}[added]
     operands = (a, b) if extra is None else (extra, a, b)
     expected = a.double() @ b.double() + (0 if extra is None else extra.double())
+    serve = choices.runtime.linear if weight else choices.runtime.mm
     for _ in range(2):  # the first call tunes and binds, the second takes the bound launch
-        assert relative_error(choices.runtime.gemm(*operands), expected) < 2e-2
+        assert relative_error(serve(*operands), expected) < 2e-2
 
 
 def test_a_batch_of_dynamic_size_is_served_by_gemmtunes_kernel_chosen_per_call(chosen, templates_on):
@@ -349,7 +351,7 @@ def test_a_batch_of_dynamic_size_is_served_by_gemmtunes_kernel_chosen_per_call(c
         for rows in (9, 2):
             x = torch.randn(rows, 33)
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
-    assert "\n".join(code).count("extern_kernels.gemmtune_gemm(") == 2
+    assert "\n".join(code).count("extern_kernels.gemmtune_linear(") == 2
     assert len(templates_on) == 1  # one graph compiled for every size
     assert {(p.n, p.k) for p in chosen.asked} == {(64, 33), (7, 64)}  # chosen at the size's hint
 

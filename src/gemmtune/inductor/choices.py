@@ -4,7 +4,7 @@ candidate, gemmtune's choice for it, so nothing is benchmarked while compiling.
 - cuBLAS: the compiler's own call of it (``aten``), the plain op of a default compile;
 - a ``triton_tiled`` config: the compiler's Triton GEMM template with that config's tiles,
   warps and stages, so the compiler fuses what follows (bias, activation, residual) into it;
-- any other gemmtune kernel: ``runtime.gemm`` called from the generated code, where that pays
+- any other gemmtune kernel: ``runtime.linear`` or ``runtime.mm`` called from the generated code, where that pays
   for its host time (``GemmtuneChoices.kind``), else the compiler's cuBLAS call.
 
 Every other GEMM (bmm, a dynamic size, an operand layout or dtype gemmtune does not serve) gets
@@ -31,7 +31,7 @@ from gemmtune.version import __version__
 log = logging.getLogger("gemmtune")
 
 TEMPLATE_BACKEND = "triton_tiled"  # the gemmtune backend whose configs the compiler's template takes
-# The gemmtune kernels compiled code may call (runtime.gemm). Such a call costs the host about
+# The gemmtune kernels compiled code may call (runtime). Such a call costs the host about
 # 9 us more than the compiler's own library call (H100: 22.3 against torch.addmm's 13.1 us,
 # docs/compile.md). In a graph replayed as a CUDA graph that cost is gone and gemmtune's choice
 # stands; otherwise a kernel serves a GEMM only where its tuning measured it CALL_COST_MS faster
@@ -42,7 +42,9 @@ GRAPHED_ONLY = ("cublaslt",)
 CALL_COST_MS = 0.010
 TEMPLATE, CALLED, LIBRARY = "on the compiler's Triton template", "on gemmtune's kernels", "on cuBLAS"
 TEMPLATE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
-GEMMTUNE_KERNEL = hooks.extern_choice(runtime.gemm, "gemmtune_gemm")
+# by the product's layout: read once, when the graph is compiled
+GEMMTUNE_KERNELS = {"linear": hooks.extern_choice(runtime.linear, "gemmtune_linear"),
+                    "nn": hooks.extern_choice(runtime.mm, "gemmtune_mm")}
 # the lowerings whose candidates gemmtune gives (mm and addmm its choice; the others, which
 # it does not serve, their library call, as a default compile); any other is the compiler's
 LOWERINGS = ("mm", "addmm", "bmm", "baddbmm", "mm-ah")
@@ -141,7 +143,7 @@ class GemmtuneChoices(hooks.InductorChoices):
         if kind == CALLED and hooks.config.cpp_wrapper:  # generated C++ cannot call Python
             kind = LIBRARY
         if chosen is None:
-            chosen = _extern(kernel_inputs) if kind == CALLED else library
+            chosen = _extern(kernel_inputs, problem.layout) if kind == CALLED else library
         log.debug("gemmtune: compiled %s %s %s (%s)", op_name, problem.describe(), kind,
                   _label(choice.backend, choice.config))
         return chosen
@@ -231,8 +233,8 @@ def _library_call(template_choices, templates):
     return None
 
 
-def _extern(kernel_inputs):
-    return hooks.KernelTemplateChoice(template=GEMMTUNE_KERNEL, params=hooks.DictKernelTemplateParams({}),
+def _extern(kernel_inputs, layout: str):
+    return hooks.KernelTemplateChoice(template=GEMMTUNE_KERNELS[layout], params=hooks.DictKernelTemplateParams({}),
                                       extra_kwargs={}, layout=kernel_inputs.output_layout(flexible=False),
                                       inputs=kernel_inputs)
 
