@@ -90,7 +90,7 @@ RESERVE_S = {"eager": 10, "graph": 10, "compile": 60, "reduce-overhead": 60, "ma
 GEMMTUNE_COMPILE = "gemmtune-compile"  # the way of gemmtune.compile's side: the model as it is
 # the modes whose rounds also time an untouched copy of the baseline (run the baseline's way):
 # their host time varies with where objects lie, and the copy's ratio shows by how much
-CONTROLLED = ("eager", "gemmtune-compile")  # (max-autotune: a third tuning of 100-150 s, not)
+CONTROLLED = ("eager", "gemmtune-compile")  # max-autotune's mode not: its copy would tune 100-150 s more
 MODEL_RESERVE_S = 20
 GEMM_OPS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm")
 WARMUP_CALLS = 3

@@ -99,20 +99,18 @@ def run(model: nn.Module, x: torch.Tensor, modes=MODES, *, calls: int = 200, rou
 
 def prepare(mode: str, model: nn.Module, x: torch.Tensor) -> tuple[Callable[[], torch.Tensor], float]:
     """A zero-argument call of ``model`` on ``x`` in ``mode``, and what setting it up cost."""
+    import gemmtune
+
     started = time.perf_counter()
     if mode == "eager":
         fn = lambda: model(x)  # noqa: E731
     elif mode in COMPILE_MODES or mode == "gemmtune.compile":
-        import gemmtune
-
         torch._dynamo.reset()
         compiled = gemmtune.compile(model) if mode == "gemmtune.compile" else \
             torch.compile(model, mode=None if mode == "default" else mode)
         fn = lambda: compiled(x)  # noqa: E731
         fn()  # compiles and autotunes (gemmtune.compile: tunes what the store lacks)
     else:
-        import gemmtune
-
         gemmtune.optimize(model, (x,))
         fn = lambda: model(x)  # noqa: E731
         fn()

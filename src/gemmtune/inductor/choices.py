@@ -24,7 +24,7 @@ from gemmtune.device import current
 from gemmtune.inductor import hooks, runtime
 from gemmtune.inductor.problems import Operands, problem_of
 from gemmtune.problem import Problem
-from gemmtune.serving.calls import tf32_allowed
+from gemmtune.serving.calls import DTYPE_NAMES, tf32_allowed
 from gemmtune.serving.dispatch import DISPATCHER, Choice
 from gemmtune.version import __version__
 
@@ -82,7 +82,7 @@ class GemmtuneChoices(hooks.InductorChoices):
     def _asked(self, problem: Problem, device_index: int) -> Choice:
         """``choose``'s answer, asked once per compile."""
         if (problem, device_index) not in self.chosen:
-            with hooks.real_tensors():
+            with hooks.unset_fake_temporarily():  # real tensors: a GEMM tuned now runs on the GPU
                 self.chosen[problem, device_index] = choose(problem, device_index)
         return self.chosen[problem, device_index]
 
@@ -182,8 +182,8 @@ def graph_problems(graph) -> list[tuple[Problem, int]]:
         shapes, strides = tuple(tuple(v.shape) for v in values), tuple(v.stride() for v in values)
         static = all(isinstance(d, int) for dims in (*shapes, *strides) for d in dims)
         scalars = {name: node.kwargs[name] for name in ("alpha", "beta") if name in node.kwargs}
-        operands = Operands(op, shapes, strides, tuple(str(v.dtype).removeprefix("torch.") for v in values),
-                            str(out.dtype).removeprefix("torch."), static, scalars)
+        operands = Operands(op, shapes, strides, tuple(dtype_name(v.dtype) for v in values), dtype_name(out.dtype),
+                            static, scalars)
         problem = problem_of(operands, tf32_allowed()) if static else None
         if problem is not None:
             found.append((problem, out.device.index or 0))
@@ -203,9 +203,14 @@ def operands(kernel_inputs, op_name: str) -> Operands:
     scalars = {}
     if op_name == "addmm":
         scalars = {name: kernel_inputs.get_scalar(name) for name in ("alpha", "beta")}
-    names = tuple(str(d).removeprefix("torch.") for d in kernel_inputs.dtypes())
+    names = tuple(dtype_name(d) for d in kernel_inputs.dtypes())
     return Operands(op_name, tuple(tuple(dims) for dims in shapes), tuple(tuple(dims) for dims in strides), names,
-                    str(kernel_inputs.out_dtype()).removeprefix("torch."), static, scalars)
+                    dtype_name(kernel_inputs.out_dtype()), static, scalars)
+
+
+def dtype_name(dtype) -> str:
+    """A dtype by gemmtune's name for it (``calls.DTYPE_NAMES``), torch's for one it does not serve."""
+    return DTYPE_NAMES.get(dtype) or str(dtype)
 
 
 def _number(value) -> bool:

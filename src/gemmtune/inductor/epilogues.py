@@ -12,7 +12,8 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from gemmtune.problem import DTYPES, Problem
+from gemmtune.problem import Problem
+from gemmtune.serving.calls import DTYPE_NAMES
 
 LINEAR = (torch._C._nn.linear, F.linear)
 _FIXED = {torch.relu: "relu", F.relu: "relu", F.silu: "silu"}
@@ -40,9 +41,9 @@ def _problem(node: torch.fx.Node, device_types: tuple[str, ...], tf32: bool) -> 
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or weight.dim() != 2 \
             or x.device.type not in device_types:
         return None
-    dtype = str(x.dtype).removeprefix("torch.")
+    dtype = DTYPE_NAMES.get(x.dtype)
     sizes = (*x.shape, *weight.shape)
-    if dtype not in DTYPES or not all(isinstance(s, int) for s in sizes) or x.dim() < 1 or x.numel() == 0:
+    if dtype is None or not all(isinstance(s, int) for s in sizes) or x.dim() < 1 or x.numel() == 0:
         return None
     n, k = weight.shape
     return Problem(x.numel() // k, n, k, dtype, "linear", isinstance(bias, torch.Tensor), tf32)

@@ -8,7 +8,8 @@ torch 2.11 to 2.13 give what gemmtune needs to choose the compiler's GEMMs:
 - ``KernelTemplateChoice`` and ``DictKernelTemplateParams``, to hand back one candidate with
   gemmtune's config (as the compiler's own lookup table does);
 - ``ExternKernelChoice``, the compiler's way to call a Python function from its generated code;
-- ``compile_fx`` and ``compile_fx_inner``, the ``inductor`` backend and the per-graph compile.
+- ``compile_fx`` and ``compile_fx_inner``, the ``inductor`` backend and the per-graph compile;
+- ``unset_fake_temporarily``: real tensors inside a lowering, for a GEMM tuned on first sight.
 
 They are private to torch, so ``missing()`` checks every one, and the signatures gemmtune
 calls, before anything is compiled: where one moved, ``gemmtune.compile`` says so once and
@@ -18,9 +19,7 @@ one moved.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Iterator
 
 import torch
 
@@ -70,14 +69,6 @@ def missing() -> str | None:
         if not hasattr(names[owner], attr):
             return f"torch {torch.__version__} has no {dotted}"
     return None
-
-
-@contextlib.contextmanager
-def real_tensors() -> Iterator[None]:
-    """Real tensors inside a lowering, where the compiler's fake tensors may be in force: a
-    GEMM tuned on first sight runs on the GPU."""
-    with unset_fake_temporarily():
-        yield
 
 
 def extern_choice(fn, name: str):
