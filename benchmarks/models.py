@@ -18,6 +18,19 @@ alternating rounds:
                                 it (no optimize: the compiler's GEMMs are gemmtune's choices;
                                 setup_s is that compile, first-sight tuning included)
     gemmtune-vs-max-autotune    max-autotune-no-cudagraphs of the model against gemmtune.compile
+    gemmtune-reduce-overhead    torch.compile(mode="reduce-overhead") against gemmtune.compile in
+                                that mode (CUDA graphs: every choice of gemmtune's is called)
+    gemmtune-max-autotune       max-autotune-no-cudagraphs against gemmtune.compile in that mode:
+                                the user's swap, the compiler's pointwise and reduction tuning
+                                (and coordinate descent) on both sides, the GEMMs gemmtune's
+
+With ``--profile`` each row also says where both sides' GPU time goes (``kernels``: ms per call
+by kind of kernel, from torch.profiler over a few calls, and the costliest kernels).
+
+A gemmtune.compile row also says what its graphs' GEMMs became (``compile_choices``: gemmtune's
+log line per compiled graph). With ``--caches DIR`` the gemmtune store and the compiler's caches
+live in DIR and stay on: run twice, the second run's ``setup_s`` and ``baseline_setup_s`` are
+both sides' warm starts (a new process, every cache filled).
 
 ``speedup = baseline_ms / gemmtune_ms`` is the median of the per-round ratios (a GPU machine's
 host speed drifts by tens of percent within a run: only ratios timed side by side compare),
@@ -26,7 +39,9 @@ as a third side in the same rounds: ``control`` (with ``control_spread``) is bas
 ratio the method reads where nothing differs, so an eager speedup within it of 1.0 is noise (the
 host-bound models' eager rounds time Python, whose speed varies with where objects lie); the
 gemmtune-compile mode times such a copy too, compiled by default. ``rel_err`` = max|gemmtune - baseline| / max|baseline|
-of the case's output (logits, last_hidden_state) in float32, in the same mode. Per case, on the
+of the case's output (logits, last_hidden_state) in float32, in the same mode; ``ref_err`` and
+``baseline_ref_err`` each side's against the case computed eagerly in float64 from the same
+weights and inputs (inference cases; ``reference_error`` where a model cannot run so). Per case, on the
 eager step: ``gemms``, the GEMM calls gemmtune saw (every nn.Linear's and Conv1D's);
 ``gemms_kept``, those still going through gemmtune after ``optimize`` (whose check hands layers
 that do not pay back to torch); ``gemms_served``, those of them a kernel other than cuBLAS serves
@@ -52,11 +67,13 @@ pays its own); max-autotune-no-cudagraphs 100-150 s per case: run those on a few
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import gc
 import importlib.metadata
 import json
+import logging
 import os
 import statistics
 import sys
@@ -64,7 +81,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,14 +97,19 @@ MODES = {
     "max-autotune-no-cudagraphs": ("max-autotune-no-cudagraphs", "compile"),
     "gemmtune-compile": ("compile", "gemmtune-compile"),
     "gemmtune-vs-max-autotune": ("max-autotune-no-cudagraphs", "gemmtune-compile"),
+    "gemmtune-reduce-overhead": ("reduce-overhead", "gemmtune-reduce-overhead"),
+    "gemmtune-max-autotune": ("max-autotune-no-cudagraphs", "gemmtune-max-autotune"),
 }
 COMPILE_MODE = {"compile": None, "reduce-overhead": "reduce-overhead",
-                "max-autotune-no-cudagraphs": "max-autotune-no-cudagraphs"}
+                "max-autotune-no-cudagraphs": "max-autotune-no-cudagraphs",
+                "gemmtune-compile": None, "gemmtune-reduce-overhead": "reduce-overhead",
+                "gemmtune-max-autotune": "max-autotune-no-cudagraphs"}
 DEFAULT_MODES = ("eager", "graph")
 # the seconds a mode is left to start with: torch.compile's modes compile both sides first
 RESERVE_S = {"eager": 10, "graph": 10, "compile": 60, "reduce-overhead": 60, "max-autotune-no-cudagraphs": 120,
-             "gemmtune-compile": 60, "gemmtune-vs-max-autotune": 120}
-GEMMTUNE_COMPILE = "gemmtune-compile"  # the way of gemmtune.compile's side: the model as it is
+             "gemmtune-compile": 60, "gemmtune-vs-max-autotune": 120, "gemmtune-reduce-overhead": 60,
+             "gemmtune-max-autotune": 150}
+GEMMTUNE_COMPILE = ("gemmtune-compile", "gemmtune-reduce-overhead", "gemmtune-max-autotune")  # gemmtune.compile's ways: the model as it is
 # the modes whose rounds also time an untouched copy of the baseline (run the baseline's way):
 # their host time varies with where objects lie, and the copy's ratio shows by how much
 CONTROLLED = ("eager", "gemmtune-compile")  # max-autotune's mode not: its copy would tune 100-150 s more
@@ -391,6 +413,7 @@ class Runner:
     call: Callable[[], object]
     output: torch.Tensor
     setup_s: float
+    said: list[str]  # what gemmtune's logger said meanwhile (INFO and up)
 
 
 def compiled(model: nn.Module, mode: str | None, gemmtune_compile: bool = False) -> Callable:
@@ -411,19 +434,37 @@ def compiled(model: nn.Module, mode: str | None, gemmtune_compile: bool = False)
 
 
 def make_runner(way: str, case: Case, model: nn.Module, kwargs: dict, device: str) -> Runner:
-    forward = model if way in ("eager", "graph") else compiled(model, COMPILE_MODE.get(way), way == GEMMTUNE_COMPILE)
+    forward = model if way in ("eager", "graph") else compiled(model, COMPILE_MODE.get(way), way in GEMMTUNE_COMPILE)
     step = step_of(case, forward, model, kwargs)
     sync(device)
     t0 = time.perf_counter()
-    if way == "graph":
-        call, out = captured(step)
-    else:
-        call = step
-        for _ in range(WARMUP_CALLS):
-            out = step()
-    output = first_tensor(out).float().clone()  # before any other call: a graph's outputs are overwritten
-    sync(device)
-    return Runner(call, output, time.perf_counter() - t0)
+    with listening() as said:
+        if way == "graph":
+            call, out = captured(step)
+        else:
+            call = step
+            for _ in range(WARMUP_CALLS):
+                out = step()
+        output = first_tensor(out).float().clone()  # before any other call: a graph's outputs are overwritten
+        sync(device)
+    return Runner(call, output, time.perf_counter() - t0, said)
+
+
+@contextlib.contextmanager
+def listening() -> Iterator[list[str]]:
+    """What the ``gemmtune`` logger says at INFO and up meanwhile (compiled graphs' choices)."""
+    said: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("gemmtune")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(min(level or logging.WARNING, logging.INFO))
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def captured(step: Callable[[], object]) -> tuple[Callable[[], object], object]:
@@ -440,6 +481,22 @@ def captured(step: Callable[[], object]) -> tuple[Callable[[], object], object]:
         out = step()
     graph.replay()
     return graph.replay, out
+
+
+def float64_output(case: Case, base: nn.Module, shared: dict) -> tuple[torch.Tensor | None, str | None]:
+    """The case's output computed eagerly in float64 from the same weights and inputs (as
+    float32, which every side's output is compared in), or None and why it could not be."""
+    if case.phase == "train":
+        return None, None
+    try:
+        with torch.no_grad():
+            model = copy.deepcopy(base).double()
+            inputs = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                      for k, v in shared.items()}
+            out = first_tensor(step_of(case, model, model, case.kwargs(model, inputs))())
+            return out.double().float(), None
+    except Exception as exc:  # noqa: BLE001 - a model that does not run in float64 has no such check
+        return None, f"{type(exc).__name__}: {exc}"[:300]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -502,6 +559,37 @@ def paired_rounds(base: Callable, tuned: Callable, rounds: int, round_ms: float,
     if control is not None:
         result["control"], result["control_spread"] = ratio_of(times["base"], times["control"])
     return result
+
+
+# kinds of GPU kernel, by name: the first whose marks a kernel's name holds (lowercase)
+KERNEL_KINDS = (("gemm template", ("triton_tem",)),
+                ("gemmtune", ("tiled_matmul", "splitk_matmul", "stream_matmul", "persistent_matmul", "pad_copy")),
+                ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+                ("library gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "gemv", "sm90_", "sm80_", "splitkreduce")),
+                ("compiled pointwise/reduction", ("triton_",)),
+                ("other", ("",)))
+
+
+def kernel_times(call: Callable[[], object], calls: int = 5, top: int = 8) -> dict:
+    """Where ``call``'s GPU time goes: ms per call by kind of kernel (KERNEL_KINDS) and its
+    ``top`` costliest kernels, from torch.profiler over ``calls`` calls after one unprofiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    per_kernel: Counter = Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name] += event.time_range.elapsed_us() / 1e3 / calls
+    kinds: Counter = Counter()
+    for name, ms in per_kernel.items():
+        kinds[next(kind for kind, marks in KERNEL_KINDS if any(m in name.lower() for m in marks))] += ms
+    return {"total_ms": sum(per_kernel.values()), "by_kind_ms": dict(kinds.most_common()),
+            "top": [[name[:120], ms] for name, ms in per_kernel.most_common(top)]}
 
 
 def ratio_of(base: list[float], other: list[float]) -> tuple[float, float]:
@@ -666,17 +754,20 @@ def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budg
                                "gemm_flops_seen": flops_seen / flops_all if flops_all else None}
     sides = {"base": (base, base_kwargs)}
     tune_s = 0.0
-    if any(MODES[m][1] != GEMMTUNE_COMPILE for m in modes):  # a mode times optimize's side
+    if any(MODES[m][1] not in GEMMTUNE_COMPILE for m in modes):  # a mode times optimize's side
         tuned, tuned_kwargs, tune_s = tune_side(case, base, shared)
         by = served_by(case, tuned, tuned_kwargs)
         common |= {"tune_s": tune_s, "served_by": dict(by), "fused_kept": fused_kept(tuned),
                    "gemms_served": sum(c for b, c in by.items() if b not in ("torch", "cublas")),
                    "gemms_kept": sum(c for b, c in by.items() if b != "torch")}
         sides["tuned"] = (tuned, tuned_kwargs)
-    if any(MODES[m][1] == GEMMTUNE_COMPILE for m in modes):  # gemmtune.compile's side: the model as it is
+    if any(MODES[m][1] in GEMMTUNE_COMPILE for m in modes):  # gemmtune.compile's side: the model as it is
         with grad_mode(case):
             plain = copy.deepcopy(base)
             sides["plain"] = (plain, case.kwargs(plain, shared))
+    reference, reference_error = float64_output(case, base, shared)
+    if reference_error is not None:
+        common["reference_error"] = reference_error
     runners: dict[tuple[str, str], Runner] = {}
     if any(m in CONTROLLED for m in modes):  # the control side: host-bound rounds only
         with grad_mode(case):
@@ -700,12 +791,18 @@ def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budg
         try:
             with grad_mode(case):
                 b = runner("base", base_way)
-                t = runner("plain" if tuned_way == GEMMTUNE_COMPILE else "tuned", tuned_way)
+                t = runner("plain" if tuned_way in GEMMTUNE_COMPILE else "tuned", tuned_way)
                 c = runner("control", base_way).call if mode in CONTROLLED else None  # graphs: no host noise
                 timing = paired_rounds(b.call, t.call, args.rounds, args.round_ms, device, control=c)
-            row |= timing | {"setup_s": t.setup_s + (0 if tuned_way == GEMMTUNE_COMPILE else tune_s),
+            row |= timing | {"setup_s": t.setup_s + (0 if tuned_way in GEMMTUNE_COMPILE else tune_s),
                              "baseline_setup_s": b.setup_s,
                              "rel_err": rel_err(t.output, b.output)}
+            if reference is not None:  # each side against float64: which one is wrong, where they differ
+                row["ref_err"], row["baseline_ref_err"] = rel_err(t.output, reference), rel_err(b.output, reference)
+            if tuned_way in GEMMTUNE_COMPILE:
+                row["compile_choices"] = [line for line in t.said if "compiled graph" in line]
+            if args.profile and device == "cuda":
+                row["kernels"] = {"baseline": kernel_times(b.call), "gemmtune": kernel_times(t.call)}
             if case.phase == "train":
                 row["grad_rel_err"] = grad_rel_err(sides["tuned"][0], base)
         except Exception as exc:  # noqa: BLE001 - a mode that fails is a row saying why
@@ -727,7 +824,8 @@ def print_row(row: dict) -> None:
     seen = row["gemm_flops_seen"]
     print(f"{head} {row['baseline_ms']:9.3f} / {row['gemmtune_ms']:9.3f} ms  x{row['speedup']:.3f} "
           f"+-{row['spread']:.3f}  setup {row['setup_s']:.1f}/{row['baseline_setup_s']:.1f} s  "
-          f"err {row['rel_err']:.1e}  "
+          f"err {row['rel_err']:.1e}"
+          + (f" (vs fp64 {row['baseline_ref_err']:.1e}/{row['ref_err']:.1e})" if "ref_err" in row else "") + "  "
           f"gemms {row.get('gemms_served', '-')}/{row.get('gemms_kept', '-')}/{row['gemms']}  "
           f"flops seen {'-' if seen is None else f'{seen:.3f}'}"
           + (f"  A/A x{row['control']:.3f} +-{row['control_spread']:.3f}" if "control" in row else ""),
@@ -752,6 +850,7 @@ def header(device: str, args) -> dict:
             "CPU: no CUDA GPU, so these are CPU timings of a smoke run, NOT GPU timings",
             "tiny": args.tiny, "rounds": args.rounds, "round_ms": args.round_ms, "time_budget_s": args.time_budget_s,
             "store": os.environ["GEMMTUNE_CACHE_DIR"], "fresh_store": args.store is None,
+            "caches": None if args.caches is None else str(args.caches), "dtypes": args.dtypes or None,
             "models": args.models, "modes": args.modes, "skipped": [], "rows": []}
 
 
@@ -786,6 +885,8 @@ def parse_args(argv=None):
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
                         help=f"comma-separated modes (default: {','.join(DEFAULT_MODES)}; any of {', '.join(MODES)}; "
                              "'all' for every one). Each torch.compile mode costs about a minute per model")
+    parser.add_argument("--dtypes", default="",
+                        help="comma-separated dtypes whose cases run (bfloat16, float16, float32; default: every case's)")
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds per mode (default 15)")
     parser.add_argument("--round-ms", type=float, default=None,
                         help="time each side's loop fills per round (default 100 ms; 20 with --tiny)")
@@ -794,8 +895,19 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true", help="tiny configs of every model: a smoke run, CPU too")
     parser.add_argument("--store", help="use this gemmtune store directory (GEMMTUNE_CACHE_DIR) instead of a "
                                         "fresh one: setup_s is then warm")
+    parser.add_argument("--caches", type=Path,
+                        help="keep the gemmtune store and the compiler's caches (FX graph, AOT autograd, Triton) in "
+                             "this directory, caches on: a second run's setup_s and baseline_setup_s are warm starts")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile both sides of every row: their GPU time by kind of kernel (GPU only)")
     parser.add_argument("--list", action="store_true", help="print the models and their cases, then exit")
     args = parser.parse_args(argv)
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    unknown = [d for d in args.dtypes if d not in ("bfloat16", "float16", "float32")]
+    if unknown:
+        parser.error(f"--dtypes: unknown {', '.join(unknown)}; accepted: bfloat16, float16, float32")
+    if args.caches is not None and args.store is not None:
+        parser.error("--caches holds the store too: give --caches or --store, not both")
     args.models = [m for m in args.models.split(",") if m]
     args.modes = list(MODES) if args.modes == "all" else [m for m in args.modes.split(",") if m]
     for name, given, known in (("--models", args.models, MODELS), ("--modes", args.modes, MODES)):
@@ -822,6 +934,10 @@ def main(argv=None) -> int:
         list_models()
         return 0
     scratch = tempfile.mkdtemp(prefix="gemmtune-models-")
+    if args.caches is not None:  # warm starts on a second run: every cache kept, and on
+        args.store = str(args.caches / "store")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(args.caches / "inductor")
+        os.environ["TRITON_CACHE_DIR"] = str(args.caches / "triton")
     os.environ["GEMMTUNE_CACHE_DIR"] = args.store or os.path.join(scratch, "store")  # before gemmtune is imported
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(scratch, "inductor"))  # both sides cold
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -829,7 +945,8 @@ def main(argv=None) -> int:
     for knob in ("cache_size_limit", "recompile_limit"):
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
-    cold_compiles()
+    if args.caches is None:
+        cold_compiles()
     doc = header(device, args)
     if device != "cuda":
         print("no CUDA GPU: eager rows only, CPU timings (NOT GPU timings)", file=sys.stderr)
@@ -863,7 +980,7 @@ def run_model(name: str, args, device: str, budget: Budget, skipped: list, emit,
     each mode of the case it struck."""
     entry = MODELS[name]
     t0 = time.perf_counter()
-    cases = entry.cases(name, args.tiny)
+    cases = [c for c in entry.cases(name, args.tiny) if not args.dtypes or dtype_name(c.dtype) in args.dtypes]
     master = None
     for case in cases:
         try:

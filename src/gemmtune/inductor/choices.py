@@ -20,10 +20,12 @@ from dataclasses import replace
 import sympy
 import torch
 
+from gemmtune.backends import REFERENCE
 from gemmtune.device import current
 from gemmtune.inductor import hooks, runtime
 from gemmtune.inductor.problems import Operands, problem_of
 from gemmtune.problem import Problem
+from gemmtune.results import Status, Trial
 from gemmtune.serving.calls import DTYPE_NAMES, tf32_allowed
 from gemmtune.serving.dispatch import DISPATCHER, Choice
 from gemmtune.version import __version__
@@ -31,16 +33,28 @@ from gemmtune.version import __version__
 log = logging.getLogger("gemmtune")
 
 TEMPLATE_BACKEND = "triton_tiled"  # the gemmtune backend whose configs the compiler's template takes
-# The gemmtune kernels compiled code may call (runtime). Such a call costs the host about
-# 9 us more than the compiler's own library call (H100: 22.3 against torch.addmm's 13.1 us,
-# docs/compile.md). In a graph replayed as a CUDA graph that cost is gone and gemmtune's choice
-# stands; otherwise a kernel serves a GEMM only where its tuning measured it CALL_COST_MS faster
-# than cuBLAS, and a cuBLASLt algorithm never: with the weights warm in L2, as in a model, the
-# ones seen ran cuBLAS's own kernel (compiled BERT-base, the seeds' MLP: 0.64-0.72 of torch.compile).
+# the gemmtune kernels compiled code may call (runtime); cuBLASLt's only where it is replayed as a
+# CUDA graph: with the weights warm in L2, as in a model, the algorithms seen ran cuBLAS's own
+# kernel (compiled BERT-base, the seeds' MLP: 0.64-0.72 of torch.compile, docs/compile.md)
 CALLED_BACKENDS = ("triton_splitk", "triton_stream", "triton_persistent", "cublas_padded", "triton_tiled")
 GRAPHED_ONLY = ("cublaslt",)
-CALL_COST_MS = 0.010
 TEMPLATE, CALLED, LIBRARY = "on the compiler's Triton template", "on gemmtune's kernels", "on cuBLAS"
+# Host time per call of compiled code that is not replayed as a CUDA graph, queued, on an H100:
+# the compiler's library call (torch.addmm, 13.1 us), gemmtune's kernel called from the generated
+# code (22.3 us) and a launch of the compiler's Triton template (about 4.5 us: compiled BERT-base
+# ran 96 GEMMs as templates in 0.8-1.3 ms less per forward at the same GPU time). Where the host
+# sets the pace a call costs the longer of its kernel and its host time (``queued_ms``), and a way
+# other than the library call is taken only where it costs MIN_GAIN less so. The template is
+# weighed only for a GEMM whose cuBLAS kernel is shorter than its own library call's host time,
+# and only where its kernel is at most TEMPLATE_SLOWDOWN slower (what a GPU-bound graph loses).
+HOST_MS = {LIBRARY: 0.0131, CALLED: 0.0223, TEMPLATE: 0.0045}
+# A graph with a template is compiled with the GEMM templates on, and under torch 2.11 its other
+# addmm's library calls then go through a Python wrapper (bias_addmm) that costs about 3 us more
+# each (compiled BERT-base: 73 calls of about 3 us): templates taken for their launch alone must
+# save more than that (``GemmtuneChoices.choose_ahead``).
+WRAPPED_ADDMM_MS = 0.003
+TEMPLATE_SLOWDOWN = 1.25
+MIN_GAIN = 0.02
 TEMPLATE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 # by the product's layout: read once, when the graph is compiled
 GEMMTUNE_KERNELS = {"linear": hooks.extern_choice(runtime.linear, "gemmtune_linear"),
@@ -58,6 +72,54 @@ def choose(problem: Problem, device_index: int) -> Choice:
     return DISPATCHER.choice(problem, current(device_index))
 
 
+def kernel_times(problem: Problem, device_index: int) -> dict[str, Trial]:
+    """The verified trials stored with ``problem``'s choice, by label (a retune's latest): each
+    candidate's kernel time as its tuning measured it."""
+    latest = {}
+    for trial in DISPATCHER.trials(problem, current(device_index)):
+        if trial.ok and trial.median_ms is not None:
+            latest[trial.label()] = trial
+    return latest
+
+
+def queued_ms(kernel_ms: float, kind: str) -> float:
+    """What one call costs compiled code whose host sets the pace: its kernel or its host time."""
+    return max(kernel_ms, HOST_MS[kind])
+
+
+def decide(choice: Choice, trials: dict[str, Trial], graphs: bool, launch: bool = True) -> tuple[Choice, str]:
+    """How compiled code runs a GEMM gemmtune chose ``choice`` for, ``trials`` being its tuning's
+    (``kernel_times``): the choice it runs and TEMPLATE, CALLED or LIBRARY. A Triton config is the
+    compiler's template; under CUDA graphs every other kernel of gemmtune's is called; where cuBLAS
+    failed its check (no ``cublas_ms``) its library call is never taken. Otherwise the way that
+    costs least queued (``queued_ms``): the library call, gemmtune's kernel, or (where ``launch``)
+    the fastest Triton config tried where the library call's launch sets the pace."""
+    backend = choice.backend
+    if backend == TEMPLATE_BACKEND:
+        return choice, TEMPLATE
+    own = backend in CALLED_BACKENDS + GRAPHED_ONLY
+    if own and (graphs or choice.cublas_ms is None):
+        return choice, CALLED
+    reference = trials.get(REFERENCE)
+    library_ms = reference.median_ms if reference is not None else choice.cublas_ms
+    if library_ms is None:  # nothing was measured (a fallback to cuBLAS)
+        return choice, LIBRARY
+    ways = []
+    if own and backend not in GRAPHED_ONLY:
+        mine = trials.get(Trial(backend, choice.config, Status.OK).label())
+        ways.append((choice, CALLED, mine.median_ms if mine is not None else choice.time_ms))
+    tiled = min((t for t in trials.values() if t.backend == TEMPLATE_BACKEND), key=lambda t: t.median_ms, default=None)
+    if launch and not graphs and tiled is not None and reference is not None and library_ms < HOST_MS[LIBRARY] \
+            and tiled.median_ms <= TEMPLATE_SLOWDOWN * library_ms:
+        ways.append((Choice(TEMPLATE_BACKEND, tiled.config, tiled.median_ms, library_ms), TEMPLATE, tiled.median_ms))
+    ways = [(c, kind, ms) for c, kind, ms in ways if ms is not None]
+    if ways:
+        best, kind, ms = min(ways, key=lambda way: queued_ms(way[2], way[1]))
+        if queued_ms(ms, kind) < (1.0 - MIN_GAIN) * queued_ms(library_ms, LIBRARY):
+            return best, kind
+    return choice, LIBRARY
+
+
 class GemmtuneChoices(hooks.InductorChoices):
     """The compiler's heuristics, except that its GEMM candidates are gemmtune's one choice.
     ``graphs``: the compiled graphs are replayed as CUDA graphs (no host cost per call)."""
@@ -66,51 +128,61 @@ class GemmtuneChoices(hooks.InductorChoices):
         super().__init__()
         self.graphs = graphs
         self.epilogues = epilogues or {}  # a product -> the activation that alone follows it
-        self.chosen: dict[tuple[Problem, int], Choice] = {}  # (problem, GPU) -> choice
+        self.decided: dict[tuple[Problem, int], tuple[Choice, str]] = {}  # (problem, GPU) -> decide's answer
+        self.asked: dict[tuple[Problem, int], tuple[Choice, dict]] = {}  # (problem, GPU) -> choose's answer, trials
+        self.launch = True  # whether a template may be taken for its cheaper launch alone
 
     def choice(self, problem: Problem, device_index: int) -> Choice:
-        """gemmtune's choice for ``problem`` on GPU ``device_index``: for a product an activation
-        alone follows, the choice for the two fused where that is a Triton config (the compiler's
-        template then fuses the activation too), else the product's own."""
+        """gemmtune's choice for ``problem`` on GPU ``device_index``, as the compiled code runs it."""
+        return self.decision(problem, device_index)[0]
+
+    def decision(self, problem: Problem, device_index: int) -> tuple[Choice, str]:
+        """The choice the compiled code runs for ``problem`` and how (``decide``): for a product
+        an activation alone follows, the two fused where that runs as the compiler's template
+        (which then fuses the activation too), else the product's own."""
         activation = self.epilogues.get(problem)
         if activation is not None:
-            fused = self._asked(replace(problem, activation=activation), device_index)
-            if fused.backend == TEMPLATE_BACKEND:
+            fused = self._decided(replace(problem, activation=activation), device_index)
+            if fused[1] == TEMPLATE:
                 return fused
-        return self._asked(problem, device_index)
+        return self._decided(problem, device_index)
 
-    def _asked(self, problem: Problem, device_index: int) -> Choice:
-        """``choose``'s answer, asked once per compile."""
-        if (problem, device_index) not in self.chosen:
+    def _decided(self, problem: Problem, device_index: int) -> tuple[Choice, str]:
+        """``decide`` on ``choose``'s answer, asked once per compile."""
+        key = (problem, device_index)
+        if key not in self.asked:
             with hooks.unset_fake_temporarily():  # real tensors: a GEMM tuned now runs on the GPU
-                self.chosen[problem, device_index] = choose(problem, device_index)
-        return self.chosen[problem, device_index]
+                chosen = choose(problem, device_index)
+                self.asked[key] = chosen, kernel_times(problem, device_index) if chosen.backend != TEMPLATE_BACKEND else {}
+        if key not in self.decided:
+            self.decided[key] = decide(*self.asked[key], self.graphs, self.launch)
+        return self.decided[key]
 
     def choose_ahead(self, graph) -> bool:
         """Choose for every mm and addmm of ``graph`` (the compiler's aten graph) before it is
         lowered, and say what was chosen; whether any choice is the compiler's Triton template
         (which needs its GEMM templates switched on)."""
         found = graph_problems(graph)
-        kinds = Counter(self.kind(self.choice(p, index)) for p, index in found)
+        kinds = Counter(self.decision(p, index)[1] for p, index in found)
+        if kinds[TEMPLATE] and not self._launch_pays(found):
+            self.launch = False  # the graph compiles as if no template had been weighed for its launch
+            self.decided.clear()
+            kinds = Counter(self.decision(p, index)[1] for p, index in found)
         if found:
             log.info("gemmtune: a compiled graph's %d GEMMs (%d shapes): %s", len(found), len(set(found)),
                      ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())))
         return kinds[TEMPLATE] > 0
 
-    def kind(self, choice: Choice) -> str:
-        """How compiled code runs ``choice``: TEMPLATE, CALLED or LIBRARY."""
-        if choice.backend == TEMPLATE_BACKEND:
-            return TEMPLATE
-        return CALLED if self.pays(choice) else LIBRARY
-
-    def pays(self, choice: Choice) -> bool:
-        """Whether calling ``choice``'s gemmtune kernel from compiled code pays for the call."""
-        if choice.backend not in CALLED_BACKENDS + GRAPHED_ONLY:
-            return False
-        if self.graphs:
+    def _launch_pays(self, found: list[tuple[Problem, int]]) -> bool:
+        """Whether the templates ``found``'s GEMMs take for their launch alone save the host more
+        than switching the templates on costs the graph's other addmm calls; true where any
+        template is the tuner's own choice (the templates are on anyway)."""
+        if any(chosen.backend == TEMPLATE_BACKEND for chosen, _ in self.asked.values()):
             return True
-        saves = choice.cublas_ms - choice.time_ms if choice.cublas_ms and choice.time_ms else 0.0
-        return choice.backend not in GRAPHED_ONLY and saves >= CALL_COST_MS
+        decided = [(p, self.decision(p, index)) for p, index in found]
+        launched = sum(1 for _, (_, kind) in decided if kind == TEMPLATE)
+        wrapped = sum(1 for p, (_, kind) in decided if kind == LIBRARY and p.bias)
+        return launched * (HOST_MS[LIBRARY] - HOST_MS[TEMPLATE]) > wrapped * WRAPPED_ADDMM_MS
 
     def uuid(self) -> str:
         """Part of the compiler's cache key: a graph compiled with gemmtune's choices is not one
@@ -134,12 +206,13 @@ class GemmtuneChoices(hooks.InductorChoices):
         problem = _problem(kernel_inputs, op_name)
         if problem is None:
             return None
-        choice = self.choice(problem, kernel_inputs.device().index or 0)
-        kind, chosen = self.kind(choice), None
+        choice, kind = self.decision(problem, kernel_inputs.device().index or 0)
+        chosen = None
         if kind == TEMPLATE:
             chosen = self._template(kernel_inputs, templates, op_name, choice.config)
             if chosen is None:  # gemmtune's own Triton kernel where the template cannot be, if that pays
-                kind = CALLED if self.pays(choice) else LIBRARY
+                kind = CALLED if choice.cublas_ms is None or choice.time_ms is not None and queued_ms(
+                    choice.time_ms, CALLED) < (1.0 - MIN_GAIN) * queued_ms(choice.cublas_ms, LIBRARY) else LIBRARY
         if kind == CALLED and hooks.config.cpp_wrapper:  # generated C++ cannot call Python
             kind = LIBRARY
         if chosen is None:

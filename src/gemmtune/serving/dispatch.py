@@ -13,6 +13,7 @@ from typing import NamedTuple
 from gemmtune import backends, settings
 from gemmtune.device import Device, current
 from gemmtune.problem import Problem, bucket
+from gemmtune.results import Trial
 from gemmtune.shapes import entry
 from gemmtune.store import ServerStore, Store, open_store
 from gemmtune.tuning.tuner import TuneOptions, tune_problem
@@ -134,6 +135,15 @@ class Dispatcher:
                 continue
             return choice
         return self._fresh(problem, device)
+
+    def trials(self, problem: Problem, device: Device) -> list[Trial]:
+        """The trials stored with the choice that serves ``problem`` (its own shape's, else its
+        bucket's; none where nothing is stored): every candidate's kernel time, as tuned."""
+        target = bucket(problem, settings.bucket_policy())
+        for candidate in dict.fromkeys((problem, target)):
+            if self.store.get(device.fingerprint(), candidate.key()) is not None:
+                return self.store.trials(device.fingerprint(), candidate.key())
+        return []
 
     def _resolve(self, problem: Problem, device: Device):
         for choice in self._stored(problem, device):
