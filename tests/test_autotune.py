@@ -3,6 +3,7 @@ prune, hooks, reset/restore), every config checked (a wrong one never chosen, a 
 failed trial), the store round trip and lookup mode. Run through Triton's interpreter on the CPU
 (on the GPU machine, on the GPU)."""
 
+import json
 import logging
 
 import pytest
@@ -414,6 +415,53 @@ def test_isolated_tuning_finds_what_tuning_in_process_finds():
     kernel[grid(64)](x, y, out, 64)
     (entry,) = stored_entries()
     assert torch.equal(out, x + y) and [t.ok for t in Store().trials(entry.device, entry.problem_key)] == [True, True]
+
+
+def test_a_lookup_miss_is_recorded_and_tune_from_stores_the_choice_it_serves_next(timings, monkeypatch, tmp_path):
+    """Lookup mode appends the call to GEMMTUNE_MISSES; `gemmtune tune --from` rebuilds it on fresh
+    tensors, tunes it and stores the choice under the key the serving process looked up, where
+    the next lookup finds it."""
+    from gemmtune.cli import main
+
+    misses = tmp_path / "misses.jsonl"
+    misses.write_text(json.dumps({"name": "decode", "m": 1, "n": 64, "k": 32, "dtype": "float32"}) + "\n")
+    monkeypatch.setenv("GEMMTUNE_MODE", "lookup")
+    monkeypatch.setenv("GEMMTUNE_MISSES", str(misses))
+    kernel = isolated("add_isolated")
+    kernel.chosen.clear()
+    x, y, out = operands(90)
+    kernel[grid(90)](x, y, out, 90)
+    assert torch.equal(out, x + y) and timings == [] and stored_entries() == []
+    gemm, call = (json.loads(line) for line in misses.read_text().splitlines())
+    assert call["kind"] == "kernel" and (call["module"], call["qualname"]) == ("autotuned_kernels", "add_isolated")
+    assert call["scalars"] == {"n": 90} and call["tensors"]["x_ptr"]["shape"] == [90]
+    assert call["grids"] == {"0": [6, 1, 1], "1": [3, 1, 1]}  # each config's grid, computed where it was called
+
+    monkeypatch.setenv("GEMMTUNE_MODE", "tune")
+    timings.order = ["1", "0"]
+    assert main(["tune", "--from", str(misses), "--json"]) == 0  # the GEMM line and the kernel call
+    (entry,) = stored_entries()
+    assert entry.problem_key == call["key"] and entry.config["index"] == 1
+
+    monkeypatch.setenv("GEMMTUNE_MODE", "lookup")
+    kernel.chosen.clear()  # a new process's
+    kernel[grid(90)](x, y, out, 90)
+    assert kernel.best_config.kwargs == {"BLOCK": 32} and torch.equal(out, x + y)
+    assert len(misses.read_text().splitlines()) == 2  # a hit is no miss
+
+
+def test_a_lookup_miss_no_other_process_could_rebuild_is_said_once_and_not_recorded(timings, monkeypatch, tmp_path,
+                                                                                       caplog):
+    misses = tmp_path / "misses.jsonl"
+    monkeypatch.setenv("GEMMTUNE_MODE", "lookup")
+    monkeypatch.setenv("GEMMTUNE_MISSES", str(misses))
+    kernel = gemmtune.autotune(configs=blocks(16, 32), key=["n"])(add_kernel)  # held by no module's name
+    with caplog.at_level(logging.WARNING, logger="gemmtune"):
+        for n in (40, 41):
+            x, y, out = operands(n)
+            kernel[grid(n)](x, y, out, n)
+            assert torch.equal(out, x + y)
+    assert not misses.exists() and caplog.text.count("cannot be recorded in GEMMTUNE_MISSES") == 1
 
 
 def test_a_kernel_no_other_process_can_import_is_tuned_in_this_one(timings, caplog):

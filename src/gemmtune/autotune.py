@@ -18,7 +18,8 @@ is the migration, and adds what triton's lacks:
   the arguments (``gemmtune.tuning.kernel_worker``), so a config that faults, kills its process or
   hangs is a failed trial too, and the program goes on;
 - ``GEMMTUNE_MODE=lookup`` never tunes: a miss runs ``default=`` (a config of the list; the first
-  by default), logged once; so does a miss while a CUDA graph is being captured, not kept, so the
+  by default), logged once and appended to ``GEMMTUNE_MISSES`` (where set) for
+  ``gemmtune tune --from``; so does a miss while a CUDA graph is being captured, not kept, so the
   next call outside the capture tunes;
 - one log line per tuning (as ``TRITON_PRINT_AUTOTUNING`` prints), through gemmtune's logging.
 
@@ -46,6 +47,7 @@ from gemmtune import settings
 from gemmtune.device import current
 from gemmtune.kernel_config import KernelConfig, kernel_key
 from gemmtune.results import Timing
+from gemmtune.shapes import append_miss
 from gemmtune.store import ServerStore, Store, open_store
 from gemmtune.tuning import autotuner, kernel_worker
 
@@ -175,6 +177,7 @@ class Autotuned:
         if settings.mode() == "lookup":
             self._say_once(call_key, "gemmtune.autotune: %s has no stored config for %s (lookup mode), so it runs %s",
                            self.name, call_key, self._default_label)
+            self._record_miss(key, args, kwargs, grid, named)
             return self.default
         result, config = self._tune(key, args, kwargs, grid, named, device)
         if result is not None:
@@ -184,6 +187,21 @@ class Autotuned:
                      self.name, call_key, result.tune_s, KernelConfig.from_dict(result.config).label(),
                      result.time_ms, timed, sum(not t.ok for t in result.trials))
         return config
+
+    def _record_miss(self, key: str, args, kwargs, grid, named: dict) -> None:
+        """The call appended to ``GEMMTUNE_MISSES``, for ``gemmtune tune --from``: where another
+        process can rebuild it (the kernel importable by name, its arguments tensors and plain
+        values), else said once."""
+        path = settings.misses_file()
+        if path is None:
+            return
+        call = kernel_worker.recorded_call(self, key, args, kwargs, grid, named)
+        if call is None:
+            self._say_once(("miss",), "gemmtune.autotune: %s cannot be recorded in GEMMTUNE_MISSES: another process "
+                           "must import it by name (a kernel at a module's top level) and its arguments must be "
+                           "tensors and plain values", self.name)
+            return
+        append_miss(path, call)
 
     def _tune(self, key: str, args, kwargs, grid, named: dict, device):
         pruned = [self._index(config) for config in self._pruned(named, kwargs)]

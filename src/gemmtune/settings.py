@@ -38,8 +38,8 @@ COMPILE_FORK = Knob("GEMMTUNE_COMPILE_FORK", "1",
                     "side by side; 0: in the compile threads only (they share the GIL)")
 
 MISSES = Knob("GEMMTUNE_MISSES", "",
-               "in lookup mode, append each shape missing from the store to this file (JSON Lines), "
-               "for `gemmtune tune --from FILE`")
+               "in lookup mode, append each shape (and gemmtune.autotune kernel call) missing from the store "
+               "to this file (JSON Lines), for `gemmtune tune --from FILE`")
 
 STORE = Knob("GEMMTUNE_STORE", "",
               "the tuning store: a postgresql:// URL (a server a fleet shares), or a SQLite file or directory "

@@ -165,7 +165,8 @@ def _shape_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
     parser.add_argument("--shape", action="append", default=[], metavar="MxNxK", help=f"a shape to {verb} (repeatable)")
     parser.add_argument("--shapes", "--from", dest="shapes", type=Path, metavar="FILE",
                         help="a shapes file (the format of benchmarks/shapes/public.json), a file written by "
-                             "gemmtune.record, or the misses GEMMTUNE_MISSES collected (JSON Lines)")
+                             "gemmtune.record, or the misses GEMMTUNE_MISSES collected (JSON Lines; the "
+                             "gemmtune.autotune kernel calls it records are tuned too, on fresh tensors)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                         help="dtype for --shape (default bfloat16)")
     parser.add_argument("--layout", default="linear", choices=("linear", "nn"),
@@ -193,7 +194,7 @@ def _named_problems(args, device) -> list:
             named += shapes.load(args.shapes, tf32=tf32)
         except OSError as exc:
             raise ValueError(f"--shapes {args.shapes}: cannot read it ({exc.strerror or exc})") from None
-    if not named:
+    if not named and not args.shapes:  # a file naming no GEMM may name kernel calls (_tune_kernel_calls)
         named = list(shapes.INTERPRETER_DEMO) if device.interpreter else shapes.load(tf32=tf32)
     if device.interpreter:
         _console(stderr=True).print("[yellow]No CUDA GPU: running gemmtune's pipeline through Triton's interpreter on the CPU. "
@@ -256,6 +257,10 @@ def _tune(args, console: Console) -> int:
         return _validate_buckets(named, args, console)
     store = open_store(args.cache)
     store.check()  # a store that cannot keep the choices is said before tuning, not after
+    if args.shapes:
+        _tune_kernel_calls(args.shapes, store, console)
+        if not named:
+            return 1 if store.failure else 0
     if args.gpus or args.ray:
         return _tune_spread(named, args, console, store)
     results = _tune_with_progress(api, named, args, console, store)
@@ -264,6 +269,30 @@ def _tune(args, console: Console) -> int:
     else:
         console.print(report.results_table(results, [n.name for n in named]))
     return 1 if store.failure else 0  # it failed while tuning (a full disk, say): its warning said so
+
+
+def _tune_kernel_calls(path: Path, store, console: Console) -> None:
+    """Tune the ``gemmtune.autotune`` kernel calls a misses file records, each on fresh tensors of
+    its arguments' layouts, into ``store`` under the key its serving process looked up."""
+    from gemmtune import shapes
+    from gemmtune.device import current
+    from gemmtune.kernel_config import KernelConfig
+    from gemmtune.tuning import kernel_worker
+
+    device = current()
+    for call in shapes.kernel_calls(path):
+        try:
+            result, name = kernel_worker.tune_recorded(call, device)
+        except Exception as exc:  # noqa: BLE001 - one call that cannot be rebuilt must not stop the others
+            console.print(f"[red]{call.get('module')}.{call.get('qualname')}: not tuned: {type(exc).__name__}: {exc}[/red]")
+            continue
+        if result is None:
+            console.print(f"[red]{name}: every config failed; nothing stored[/red]")
+            continue
+        store.put(result)
+        console.print(f"{name}: {KernelConfig.from_dict(result.config).label()} {result.time_ms:.4f} ms "
+                      f"({sum(t.timing is not None for t in result.trials)} configs timed, "
+                      f"{sum(not t.ok for t in result.trials)} failed) in {result.tune_s:.1f} s")
 
 
 def gpus_of(value: str) -> list[int | None]:

@@ -4,7 +4,6 @@ then (in mode ``tune``) to the tuner; the answer is cached here so the next call
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ from gemmtune import backends, settings
 from gemmtune.device import Device, current
 from gemmtune.problem import Problem, bucket
 from gemmtune.results import Trial
-from gemmtune.shapes import entry
+from gemmtune.shapes import append_miss, entry
 from gemmtune.store import ServerStore, Store, open_store
 from gemmtune.tuning.tuner import TuneOptions, tune_problem
 
@@ -188,17 +187,9 @@ class Dispatcher:
 
 
 def _append_miss(problem: Problem) -> None:
-    """One JSON line per miss in ``GEMMTUNE_MISSES``: one write in append mode, so processes
-    serving side by side do not interleave their lines."""
     path = settings.misses_file()
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(entry(problem)) + "\n")
-    except OSError as exc:  # serving goes on; the miss is still in the log line above
-        log.warning("gemmtune: cannot append the miss to %s: %s", path, exc)
+    if path is not None:
+        append_miss(path, entry(problem))
 
 
 def _serves(backend_name: str, problem: Problem, device: Device) -> bool:

@@ -1,16 +1,23 @@
 """Shape sets: the public benchmark shapes shipped with the package, and the loader for files
 of the same format (``{"shapes": [{"name", "m", "n", "k", "dtype", "layout", "group"}]}``, with optional
 ``bias``, ``activation``, ``tf32`` and ``count``), or JSON Lines of such entries (the misses that
-``GEMMTUNE_MISSES`` collects in lookup mode)."""
+``GEMMTUNE_MISSES`` collects in lookup mode). A misses file also holds the calls of
+``gemmtune.autotune`` kernels that missed (``"kind": "kernel"``, ``kernel_calls``), which ``load``
+passes over."""
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from gemmtune.problem import Problem
+
+log = logging.getLogger("gemmtune")
+
+KERNEL_CALL = "kernel"  # the "kind" of a misses file's line that records a kernel's call
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,8 @@ def load(path: str | Path | None = None, *, tf32: bool = True) -> list[NamedProb
                          f"object per line): {exc}") from None
     out = []
     for i, entry in enumerate(entries):
+        if isinstance(entry, dict) and entry.get("kind") == KERNEL_CALL:
+            continue  # a kernel's call (kernel_calls), not a GEMM
         try:
             problem = Problem(entry["m"], entry["n"], entry["k"], entry.get("dtype", "bfloat16"),
                               entry.get("layout", "linear"), bool(entry.get("bias", False)),
@@ -50,6 +59,27 @@ def entry(problem: Problem) -> dict:
     """``problem`` as one entry of a shapes file: what ``load`` reads back as the same Problem."""
     return {"name": problem.describe(), "m": problem.m, "n": problem.n, "k": problem.k, "dtype": problem.dtype,
             "layout": problem.layout, "bias": problem.bias, "tf32": problem.tf32, "activation": problem.activation}
+
+
+def kernel_calls(path: str | Path) -> list[dict]:
+    """The kernel calls a misses file records (``gemmtune.autotune`` in lookup mode): plain data
+    that ``gemmtune.tuning.kernel_worker.tune_recorded`` rebuilds the call from."""
+    try:
+        entries = _entries(Path(path).read_text())
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return []  # not a misses file: load says why
+    return [e for e in entries if isinstance(e, dict) and e.get("kind") == KERNEL_CALL]
+
+
+def append_miss(path: Path, line: dict) -> None:
+    """One JSON line in the misses file ``path``, in one write in append mode, so processes
+    serving side by side do not interleave their lines."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+    except OSError as exc:  # serving goes on; the miss is still in its log line
+        log.warning("gemmtune: cannot append the miss to %s: %s", path, exc)
 
 
 def _entries(text: str) -> list:

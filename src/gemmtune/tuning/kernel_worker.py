@@ -122,14 +122,40 @@ def tune(kernel: Tunable, place: tuple[str, str], args: tuple, kwargs: dict, gri
 
 
 def _job(kernel: Tunable, place, key: str, args: tuple, kwargs: dict, grid, named: dict, left: list[int],
-         folder: Path) -> Job:
-    tensors = {name: _saved(value, folder / f"{i}.bin") for i, (name, value) in enumerate(named.items())
-               if isinstance(value, torch.Tensor)}
+         folder: Path | None) -> Job:
+    """The call as plain data; each tensor's bytes in a file of ``folder``, or only its layout
+    where ``folder`` is None (a recorded call: ``tune_recorded`` fills fresh tensors)."""
+    tensors = {name: _saved(value, None if folder is None else folder / f"{i}.bin")
+               for i, (name, value) in enumerate(named.items()) if isinstance(value, torch.Tensor)}
     scalars = {name: value for name, value in named.items() if not isinstance(value, torch.Tensor)}
     grids = {i: _grid(grid, {**named, **kernel.configs[i].all_kwargs()}) for i in left}
     positional = list(named)[:len(args)]
     return Job(place[0], place[1], key, positional, list(kwargs), scalars, tensors, grids, left,
-               str(folder / "progress"))
+               "" if folder is None else str(folder / "progress"))
+
+
+def recorded_call(kernel: Tunable, key: str, args: tuple, kwargs: dict, grid, named: dict) -> dict | None:
+    """A call of ``kernel`` as a misses file's line (``shapes.KERNEL_CALL``): where to import the
+    kernel from, its arguments' layouts and values, each config's grid; None where it cannot be
+    (a kernel no other process can import, an argument that is not a tensor or a plain value)."""
+    place = where(kernel)
+    if place is None or unsupported(named) is not None:
+        return None
+    job = _job(kernel, place, key, args, kwargs, grid, named, list(range(len(kernel.configs))), None)
+    return {"kind": "kernel", **{k: v for k, v in vars(job).items() if k != "progress"}}
+
+
+def tune_recorded(call: dict, device: Device) -> tuple[TuneResult | None, str]:
+    """Tune a recorded call (``recorded_call``) in this process on fresh tensors of its layouts
+    (floating point: normal values; integers and booleans: zeros, a safe index): the result to
+    store under the key the serving process computed, and the kernel's name."""
+    started = time.perf_counter()
+    kernel = _resolve(call["module"], call["qualname"])
+    candidates = [i for i in call["candidates"] if i < len(kernel.configs)]
+    reply = _tuned({**call, "candidates": candidates, "progress": ""}, torch.cuda.current_device()
+                   if not device.interpreter else None)
+    result, _ = _result(kernel, reply, [], device, call["key"], started)
+    return result, f"{call['module']}.{call['qualname']}"
 
 
 def _grid(grid, meta: dict) -> list[int]:
@@ -138,20 +164,28 @@ def _grid(grid, meta: dict) -> list[int]:
     return [int(v) for v in value]
 
 
-def _saved(t: torch.Tensor, path: Path) -> dict:
-    """The tensor's bytes, from its first element to its last reachable one, in ``path``."""
+def _saved(t: torch.Tensor, path: Path | None) -> dict:
+    """The tensor's layout, and its bytes from its first element to its last reachable one in
+    ``path`` (none where ``path`` is None)."""
     span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else 0
-    flat = torch.as_strided(t, (span,), (1,), t.storage_offset()).contiguous().cpu()
-    path.write_bytes(flat.view(torch.uint8).numpy().tobytes() if span else b"")
-    return {"file": str(path), "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-            "stride": list(t.stride()), "span": span, "device": t.device.type}
+    spec = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "stride": list(t.stride()),
+            "span": span, "device": t.device.type}
+    if path is not None:
+        flat = torch.as_strided(t, (span,), (1,), t.storage_offset()).contiguous().cpu()
+        path.write_bytes(flat.view(torch.uint8).numpy().tobytes() if span else b"")
+        spec["file"] = str(path)
+    return spec
 
 
 def _loaded(spec: dict) -> torch.Tensor:
     dtype = getattr(torch, spec["dtype"])
+    device = "cuda" if spec["device"] == "cuda" and torch.cuda.is_available() else "cpu"
+    if "file" not in spec:  # a recorded call's: fresh values
+        flat = torch.randn(spec["span"], device=device).to(dtype) if dtype.is_floating_point \
+            else torch.zeros(spec["span"], dtype=dtype, device=device)
+        return flat.as_strided(spec["shape"], spec["stride"], 0)
     data = Path(spec["file"]).read_bytes()
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype) if data else torch.empty(0, dtype=dtype)
-    device = "cuda" if spec["device"] == "cuda" and torch.cuda.is_available() else "cpu"
     return flat.to(device).as_strided(spec["shape"], spec["stride"], 0)
 
 
@@ -227,12 +261,12 @@ def _tuned(job: dict, device_index: int | None) -> dict:
     args = tuple(named[name] for name in job["positional"])
     kwargs = {name: named[name] for name in job["keywords"]}
     grids = {int(i): tuple(g) for i, g in job["grids"].items()}
-    progress = open(job["progress"], "w")  # noqa: SIM115 - written until the process ends
+    progress = open(job["progress"] or os.devnull, "w")  # noqa: SIM115 - written until the process ends
     running = [None]
 
     def launch(config) -> None:
         index = kernel.configs.index(config)
-        if running[0] != index:
+        if running[0] != index and job["progress"]:
             running[0] = index
             progress.seek(0)
             progress.write(f"{index}\n")
