@@ -417,6 +417,38 @@ def test_isolated_tuning_finds_what_tuning_in_process_finds():
     assert torch.equal(out, x + y) and [t.ok for t in Store().trials(entry.device, entry.problem_key)] == [True, True]
 
 
+def test_a_random_search_tries_at_most_its_budget_and_checks_and_times_those(timings):
+    kernel = gemmtune.autotune(configs=blocks(16, 32, 64, 128), key=["n"], strategy="random", budget=2)(add_kernel)
+    x, y, out = operands(100)
+    kernel[grid(100)](x, y, out, 100)
+    assert torch.equal(out, x + y)
+    (entry,) = stored_entries()
+    tried = Store().trials(entry.device, entry.problem_key)
+    assert len(tried) == 2 and all(t.ok for t in tried) and entry.config["index"] in {t.config["index"] for t in tried}
+    assert len(timings) == 3  # two screenings, then the two side by side
+    assert timings[-1] == ["0", "1"]
+
+
+def test_a_descent_stops_where_no_neighbour_screens_faster(timings):
+    """Configs one field apart are neighbours; config i screens as i + 1 ms, so from config 0 its
+    neighbours (BLOCK 32 and 64 at 1 warp, BLOCK 16 at 2) are slower and the search stops."""
+    configs = [triton.Config({"BLOCK": b}, num_warps=w) for w in (1, 2) for b in (16, 32, 64)]
+    kernel = gemmtune.autotune(configs=configs, key=["n"], strategy="descent")(add_kernel)
+    x, y, out = operands(100)
+    kernel[grid(100)](x, y, out, 100)
+    assert torch.equal(out, x + y) and kernel.best_config is configs[0]
+    (entry,) = stored_entries()
+    assert sorted(t.config["index"] for t in Store().trials(entry.device, entry.problem_key)) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("arguments,message", [({"strategy": "topk"}, "perf_model"),
+                                               ({"strategy": "bogus"}, "accepted: exhaustive, random, descent"),
+                                               ({"budget": 0}, "budget=0"), ({"budget": True}, "budget=True")])
+def test_a_strategy_or_budget_it_cannot_take_is_an_error_naming_it(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        gemmtune.autotune(configs=blocks(16, 32), key=["n"], **arguments)(add_kernel)
+
+
 def test_a_lookup_miss_is_recorded_and_tune_from_stores_the_choice_it_serves_next(timings, monkeypatch, tmp_path):
     """Lookup mode appends the call to GEMMTUNE_MISSES; `gemmtune tune --from` rebuilds it on fresh
     tensors, tunes it and stores the choice under the key the serving process looked up, where

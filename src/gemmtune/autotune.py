@@ -21,7 +21,11 @@ is the migration, and adds what triton's lacks:
   by default), logged once and appended to ``GEMMTUNE_MISSES`` (where set) for
   ``gemmtune tune --from``; so does a miss while a CUDA graph is being captured, not kept, so the
   next call outside the capture tunes;
-- one log line per tuning (as ``TRITON_PRINT_AUTOTUNING`` prints), through gemmtune's logging.
+- one log line per tuning (as ``TRITON_PRINT_AUTOTUNING`` prints), through gemmtune's logging;
+- ``strategy=`` and ``budget=`` for long config lists: ``"random"`` or ``"descent"`` (from a config
+  to the neighbour one field apart that screens fastest) tries at most ``budget`` configs, each
+  screened alone, and only those are checked and timed side by side; ``"exhaustive"`` (the
+  default) tries every config, or the first ``budget``.
 
 After tuning, every tensor argument holds what it held before, and the call runs once with the
 chosen config. A store hit costs one key (the key arguments' values and the tensor arguments'
@@ -61,7 +65,8 @@ def autotune(configs: Sequence, key: Sequence[str], prune_configs_by: dict | Non
              pre_hook: Callable | None = None, post_hook: Callable | None = None, warmup: int | None = None,
              rep: int | None = None, use_cuda_graph: bool = False, do_bench: Callable | None = None,
              cache_results: bool = False, *, reference: Callable | None = None,
-             outputs: Sequence[str] | None = None, default: Any = None, isolate: bool = False) -> Callable:
+             outputs: Sequence[str] | None = None, default: Any = None, isolate: bool = False,
+             strategy: str = "exhaustive", budget: int | None = None) -> Callable:
     """Decorate a ``@triton.jit`` function as ``triton.autotune`` does (see the module's docstring
     for what gemmtune adds and what differs)."""
 
@@ -69,7 +74,7 @@ def autotune(configs: Sequence, key: Sequence[str], prune_configs_by: dict | Non
         return Autotuned(fn, configs, key, prune_configs_by=prune_configs_by, reset_to_zero=reset_to_zero,
                          restore_value=restore_value, pre_hook=pre_hook, post_hook=post_hook, rep=rep,
                          use_cuda_graph=use_cuda_graph, do_bench=do_bench, reference=reference,
-                         outputs=outputs, default=default, isolate=isolate)
+                         outputs=outputs, default=default, isolate=isolate, strategy=strategy, budget=budget)
 
     return decorator
 
@@ -82,7 +87,8 @@ class Autotuned:
                  reset_to_zero: Sequence[str] | None, restore_value: Sequence[str] | None,
                  pre_hook: Callable | None, post_hook: Callable | None, rep: int | None, use_cuda_graph: bool,
                  do_bench: Callable | None, reference: Callable | None, outputs: Sequence[str] | None,
-                 default: Any, isolate: bool = False) -> None:
+                 default: Any, isolate: bool = False, strategy: str = "exhaustive",
+                 budget: int | None = None) -> None:
         self.fn = fn
         self.arg_names = list(getattr(fn, "arg_names", None) or _not_a_kernel(fn))
         self.configs = list(configs) or [_default_config()]
@@ -96,6 +102,13 @@ class Autotuned:
         self.budget_ms = float(rep) if rep else autotuner.BUDGET_MS
         self.graphs = use_cuda_graph
         self.isolate = isolate
+        if strategy not in autotuner.STRATEGIES:
+            raise ValueError(f"autotune: strategy={strategy!r} is not a strategy over a config list; accepted: "
+                             f"{', '.join(autotuner.STRATEGIES)} (a cost model ranks configs through "
+                             "prune_configs_by={'perf_model': ..., 'top_k': ...}, as with triton.autotune)")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"autotune: budget={budget!r} must be None (no limit) or the most configs to try, an int >= 1")
+        self.strategy, self.budget = strategy, budget
         self.data = [KernelConfig.of(i, config) for i, config in enumerate(self.configs)]
         self.default = self._default(default)
         self._default_label = self.data[self._index(self.default)].label()
@@ -226,7 +239,8 @@ class Autotuned:
     def tuning_options(self) -> dict:
         """How ``autotuner.tune`` times the configs: gemmtune's measurement, or ``do_bench``."""
         timer = None if self.do_bench is None else self._user_timer
-        return {"budget_ms": self.budget_ms, "graphs": self.graphs, "timer": timer}
+        return {"budget_ms": self.budget_ms, "graphs": self.graphs, "timer": timer, "strategy": self.strategy,
+                "trials": self.budget}
 
     def _user_timer(self, runs: dict[str, Callable]) -> dict[str, Timing]:
         """``do_bench``'s median of each run, where the user gave one."""

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from gemmtune import search
 from gemmtune.device import Device
 from gemmtune.kernel_config import BACKEND, KernelConfig
 from gemmtune.results import Status, Timing, Trial, TuneResult
@@ -38,6 +39,8 @@ TOLERANCES = {torch.float64: (1e-9, 1e-12), torch.float32: (1e-4, 1e-5), torch.f
               torch.bfloat16: (2e-2, 8e-3)}
 FP8_TOLERANCE = (1.5e-1, 6e-2)
 BUDGET_MS = 300.0
+SCREEN_MS = 20.0  # one config's screening, where a search strategy picks the configs tried
+STRATEGIES = ("exhaustive", "random", "descent")  # gemmtune.search's that need no cost model
 
 
 @dataclass
@@ -65,14 +68,19 @@ Timer = Callable[[dict[str, Callable[[], object]]], dict[str, Timing]]
 
 
 def tune(call: Call, configs: list[tuple[KernelConfig, Any]], device: Device, key: str, *,
-         budget_ms: float = BUDGET_MS, graphs: bool = False, timer: Timer | None = None) -> tuple[TuneResult | None, Any]:
+         budget_ms: float = BUDGET_MS, graphs: bool = False, timer: Timer | None = None,
+         strategy: str = "exhaustive", trials: int | None = None) -> tuple[TuneResult | None, Any]:
     """Check and time each (data, triton.Config) on ``call``; the TuneResult to store (None where
     nothing can be trusted: the first config is then served and nothing stored) and the
     triton.Config chosen. ``graphs`` times CUDA-graph replays; ``timer`` (the user's benchmark)
-    replaces gemmtune's measurement."""
+    replaces gemmtune's measurement. ``strategy`` and ``trials`` (gemmtune.search's) pick which
+    configs are tried where not every one is (``_searched``)."""
     started = time.perf_counter()
     originals = {name: t.clone() for name, t in call.tensors.items()}
     try:
+        if strategy != "exhaustive" or trials is not None:
+            screen = timer or (lambda runs: measure.measure(runs, device, budget_ms=SCREEN_MS, graphs=False))
+            configs = _searched(call, configs, screen, strategy, trials, originals)
         expected, outputs = _expected(call, configs, originals)
         outcomes = [_run(call, config, originals, outputs) for _, config in configs]
         against = "the reference" if expected is not None else "the outputs most configs agree on"
@@ -92,6 +100,35 @@ def tune(call: Call, configs: list[tuple[KernelConfig, Any]], device: Device, ke
     result = TuneResult(key, device.fingerprint(), BACKEND, best.config, best.timing.median, None,
                         time.perf_counter() - started, best.rel_err, tuple(trials), gpu_timings=not device.interpreter)
     return result, config
+
+
+def _searched(call: Call, configs: list, screen: Timer, strategy: str, trials: int | None,
+              originals: dict) -> list:
+    """The configs ``strategy`` (exhaustive, random or descent: from a config to the neighbour,
+    one field apart, that screens fastest) visits within ``trials``, each screened alone (one
+    run, then ``screen``'s timing; a config that raises screens as failed), in the order visited.
+    Those then go through the checks and the side-by-side timing as a whole list would."""
+
+    def evaluate(i: int) -> float | None:
+        config = configs[i][1]
+        _restore(call.tensors, originals)
+        try:
+            call.launch(config)  # compiles it; a config that cannot run fails here
+            return screen({str(i): lambda: call.launch(config)})[str(i)].median
+        except Exception:  # noqa: BLE001 - a config that fails screening is not visited further
+            return None
+
+    indices = list(range(len(configs)))
+    neighbours = search.neighbours_by_fields(indices, lambda i: _fields(configs[i][0])) \
+        if strategy == "descent" else None
+    visited = search.run(strategy, indices, evaluate, search.Budget(trials=trials), neighbours=neighbours)
+    log.info("gemmtune.autotune: %s visited %d of %d configs", strategy, len(visited), len(configs))
+    return [configs[i] for i in visited]
+
+
+def _fields(data: KernelConfig) -> dict:
+    return {**dict(data.kwargs), "num_warps": data.num_warps, "num_stages": data.num_stages,
+            "num_ctas": data.num_ctas, "maxnreg": data.maxnreg}
 
 
 def _expected(call: Call, configs, originals) -> tuple[dict | None, tuple[str, ...]]:
