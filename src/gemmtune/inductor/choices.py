@@ -42,7 +42,8 @@ TEMPLATE, CALLED, LIBRARY = "on the compiler's Triton template", "on gemmtune's 
 # Host time per call of compiled code that is not replayed as a CUDA graph, queued, on an H100:
 # the compiler's library call (torch.addmm, 13.1 us), gemmtune's kernel called from the generated
 # code (22.3 us) and a launch of the compiler's Triton template (about 4.5 us: compiled BERT-base
-# ran 96 GEMMs as templates in 0.8-1.3 ms less per forward at the same GPU time). Where the host
+# ran 96 GEMMs as templates in 0.8-1.3 ms less per forward at the same GPU time; to be measured
+# by benchmarks/compiled_host.py, as the called kernel's and the wrapped addmm's). Where the host
 # sets the pace a call costs the longer of its kernel and its host time (``queued_ms``), and a way
 # other than the library call is taken only where it costs MIN_GAIN less so. The template is
 # weighed only for a GEMM whose cuBLAS kernel is shorter than its own library call's host time,
