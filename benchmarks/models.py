@@ -41,7 +41,9 @@ host-bound models' eager rounds time Python, whose speed varies with where objec
 gemmtune-compile mode times such a copy too, compiled by default. ``rel_err`` = max|gemmtune - baseline| / max|baseline|
 of the case's output (logits, last_hidden_state) in float32, in the same mode; ``ref_err`` and
 ``baseline_ref_err`` each side's against the case computed eagerly in float64 from the same
-weights and inputs (inference cases; ``reference_error`` where a model cannot run so). Per case, on the
+weights and inputs (inference cases; ``reference_error`` where a model cannot run so), and
+``eager_ref_err`` the model's own uncompiled; with ``--check-products``, ``products``: the eager
+step's GEMMs each checked against float64 from its own inputs (wrong ones, worst first). Per case, on the
 eager step: ``gemms``, the GEMM calls gemmtune saw (every nn.Linear's and Conv1D's);
 ``gemms_kept``, those still going through gemmtune after ``optimize`` (whose check hands layers
 that do not pay back to torch); ``gemms_served``, those of them a kernel other than cuBLAS serves
@@ -74,6 +76,7 @@ import gc
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import statistics
 import sys
@@ -87,6 +90,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # --modes name -> (how the baseline runs, how gemmtune's side runs)
 MODES = {
@@ -717,6 +721,40 @@ def all_gemm_flops(case: Case, base: nn.Module, kwargs: dict) -> float:
     return float(sum(flops for op, flops in counts.items() if str(op) in GEMM_OPS))
 
 
+class ProductCheck(TorchDispatchMode):
+    """Every mm, addmm, bmm and baddbmm run meanwhile recomputed in float64 from its own inputs:
+    ``wrong`` lists those whose result is off by more than ``bound`` (a right bf16 product of
+    these sizes is off by about 2e-3), worst first, with their sizes."""
+
+    OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+           torch.ops.aten.baddbmm.default}
+
+    def __init__(self, bound: float = 0.05) -> None:
+        super().__init__()
+        self.bound, self.checked, self.wrong = bound, 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.OPS and out.is_floating_point():
+            wide = [a.double() if isinstance(a, torch.Tensor) else a for a in args]
+            expected = func(*wide, **(kwargs or {}))
+            self.checked += 1
+            err = rel_err(out.double(), expected)
+            if not err <= self.bound:  # NaN too
+                self.wrong.append({"op": str(func.overloadpacket.__name__), "err": err,
+                                   "sizes": [list(a.shape) for a in args if isinstance(a, torch.Tensor)]})
+        return out
+
+
+def checked_products(case: Case, base: nn.Module, kwargs: dict) -> dict:
+    """One eager step of the baseline with every product checked against float64
+    (``ProductCheck``): how many were checked, how many were wrong, the five worst."""
+    with torch.no_grad(), ProductCheck() as check:
+        step_of(case, base, base, kwargs)()
+    worst = sorted(check.wrong, key=lambda w: -w["err"] if w["err"] == w["err"] else -math.inf)
+    return {"checked": check.checked, "wrong": len(check.wrong), "worst": worst[:5]}
+
+
 # --------------------------------------------------------------------------------------------
 # One case
 
@@ -768,6 +806,11 @@ def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budg
     reference, reference_error = float64_output(case, base, shared)
     if reference_error is not None:
         common["reference_error"] = reference_error
+    if reference is not None:  # the model uncompiled: is eager right, and which products are not
+        with torch.no_grad():
+            common["eager_ref_err"] = rel_err(first_tensor(step_of(case, base, base, base_kwargs)()).float(), reference)
+        if args.check_products:
+            common["products"] = checked_products(case, base, base_kwargs)
     runners: dict[tuple[str, str], Runner] = {}
     if any(m in CONTROLLED for m in modes):  # the control side: host-bound rounds only
         with grad_mode(case):
@@ -898,6 +941,9 @@ def parse_args(argv=None):
     parser.add_argument("--caches", type=Path,
                         help="keep the gemmtune store and the compiler's caches (FX graph, AOT autograd, Triton) in "
                              "this directory, caches on: a second run's setup_s and baseline_setup_s are warm starts")
+    parser.add_argument("--check-products", action="store_true",
+                        help="also run each case's eager step with every mm, addmm, bmm and baddbmm checked against "
+                             "float64 from its own inputs: the wrong products, worst first")
     parser.add_argument("--profile", action="store_true",
                         help="also profile both sides of every row: their GPU time by kind of kernel (GPU only)")
     parser.add_argument("--list", action="store_true", help="print the models and their cases, then exit")
