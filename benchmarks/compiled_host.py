@@ -89,7 +89,8 @@ def loop_us(call, calls: int) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
-    parser.add_argument("--shape", default="64x256x256", help="MxNxK of the linear layer, with a bias (default 64x256x256)")
+    parser.add_argument("--shape", default="64x256x256",
+                        help="MxNxK of the linear layer, with a bias (default 64x256x256)")
     parser.add_argument("--calls", type=int, default=2000, help="calls per loop (default 2000)")
     parser.add_argument("--rounds", type=int, default=11, help="rounds of alternated loops (default 11)")
     args = parser.parse_args(argv)

@@ -113,7 +113,8 @@ DEFAULT_MODES = ("eager", "graph")
 RESERVE_S = {"eager": 10, "graph": 10, "compile": 60, "reduce-overhead": 60, "max-autotune-no-cudagraphs": 120,
              "gemmtune-compile": 60, "gemmtune-vs-max-autotune": 120, "gemmtune-reduce-overhead": 60,
              "gemmtune-max-autotune": 150}
-GEMMTUNE_COMPILE = ("gemmtune-compile", "gemmtune-reduce-overhead", "gemmtune-max-autotune")  # gemmtune.compile's ways: the model as it is
+# gemmtune.compile's ways: the model as it is, compiled by gemmtune
+GEMMTUNE_COMPILE = ("gemmtune-compile", "gemmtune-reduce-overhead", "gemmtune-max-autotune")
 # the modes whose rounds also time an untouched copy of the baseline (run the baseline's way):
 # their host time varies with where objects lie, and the copy's ratio shows by how much
 CONTROLLED = ("eager", "gemmtune-compile")  # max-autotune's mode not: its copy would tune 100-150 s more
@@ -569,7 +570,8 @@ def paired_rounds(base: Callable, tuned: Callable, rounds: int, round_ms: float,
 KERNEL_KINDS = (("gemm template", ("triton_tem",)),
                 ("gemmtune", ("tiled_matmul", "splitk_matmul", "stream_matmul", "persistent_matmul", "pad_copy")),
                 ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
-                ("library gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "gemv", "sm90_", "sm80_", "splitkreduce")),
+                ("library gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "gemv", "sm90_", "sm80_",
+                                  "splitkreduce")),
                 ("compiled pointwise/reduction", ("triton_",)),
                 ("other", ("",)))
 
@@ -929,7 +931,8 @@ def parse_args(argv=None):
                         help=f"comma-separated modes (default: {','.join(DEFAULT_MODES)}; any of {', '.join(MODES)}; "
                              "'all' for every one). Each torch.compile mode costs about a minute per model")
     parser.add_argument("--dtypes", default="",
-                        help="comma-separated dtypes whose cases run (bfloat16, float16, float32; default: every case's)")
+                        help="comma-separated dtypes whose cases run (bfloat16, float16, float32; default: "
+                             "every case's)")
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds per mode (default 15)")
     parser.add_argument("--round-ms", type=float, default=None,
                         help="time each side's loop fills per round (default 100 ms; 20 with --tiny)")

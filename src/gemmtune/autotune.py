@@ -107,7 +107,8 @@ class Autotuned:
                              f"{', '.join(autotuner.STRATEGIES)} (a cost model ranks configs through "
                              "prune_configs_by={'perf_model': ..., 'top_k': ...}, as with triton.autotune)")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ValueError(f"autotune: budget={budget!r} must be None (no limit) or the most configs to try, an int >= 1")
+            raise ValueError(f"autotune: budget={budget!r} must be None (no limit) or the most configs to try, "
+                             "an int >= 1")
         self.strategy, self.budget = strategy, budget
         self.data = [KernelConfig.of(i, config) for i, config in enumerate(self.configs)]
         self.default = self._default(default)

@@ -284,7 +284,8 @@ def _tune_kernel_calls(path: Path, store, console: Console) -> None:
         try:
             result, name = kernel_worker.tune_recorded(call, device)
         except Exception as exc:  # noqa: BLE001 - one call that cannot be rebuilt must not stop the others
-            console.print(f"[red]{call.get('module')}.{call.get('qualname')}: not tuned: {type(exc).__name__}: {exc}[/red]")
+            name = f"{call.get('module')}.{call.get('qualname')}"
+            console.print(f"[red]{name}: not tuned: {type(exc).__name__}: {exc}[/red]")
             continue
         if result is None:
             console.print(f"[red]{name}: every config failed; nothing stored[/red]")

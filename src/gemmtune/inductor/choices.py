@@ -154,7 +154,8 @@ class GemmtuneChoices(hooks.InductorChoices):
         if key not in self.asked:
             with hooks.unset_fake_temporarily():  # real tensors: a GEMM tuned now runs on the GPU
                 chosen = choose(problem, device_index)
-                self.asked[key] = chosen, kernel_times(problem, device_index) if chosen.backend != TEMPLATE_BACKEND else {}
+                trials = kernel_times(problem, device_index) if chosen.backend != TEMPLATE_BACKEND else {}
+                self.asked[key] = chosen, trials
         if key not in self.decided:
             self.decided[key] = decide(*self.asked[key], self.graphs, self.launch)
         return self.decided[key]
