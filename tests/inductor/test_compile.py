@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 from torch import nn
 from torch._inductor.utils import run_and_get_code
@@ -512,3 +514,41 @@ def test_templates_for_their_launch_alone_must_save_more_than_the_graphs_other_a
     assert handler.choose_ahead(None) is kept
     assert {handler.decision(p, 0)[1] for p in short} == {choices.TEMPLATE if kept else choices.LIBRARY}
     assert {handler.decision(p, 0)[1] for p in long} <= {choices.LIBRARY}
+
+
+KERNEL_MS = st.one_of(st.none(), st.floats(0.001, 0.2))
+
+
+@given(backend=st.sampled_from(["cublas", "triton_tiled", "triton_stream", "triton_splitk", "cublaslt"]),
+       time_ms=KERNEL_MS, cublas_cost=KERNEL_MS, cublas_kernel=KERNEL_MS, own_kernel=KERNEL_MS,
+       tiled_kernel=KERNEL_MS, graphs=st.booleans(), launch=st.booleans())
+@settings(max_examples=400, deadline=None)
+def test_how_compiled_code_runs_a_choice_never_costs_more_than_the_library_call(
+        backend, time_ms, cublas_cost, cublas_kernel, own_kernel, tiled_kernel, graphs, launch):
+    """Whatever the stored times: a product whose cuBLAS failed its check never runs the library
+    call; the choice runs as gemmtune chose it, cuBLAS, or the fastest Triton config tried; and
+    without CUDA graphs, a way other than the library call costs less queued (where its times
+    are known)."""
+    config = TILES if backend == "triton_tiled" else {"BLOCK_N": 64}
+    choice = Choice(backend, {} if backend == "cublas" else config, time_ms, cublas_cost)
+    stored = {name: Trial(name_backend, name_config, Status.OK, Timing((ms,)))
+              for name, name_backend, name_config, ms in
+              [("cublas", "cublas", {}, cublas_kernel), ("own", backend, config, own_kernel),
+               ("tiled", "triton_tiled", {**TILES, "BLOCK_K": 64}, tiled_kernel)] if ms is not None}
+    stored = {t.label(): t for t in stored.values()}
+    decided, kind = choices.decide(choice, stored, graphs, launch)
+    own = backend not in ("cublas", "triton_tiled")
+    if own and cublas_cost is None:
+        assert kind == choices.CALLED and decided == choice
+    assert decided == choice or (decided.backend == "triton_tiled" and kind == choices.TEMPLATE)
+    if kind == choices.TEMPLATE and decided != choice:  # for its launch: a short GEMM, a kernel not much slower
+        assert launch and not graphs and cublas_kernel is not None
+        assert cublas_kernel < choices.HOST_MS[choices.LIBRARY]
+        assert decided.time_ms <= choices.TEMPLATE_SLOWDOWN * cublas_kernel
+    if kind == choices.CALLED and not graphs and cublas_cost is not None:
+        library = cublas_kernel if cublas_kernel is not None else cublas_cost
+        mine = stored.get(Trial(backend, config, Status.OK).label())
+        queued = choices.queued_ms(mine.median_ms if mine else time_ms, kind)
+        assert queued < choices.queued_ms(library, choices.LIBRARY)
+    if backend == "cublas" and kind != choices.TEMPLATE:
+        assert kind == choices.LIBRARY
