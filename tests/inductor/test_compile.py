@@ -246,6 +246,19 @@ def test_a_graphs_gemms_are_chosen_once_ahead_and_said_in_one_line(chosen, caplo
         compiled_run(model, torch.randn(5, 33))
     assert len(chosen.asked) == len(set(chosen.asked)) == 3  # two shapes (one also fused with its ReLU)
     assert "a compiled graph's 3 GEMMs (2 shapes): 3 on gemmtune's kernels" in caplog.text
+    assert "failed gemmtune's check" not in caplog.text
+
+
+def test_the_log_line_says_where_cublas_failed_gemmtunes_check(chosen, caplog):
+    """There gemmtune's verified kernel is called whatever its host time (a wrong product else)."""
+    chosen.answer = Choice("triton_stream", {"BLOCK_N": 64}, 0.012, None)
+    model, x = mlp(), torch.randn(7, 33)
+    with caplog.at_level(logging.INFO, logger="gemmtune"):
+        out, code = compiled_run(model, x)
+    assert code.count("extern_kernels.gemmtune_linear(") == 2
+    assert "2 on gemmtune's kernels (2 where cuBLAS failed gemmtune's check)" in caplog.text
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
 
 
 def dynamo_graph(model, *inputs):

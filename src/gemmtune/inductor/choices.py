@@ -170,9 +170,12 @@ class GemmtuneChoices(hooks.InductorChoices):
             self.launch = False  # the graph compiles as if no template had been weighed for its launch
             self.decided.clear()
             kinds = Counter(self.decision(p, index)[1] for p, index in found)
+        unchecked = sum(1 for p, index in found if self.decision(p, index)[0].cublas_ms is None
+                        and self.decision(p, index)[0].backend != REFERENCE)
         if found:
-            log.info("gemmtune: a compiled graph's %d GEMMs (%d shapes): %s", len(found), len(set(found)),
-                     ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())))
+            log.info("gemmtune: a compiled graph's %d GEMMs (%d shapes): %s%s", len(found), len(set(found)),
+                     ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())),
+                     f" ({unchecked} where cuBLAS failed gemmtune's check)" if unchecked else "")
         return kinds[TEMPLATE] > 0
 
     def _launch_pays(self, found: list[tuple[Problem, int]]) -> bool:
