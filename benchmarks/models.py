@@ -577,8 +577,9 @@ KERNEL_KINDS = (("gemm template", ("triton_tem",)),
 
 
 def kernel_times(call: Callable[[], object], calls: int = 5, top: int = 8) -> dict:
-    """Where ``call``'s GPU time goes: ms per call by kind of kernel (KERNEL_KINDS) and its
-    ``top`` costliest kernels, from torch.profiler over ``calls`` calls after one unprofiled."""
+    """Where ``call``'s GPU time goes: ms and kernels per call by kind of kernel (KERNEL_KINDS)
+    and its ``top`` costliest kernels, from torch.profiler over ``calls`` calls after one
+    unprofiled (what a host model of a compiled graph needs: its launches and their GPU time)."""
     from torch.profiler import ProfilerActivity, profile
 
     call()
@@ -588,13 +589,19 @@ def kernel_times(call: Callable[[], object], calls: int = 5, top: int = 8) -> di
             call()
         torch.cuda.synchronize()
     per_kernel: Counter = Counter()
+    launches: Counter = Counter()
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             per_kernel[event.name] += event.time_range.elapsed_us() / 1e3 / calls
+            launches[event.name] += 1 / calls
     kinds: Counter = Counter()
     for name, ms in per_kernel.items():
         kinds[next(kind for kind, marks in KERNEL_KINDS if any(m in name.lower() for m in marks))] += ms
+    counts: Counter = Counter()
+    for name, n in launches.items():
+        counts[next(kind for kind, marks in KERNEL_KINDS if any(m in name.lower() for m in marks))] += n
     return {"total_ms": sum(per_kernel.values()), "by_kind_ms": dict(kinds.most_common()),
+            "kernels_per_call": sum(launches.values()), "by_kind_kernels": dict(counts.most_common()),
             "top": [[name[:120], ms] for name, ms in per_kernel.most_common(top)]}
 
 
