@@ -53,6 +53,8 @@ def chosen(monkeypatch):
     chooser = Chooser()
     monkeypatch.setattr(choices, "DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(choices, "choose", chooser)
+    monkeypatch.setattr(choices, "tune_ahead", lambda problems, index: chooser.ahead.append(problems))
+    chooser.ahead = []
     return chooser
 
 
@@ -247,6 +249,35 @@ def test_a_graphs_gemms_are_chosen_once_ahead_and_said_in_one_line(chosen, caplo
     assert len(chosen.asked) == len(set(chosen.asked)) == 3  # two shapes (one also fused with its ReLU)
     assert "a compiled graph's 3 GEMMs (2 shapes): 3 on gemmtune's kernels" in caplog.text
     assert "failed gemmtune's check" not in caplog.text
+
+
+def test_a_graphs_products_are_tuned_together_ahead_each_before_its_fused_form(chosen):
+    model, x = mlp(), torch.randn(7, 33)
+    compiled_run(model, x)
+    (ahead,) = chosen.ahead
+    assert [(p.n, p.k, p.bias, p.activation) for p in ahead] == [
+        (64, 33, True, "none"), (7, 64, False, "none"), (64, 33, True, "gelu")]
+
+
+@pytest.mark.parametrize("mode,stored,expected", [("tune", 0, 3), ("tune", 1, 2), ("tune", 2, 0), ("lookup", 0, 0)])
+def test_the_dispatcher_tunes_the_missing_buckets_of_several_problems_in_one_batch(
+        fresh_cpu_store, monkeypatch, mode, stored, expected):
+    """Only the problems the store has nothing for, and only two or more (one is tuned alone on
+    first sight, as fast); never in lookup mode."""
+    from gemmtune.serving import dispatch
+
+    monkeypatch.setenv("GEMMTUNE_MODE", mode)
+    problems = [Problem(7, 33 + i, 64, "float32", "linear") for i in range(3)]
+    device = current(0)
+    for problem in problems[:stored]:
+        DISPATCHER.store.put(TuneResult(problem_key=problem.key(), device=device.fingerprint(), backend="cublas",
+                                        config={}, time_ms=0.01, cublas_ms=0.01, tune_s=1.0))
+    batches = []
+    monkeypatch.setattr(dispatch, "tune_many", lambda problems, device, store, options: batches.append(problems) or [])
+    DISPATCHER.prepare(problems + problems[:1], device)
+    assert [len(b) for b in batches] == ([expected] if expected else [])
+    if expected:
+        assert batches[0] == problems[stored:]
 
 
 def test_the_log_line_says_where_cublas_failed_gemmtunes_check(chosen, caplog):

@@ -73,6 +73,11 @@ def choose(problem: Problem, device_index: int) -> Choice:
     return DISPATCHER.choice(problem, current(device_index))
 
 
+def tune_ahead(problems: list[Problem], device_index: int) -> None:
+    """The graph's products not stored yet tuned in one batch (``Dispatcher.prepare``)."""
+    DISPATCHER.prepare(problems, current(device_index))
+
+
 def kernel_times(problem: Problem, device_index: int) -> dict[str, Trial]:
     """The verified trials stored with ``problem``'s choice, by label (a retune's latest): each
     candidate's kernel time as its tuning measured it."""
@@ -162,9 +167,14 @@ class GemmtuneChoices(hooks.InductorChoices):
 
     def choose_ahead(self, graph) -> bool:
         """Choose for every mm and addmm of ``graph`` (the compiler's aten graph) before it is
-        lowered, and say what was chosen; whether any choice is the compiler's Triton template
-        (which needs its GEMM templates switched on)."""
+        lowered, those not stored tuned together first, and say what was chosen; whether any
+        choice is the compiler's Triton template (which needs its GEMM templates switched on)."""
         found = graph_problems(graph)
+        for index in dict.fromkeys(i for _, i in found):  # the products first: each leads its fused form
+            plain = list(dict.fromkeys(p for p, i in found if i == index))
+            fused = [replace(p, activation=self.epilogues[p]) for p in plain if p in self.epilogues]
+            with hooks.unset_fake_temporarily():  # real tensors: the GEMMs tuned now run on the GPU
+                tune_ahead(plain + fused, index)
         kinds = Counter(self.decision(p, index)[1] for p, index in found)
         if kinds[TEMPLATE] and not self._launch_pays(found):
             self.launch = False  # the graph compiles as if no template had been weighed for its launch

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from gemmtune import backends, settings
@@ -15,7 +15,7 @@ from gemmtune.problem import Problem, bucket
 from gemmtune.results import Trial
 from gemmtune.shapes import append_miss, entry
 from gemmtune.store import ServerStore, Store, open_store
-from gemmtune.tuning.tuner import TuneOptions, tune_problem
+from gemmtune.tuning.tuner import TuneOptions, tune_many, tune_problem
 
 log = logging.getLogger("gemmtune")
 
@@ -161,6 +161,28 @@ class Dispatcher:
             stored = self.store.get(device.fingerprint(), candidate.key())
             if stored is not None and _serves(stored.backend, problem, device):
                 yield Choice.of(stored)
+
+    def prepare(self, problems: Sequence[Problem], device: Device) -> None:
+        """Tune in one batch the buckets of ``problems`` that the store has nothing for, as
+        ``choice`` would tune them one by one on first sight: their candidates compile side by
+        side, and a problem that differs from an earlier one in its epilogue alone tries that
+        one's best candidates (``tune_many``). Nothing while deferring, in lookup mode, or for
+        fewer than two; where the batch fails, ``choice`` tunes (or falls back) per problem."""
+        if self.is_deferring() or settings.mode() == "lookup":
+            return
+        targets = dict.fromkeys(bucket(p, settings.bucket_policy()) for p in problems)
+        missing = [t for t in targets if next(self._stored(t, device), None) is None]
+        if len(missing) < 2:
+            return
+        try:
+            results = tune_many(missing, device, self.store, TuneOptions())
+        except Exception:  # noqa: BLE001 - a failed tuning must not break the user's program
+            log.warning("gemmtune: tuning %d shapes together failed; tuning each alone", len(missing), exc_info=True)
+            return
+        for result in results:
+            log.info("gemmtune: tuned %s in %.1f s: %s %.4f ms vs cuBLAS %.4f ms",
+                     Problem.from_key(result.problem_key).describe(), result.tune_s, result.label(),
+                     result.time_ms, result.cublas_ms or float("nan"))
 
     def _fresh(self, problem: Problem, device: Device) -> Choice:
         """The choice for a problem the store has nothing for: cuBLAS while deferring or in mode
