@@ -44,3 +44,6 @@ add_with_a_hang = gemmtune.autotune(
 
 add_isolated = gemmtune.autotune(configs=[triton.Config({"BLOCK": b}) for b in (16, 32)], key=["n"],
                                  isolate=True)(_add)
+
+add_pruned = gemmtune.autotune(configs=[triton.Config({"BLOCK": b}) for b in (16, 32, 64)], key=["n"],
+                               prune_configs_by={"early_config_prune": lambda configs, named, **kw: configs[1:]})(_add)

@@ -468,6 +468,7 @@ def test_a_lookup_miss_is_recorded_and_tune_from_stores_the_choice_it_serves_nex
     assert call["kind"] == "kernel" and (call["module"], call["qualname"]) == ("autotuned_kernels", "add_isolated")
     assert call["scalars"] == {"n": 90} and call["tensors"]["x_ptr"]["shape"] == [90]
     assert call["grids"] == {"0": [6, 1, 1], "1": [3, 1, 1]}  # each config's grid, computed where it was called
+    assert call["candidates"] == [0, 1]
 
     monkeypatch.setenv("GEMMTUNE_MODE", "tune")
     timings.order = ["1", "0"]
@@ -480,6 +481,18 @@ def test_a_lookup_miss_is_recorded_and_tune_from_stores_the_choice_it_serves_nex
     kernel[grid(90)](x, y, out, 90)
     assert kernel.best_config.kwargs == {"BLOCK": 32} and torch.equal(out, x + y)
     assert len(misses.read_text().splitlines()) == 2  # a hit is no miss
+
+
+def test_a_recorded_miss_keeps_the_configs_its_pruning_left(timings, monkeypatch, tmp_path):
+    misses = tmp_path / "misses.jsonl"
+    monkeypatch.setenv("GEMMTUNE_MODE", "lookup")
+    monkeypatch.setenv("GEMMTUNE_MISSES", str(misses))
+    kernel = isolated("add_pruned")
+    kernel.chosen.clear()
+    x, y, out = operands(50)
+    kernel[grid(50)](x, y, out, 50)
+    (call,) = (json.loads(line) for line in misses.read_text().splitlines())
+    assert call["candidates"] == [1, 2] and set(call["grids"]) == {"1", "2"}
 
 
 def test_a_lookup_miss_no_other_process_could_rebuild_is_said_once_and_not_recorded(timings, monkeypatch, tmp_path,

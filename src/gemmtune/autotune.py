@@ -209,7 +209,8 @@ class Autotuned:
         path = settings.misses_file()
         if path is None:
             return
-        call = kernel_worker.recorded_call(self, key, args, kwargs, grid, named)
+        pruned = [self._index(config) for config in self._pruned(named, kwargs)]
+        call = kernel_worker.recorded_call(self, key, args, kwargs, grid, named, pruned)
         if call is None:
             self._say_once(("miss",), "gemmtune.autotune: %s cannot be recorded in GEMMTUNE_MISSES: another process "
                            "must import it by name (a kernel at a module's top level) and its arguments must be "

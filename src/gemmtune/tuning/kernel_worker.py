@@ -134,14 +134,16 @@ def _job(kernel: Tunable, place, key: str, args: tuple, kwargs: dict, grid, name
                "" if folder is None else str(folder / "progress"))
 
 
-def recorded_call(kernel: Tunable, key: str, args: tuple, kwargs: dict, grid, named: dict) -> dict | None:
+def recorded_call(kernel: Tunable, key: str, args: tuple, kwargs: dict, grid, named: dict,
+                  candidates: list[int]) -> dict | None:
     """A call of ``kernel`` as a misses file's line (``shapes.KERNEL_CALL``): where to import the
-    kernel from, its arguments' layouts and values, each config's grid; None where it cannot be
-    (a kernel no other process can import, an argument that is not a tensor or a plain value)."""
+    kernel from, its arguments' layouts and values, the configs to try (``candidates``, pruned
+    as the call was) and each one's grid; None where it cannot be (a kernel no other process can
+    import, an argument that is not a tensor or a plain value)."""
     place = where(kernel)
     if place is None or unsupported(named) is not None:
         return None
-    job = _job(kernel, place, key, args, kwargs, grid, named, list(range(len(kernel.configs))), None)
+    job = _job(kernel, place, key, args, kwargs, grid, named, candidates, None)
     return {"kind": "kernel", **{k: v for k, v in vars(job).items() if k != "progress"}}
 
 
