@@ -483,6 +483,17 @@ def test_a_lookup_miss_is_recorded_and_tune_from_stores_the_choice_it_serves_nex
     assert len(misses.read_text().splitlines()) == 2  # a hit is no miss
 
 
+def test_tune_from_tunes_only_what_is_a_gemmtune_kernel(timings, tmp_path, capsys):
+    from gemmtune.cli import main
+
+    misses = tmp_path / "misses.jsonl"
+    misses.write_text(json.dumps({"kind": "kernel", "module": "json", "qualname": "dumps", "key": "kernel:x@1/2/3",
+                                  "positional": [], "keywords": [], "scalars": {}, "tensors": {}, "grids": {},
+                                  "candidates": [0]}) + "\n")
+    assert main(["tune", "--from", str(misses)]) == 0
+    assert "json.dumps: not tuned: TypeError" in capsys.readouterr().out and stored_entries() == []
+
+
 def test_a_recorded_miss_keeps_the_configs_its_pruning_left(timings, monkeypatch, tmp_path):
     misses = tmp_path / "misses.jsonl"
     monkeypatch.setenv("GEMMTUNE_MODE", "lookup")

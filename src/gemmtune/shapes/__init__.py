@@ -87,7 +87,7 @@ def _entries(text: str) -> list:
         doc = json.loads(text)
     except json.JSONDecodeError:  # JSON Lines: one entry per line
         return [json.loads(line) for line in text.splitlines() if line.strip()]
-    if isinstance(doc, dict) and "shapes" not in doc and "m" in doc:
+    if isinstance(doc, dict) and "shapes" not in doc and ("m" in doc or doc.get("kind") == KERNEL_CALL):
         return [doc]  # JSON Lines holding a single entry
     return doc["shapes"]
 

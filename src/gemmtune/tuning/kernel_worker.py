@@ -23,7 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -39,6 +39,7 @@ TIMEOUT_S = 600.0  # a whole tuning in the child; a config that hangs ends it
 SCALARS = (bool, int, float, str, type(None))
 
 
+@runtime_checkable
 class Tunable(Protocol):
     """What the child needs of the decorated kernel (``gemmtune.autotune.Autotuned``)."""
 
@@ -153,6 +154,9 @@ def tune_recorded(call: dict, device: Device) -> tuple[TuneResult | None, str]:
     store under the key the serving process computed, and the kernel's name."""
     started = time.perf_counter()
     kernel = _resolve(call["module"], call["qualname"])
+    if not isinstance(kernel, Tunable):
+        raise TypeError(f"{call['module']}.{call['qualname']} is a {type(kernel).__name__}, "
+                        "not a gemmtune.autotune kernel")
     candidates = [i for i in call["candidates"] if i < len(kernel.configs)]
     reply = _tuned({**call, "candidates": candidates, "progress": ""}, torch.cuda.current_device()
                    if not device.interpreter else None)
