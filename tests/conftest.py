@@ -30,3 +30,16 @@ def _float32_precision():
     before = torch.get_float32_matmul_precision()
     yield
     torch.set_float32_matmul_precision(before)
+
+
+@pytest.fixture
+def fresh_dispatch():
+    """gemmtune's dispatcher with nothing built, its store reopened in this test's cache
+    directory (``_isolated_store``), and left so for the next test."""
+    from gemmtune.serving.dispatch import DISPATCHER
+
+    DISPATCHER.forget()
+    DISPATCHER._store = None
+    yield DISPATCHER
+    DISPATCHER.forget()
+    DISPATCHER._store = None

@@ -29,16 +29,6 @@ def test_large_tiles_match_reference(m, n, k, layout, dtype, tf32):
         assert err.ok, (config, err.reason())
 
 
-@pytest.fixture
-def fresh_dispatch(tmp_path, monkeypatch):
-    monkeypatch.setenv("GEMMTUNE_CACHE_DIR", str(tmp_path))
-    DISPATCHER.forget()
-    DISPATCHER._store = None
-    yield
-    DISPATCHER.forget()
-    DISPATCHER._store = None
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_linear_tunes_on_first_sight_then_hits(fresh_dispatch, dtype):
     x = torch.randn(33, 1000, device="cuda", dtype=dtype)

@@ -152,7 +152,7 @@ def test_a_short_gemm_on_cublas_runs_the_fastest_triton_config_tried_unless_repl
     assert (kind, choice.backend) == ((choices.LIBRARY, "cublas") if graphs else (choices.TEMPLATE, "triton_tiled"))
 
 
-def test_the_kernel_times_come_from_the_trials_stored_with_the_choice(fresh_cpu_store):
+def test_the_kernel_times_come_from_the_trials_stored_with_the_choice(fresh_dispatch):
     problem = Problem(7, 33, 64, "float32", "linear")
     stored = (Trial("cublas", {}, Status.OK, Timing((0.009, 0.008, 0.008))),
               Trial("triton_tiled", TILES, Status.OK, Timing((0.011, 0.011))),
@@ -261,7 +261,7 @@ def test_a_graphs_products_are_tuned_together_ahead_each_before_its_fused_form(c
 
 @pytest.mark.parametrize("mode,stored,expected", [("tune", 0, 3), ("tune", 1, 2), ("tune", 2, 0), ("lookup", 0, 0)])
 def test_the_dispatcher_tunes_the_missing_buckets_of_several_problems_in_one_batch(
-        fresh_cpu_store, monkeypatch, mode, stored, expected):
+        fresh_dispatch, monkeypatch, mode, stored, expected):
     """Only the problems the store has nothing for, and only two or more (one is tuned alone on
     first sight, as fast); never in lookup mode."""
     from gemmtune.serving import dispatch
@@ -375,25 +375,6 @@ def test_bad_arguments_name_what_is_accepted():
 # On the GPU
 
 
-@pytest.fixture
-def fresh_store():
-    DISPATCHER.forget()
-    DISPATCHER._store = None
-    yield
-    DISPATCHER.forget()
-    DISPATCHER._store = None
-
-
-@pytest.fixture
-def fresh_cpu_store(tmp_path, monkeypatch):
-    monkeypatch.setenv("GEMMTUNE_CACHE_DIR", str(tmp_path))
-    DISPATCHER.forget()
-    DISPATCHER._store = None
-    yield
-    DISPATCHER.forget()
-    DISPATCHER._store = None
-
-
 def gpu_mlp(dtype, k=768, hidden=3072, act=nn.GELU):
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(k, hidden), act(), nn.Linear(hidden, k)).to("cuda", dtype).eval()
@@ -434,7 +415,7 @@ def test_a_gemm_taken_for_its_launch_is_the_compilers_template(chosen, monkeypat
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,dtype", [(1, torch.bfloat16), (7, torch.float16), (33, torch.float32),
                                         (512, torch.bfloat16), (512, torch.float16), (512, torch.float32)])
-def test_a_compiled_model_with_real_choices_matches_a_higher_precision_reference(fresh_store, dtype, rows):
+def test_a_compiled_model_with_real_choices_matches_a_higher_precision_reference(fresh_dispatch, dtype, rows):
     model = gpu_mlp(dtype, k=264, hidden=520, act=nn.SiLU)
     x = torch.randn(rows, 264, device="cuda", dtype=dtype)
     with torch.no_grad():
@@ -464,7 +445,7 @@ def test_the_runtime_computes_any_operands_it_is_given(added, weight, m, n, k):
 @pytest.mark.parametrize("added", [None, "vector", "rows"])
 @pytest.mark.parametrize("weight", [True, False])
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (7, 33, 4095), (512, 768, 3072)])
-def test_the_runtime_serves_any_operands_it_is_given_on_the_gpu(fresh_store, added, weight, m, n, k):
+def test_the_runtime_serves_any_operands_it_is_given_on_the_gpu(fresh_dispatch, added, weight, m, n, k):
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if weight else \
         torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
@@ -493,7 +474,7 @@ def test_a_batch_of_dynamic_size_is_served_by_gemmtunes_kernel_chosen_per_call(c
 
 
 @pytest.mark.gpu
-def test_a_dynamic_batch_with_real_choices_matches_a_higher_precision_reference(fresh_store):
+def test_a_dynamic_batch_with_real_choices_matches_a_higher_precision_reference(fresh_dispatch):
     model = gpu_mlp(torch.bfloat16, k=264, hidden=520, act=nn.SiLU)
     compiled = gemmtune.compile(model, dynamic=True)
     with torch.no_grad():
