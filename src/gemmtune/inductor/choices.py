@@ -93,6 +93,11 @@ def queued_ms(kernel_ms: float, kind: str) -> float:
     return max(kernel_ms, HOST_MS[kind])
 
 
+def cheaper(kernel_ms: float, kind: str, library_ms: float) -> bool:
+    """Whether running ``kind`` costs MIN_GAIN less queued than the library call."""
+    return queued_ms(kernel_ms, kind) < (1.0 - MIN_GAIN) * queued_ms(library_ms, LIBRARY)
+
+
 def decide(choice: Choice, trials: dict[str, Trial], graphs: bool, launch: bool = True) -> tuple[Choice, str]:
     """How compiled code runs a GEMM gemmtune chose ``choice`` for, ``trials`` being its tuning's
     (``kernel_times``): the choice it runs and TEMPLATE, CALLED or LIBRARY. A Triton config is the
@@ -121,7 +126,7 @@ def decide(choice: Choice, trials: dict[str, Trial], graphs: bool, launch: bool 
     ways = [(c, kind, ms) for c, kind, ms in ways if ms is not None]
     if ways:
         best, kind, ms = min(ways, key=lambda way: queued_ms(way[2], way[1]))
-        if queued_ms(ms, kind) < (1.0 - MIN_GAIN) * queued_ms(library_ms, LIBRARY):
+        if cheaper(ms, kind, library_ms):
             return best, kind
     return choice, LIBRARY
 
@@ -175,28 +180,28 @@ class GemmtuneChoices(hooks.InductorChoices):
             fused = [replace(p, activation=self.epilogues[p]) for p in plain if p in self.epilogues]
             with hooks.unset_fake_temporarily():  # real tensors: the GEMMs tuned now run on the GPU
                 tune_ahead(plain + fused, index)
-        kinds = Counter(self.decision(p, index)[1] for p, index in found)
-        if kinds[TEMPLATE] and not self._launch_pays(found):
+        decided = [(p, *self.decision(p, index)) for p, index in found]
+        if any(kind == TEMPLATE for *_, kind in decided) and not self._launch_pays(decided):
             self.launch = False  # the graph compiles as if no template had been weighed for its launch
             self.decided.clear()
-            kinds = Counter(self.decision(p, index)[1] for p, index in found)
-        unchecked = sum(1 for p, index in found if self.decision(p, index)[0].cublas_ms is None
-                        and self.decision(p, index)[0].backend != REFERENCE)
+            decided = [(p, *self.decision(p, index)) for p, index in found]
+        kinds = Counter(kind for *_, kind in decided)
+        unchecked = sum(1 for _, choice, _ in decided if choice.cublas_ms is None and choice.backend != REFERENCE)
         if found:
             log.info("gemmtune: a compiled graph's %d GEMMs (%d shapes): %s%s", len(found), len(set(found)),
                      ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())),
                      f" ({unchecked} where cuBLAS failed gemmtune's check)" if unchecked else "")
         return kinds[TEMPLATE] > 0
 
-    def _launch_pays(self, found: list[tuple[Problem, int]]) -> bool:
-        """Whether the templates ``found``'s GEMMs take for their launch alone save the host more
-        than switching the templates on costs the graph's other addmm calls; true where any
-        template is the tuner's own choice (the templates are on anyway)."""
+    def _launch_pays(self, decided: list[tuple[Problem, Choice, str]]) -> bool:
+        """Whether the templates the graph's GEMMs (``decided``: each with its choice and how it
+        runs) take for their launch alone save the host more than switching the templates on
+        costs the graph's other addmm calls; true where any template is the tuner's own choice
+        (the templates are on anyway)."""
         if any(chosen.backend == TEMPLATE_BACKEND for chosen, _ in self.asked.values()):
             return True
-        decided = [(p, self.decision(p, index)) for p, index in found]
-        launched = sum(1 for _, (_, kind) in decided if kind == TEMPLATE)
-        wrapped = sum(1 for p, (_, kind) in decided if kind == LIBRARY and p.bias)
+        launched = sum(1 for *_, kind in decided if kind == TEMPLATE)
+        wrapped = sum(1 for p, _, kind in decided if kind == LIBRARY and p.bias)
         return launched * (HOST_MS[LIBRARY] - HOST_MS[TEMPLATE]) > wrapped * WRAPPED_ADDMM_MS
 
     def uuid(self) -> str:
@@ -226,8 +231,8 @@ class GemmtuneChoices(hooks.InductorChoices):
         if kind == TEMPLATE:
             chosen = self._template(kernel_inputs, templates, op_name, choice.config)
             if chosen is None:  # gemmtune's own Triton kernel where the template cannot be, if that pays
-                kind = CALLED if choice.cublas_ms is None or choice.time_ms is not None and queued_ms(
-                    choice.time_ms, CALLED) < (1.0 - MIN_GAIN) * queued_ms(choice.cublas_ms, LIBRARY) else LIBRARY
+                kind = CALLED if choice.cublas_ms is None or choice.time_ms is not None and cheaper(
+                    choice.time_ms, CALLED, choice.cublas_ms) else LIBRARY
         if kind == CALLED and hooks.config.cpp_wrapper:  # generated C++ cannot call Python
             kind = LIBRARY
         if chosen is None:

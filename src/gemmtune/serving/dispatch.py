@@ -180,9 +180,7 @@ class Dispatcher:
             log.warning("gemmtune: tuning %d shapes together failed; tuning each alone", len(missing), exc_info=True)
             return
         for result in results:
-            log.info("gemmtune: tuned %s in %.1f s: %s %.4f ms vs cuBLAS %.4f ms",
-                     Problem.from_key(result.problem_key).describe(), result.tune_s, result.label(),
-                     result.time_ms, result.cublas_ms or float("nan"))
+            _say_tuned(result)
 
     def _fresh(self, problem: Problem, device: Device) -> Choice:
         """The choice for a problem the store has nothing for: cuBLAS while deferring or in mode
@@ -201,11 +199,16 @@ class Dispatcher:
             log.warning("gemmtune: tuning %s failed; using cuBLAS", target.describe(), exc_info=True)
             return REFERENCE_CHOICE
         self.store.put(result)
-        log.info("gemmtune: tuned %s in %.1f s: %s %.4f ms vs cuBLAS %.4f ms", target.describe(),
-                 result.tune_s, result.label(), result.time_ms, result.cublas_ms or float("nan"))
+        _say_tuned(result)
         if not _serves(result.backend, problem, device):
             return REFERENCE_CHOICE
         return Choice.of(result)
+
+
+def _say_tuned(result) -> None:
+    log.info("gemmtune: tuned %s in %.1f s: %s %.4f ms vs cuBLAS %.4f ms",
+             Problem.from_key(result.problem_key).describe(), result.tune_s, result.label(), result.time_ms,
+             result.cublas_ms or float("nan"))
 
 
 def _append_miss(problem: Problem) -> None:
