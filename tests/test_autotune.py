@@ -449,21 +449,33 @@ def test_a_strategy_or_budget_it_cannot_take_is_an_error_naming_it(arguments, me
         gemmtune.autotune(configs=blocks(16, 32), key=["n"], **arguments)(add_kernel)
 
 
+def lookup_mode(monkeypatch, tmp_path):
+    """Lookup mode, its misses appended to the file returned."""
+    misses = tmp_path / "misses.jsonl"
+    monkeypatch.setenv("GEMMTUNE_MODE", "lookup")
+    monkeypatch.setenv("GEMMTUNE_MISSES", str(misses))
+    return misses
+
+
+def called_fresh(kernel, n):
+    """``kernel`` called on n elements as in a new process (nothing chosen yet), its sum checked."""
+    kernel.chosen.clear()
+    x, y, out = operands(n)
+    kernel[grid(n)](x, y, out, n)
+    assert torch.equal(out, x + y)
+
+
 def test_a_lookup_miss_is_recorded_and_tune_from_stores_the_choice_it_serves_next(timings, monkeypatch, tmp_path):
     """Lookup mode appends the call to GEMMTUNE_MISSES; `gemmtune tune --from` rebuilds it on fresh
     tensors, tunes it and stores the choice under the key the serving process looked up, where
     the next lookup finds it."""
     from gemmtune.cli import main
 
-    misses = tmp_path / "misses.jsonl"
+    misses = lookup_mode(monkeypatch, tmp_path)
     misses.write_text(json.dumps({"name": "decode", "m": 1, "n": 64, "k": 32, "dtype": "float32"}) + "\n")
-    monkeypatch.setenv("GEMMTUNE_MODE", "lookup")
-    monkeypatch.setenv("GEMMTUNE_MISSES", str(misses))
     kernel = isolated("add_isolated")
-    kernel.chosen.clear()
-    x, y, out = operands(90)
-    kernel[grid(90)](x, y, out, 90)
-    assert torch.equal(out, x + y) and timings == [] and stored_entries() == []
+    called_fresh(kernel, 90)
+    assert timings == [] and stored_entries() == []
     gemm, call = (json.loads(line) for line in misses.read_text().splitlines())
     assert call["kind"] == "kernel" and (call["module"], call["qualname"]) == ("autotuned_kernels", "add_isolated")
     assert call["scalars"] == {"n": 90} and call["tensors"]["x_ptr"]["shape"] == [90]
@@ -477,9 +489,8 @@ def test_a_lookup_miss_is_recorded_and_tune_from_stores_the_choice_it_serves_nex
     assert entry.problem_key == call["key"] and entry.config["index"] == 1
 
     monkeypatch.setenv("GEMMTUNE_MODE", "lookup")
-    kernel.chosen.clear()  # a new process's
-    kernel[grid(90)](x, y, out, 90)
-    assert kernel.best_config.kwargs == {"BLOCK": 32} and torch.equal(out, x + y)
+    called_fresh(kernel, 90)
+    assert kernel.best_config.kwargs == {"BLOCK": 32}
     assert len(misses.read_text().splitlines()) == 2  # a hit is no miss
 
 
@@ -495,22 +506,15 @@ def test_tune_from_tunes_only_what_is_a_gemmtune_kernel(timings, tmp_path, capsy
 
 
 def test_a_recorded_miss_keeps_the_configs_its_pruning_left(timings, monkeypatch, tmp_path):
-    misses = tmp_path / "misses.jsonl"
-    monkeypatch.setenv("GEMMTUNE_MODE", "lookup")
-    monkeypatch.setenv("GEMMTUNE_MISSES", str(misses))
-    kernel = isolated("add_pruned")
-    kernel.chosen.clear()
-    x, y, out = operands(50)
-    kernel[grid(50)](x, y, out, 50)
+    misses = lookup_mode(monkeypatch, tmp_path)
+    called_fresh(isolated("add_pruned"), 50)
     (call,) = (json.loads(line) for line in misses.read_text().splitlines())
     assert call["candidates"] == [1, 2] and set(call["grids"]) == {"1", "2"}
 
 
 def test_a_lookup_miss_no_other_process_could_rebuild_is_said_once_and_not_recorded(timings, monkeypatch, tmp_path,
                                                                                        caplog):
-    misses = tmp_path / "misses.jsonl"
-    monkeypatch.setenv("GEMMTUNE_MODE", "lookup")
-    monkeypatch.setenv("GEMMTUNE_MISSES", str(misses))
+    misses = lookup_mode(monkeypatch, tmp_path)
     kernel = gemmtune.autotune(configs=blocks(16, 32), key=["n"])(add_kernel)  # held by no module's name
     with caplog.at_level(logging.WARNING, logger="gemmtune"):
         for n in (40, 41):
