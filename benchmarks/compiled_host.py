@@ -1,5 +1,5 @@
 """Host time per call of each way compiled code can run a GEMM, the figures behind
-``gemmtune.inductor.choices.HOST_MS``: one linear layer (a GEMM of a few microseconds on the GPU,
+``gemmtune.inductor.plan.HOST_MS``: one linear layer (a GEMM of a few microseconds on the GPU,
 so that the host sets the pace) compiled
 
     library     torch.compile's own: the library call (extern_kernels.addmm)
@@ -34,7 +34,7 @@ import torch._inductor.config
 import torch.nn.functional as F
 
 import gemmtune
-from gemmtune.inductor import choices
+from gemmtune.inductor import choices, plan
 from gemmtune.serving.dispatch import Choice
 
 WAYS = ("library", "wrapped", "template", "called", "pointwise", "eager")
@@ -42,11 +42,11 @@ TILES = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps":
 
 
 def forced(kind: str, templates: bool):
-    """gemmtune.compile's handler answering every GEMM with ``kind`` (a Triton config for the
-    template and the called kernel, cuBLAS otherwise), the templates switched on or not."""
-    choice = Choice("cublas", {}) if kind == choices.LIBRARY else Choice("triton_tiled", TILES, 0.001, None)
-    return [mock.patch.object(choices, "choose", lambda problem, index: choice),
-            mock.patch.object(choices, "decide", lambda chosen, trials, graphs, launch=True: (chosen, kind)),
+    """gemmtune.compile's handler running every GEMM ``kind`` (the template with a Triton config,
+    cuBLAS otherwise; a called kernel is the one gemmtune's dispatch chose), the templates
+    switched on or not."""
+    choice = Choice("cublas", {}) if kind == plan.LIBRARY else Choice("triton_tiled", TILES, 0.001, None)
+    return [mock.patch.object(choices.GemmtuneChoices, "decision", lambda self, problem, index: (choice, kind)),
             mock.patch.object(choices.GemmtuneChoices, "choose_ahead", lambda self, graph: templates)]
 
 
@@ -67,7 +67,7 @@ def build(way: str, layer: torch.nn.Linear, x: torch.Tensor):
     if way == "library":
         fn = torch.compile(own_code(lambda t: layer(t)))
     else:
-        kind = {"wrapped": choices.LIBRARY, "template": choices.TEMPLATE, "called": choices.CALLED}[way]
+        kind = {"wrapped": plan.LIBRARY, "template": plan.TEMPLATE, "called": plan.CALLED}[way]
         with ExitStack() as stack:
             for patch in forced(kind, templates=way != "called"):
                 stack.enter_context(patch)

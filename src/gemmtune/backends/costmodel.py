@@ -37,10 +37,14 @@ REGISTERS_PER_SM = 65536
 
 
 def matrix_flops(problem: Problem, device: Device) -> float:
-    major = device.capability[0]
-    per_clock = MATRIX_FLOPS_PER_SM_CLOCK.get(major, 512)
-    if problem.dtype == "float32":
-        per_clock = per_clock // 2 if problem.tf32 else FP32_FLOPS_PER_SM_CLOCK
+    return peak_flops(problem.dtype, problem.tf32, device)
+
+
+def peak_flops(dtype: str, tf32: bool, device: Device) -> float:
+    """The device's dense matrix flops per second in ``dtype`` (gemmtune's name for it)."""
+    per_clock = MATRIX_FLOPS_PER_SM_CLOCK.get(device.capability[0], 512)
+    if dtype == "float32":
+        per_clock = per_clock // 2 if tf32 else FP32_FLOPS_PER_SM_CLOCK
     return per_clock * device.sm_count * CLOCK_HZ
 
 

@@ -82,7 +82,7 @@ class Backend:
         bias_addmm); any other compiles as a default compile does, gemmtune's kernels aside."""
         from gemmtune.inductor.choices import GemmtuneChoices
 
-        handler = GemmtuneChoices(self.graphs, self.epilogues)
+        handler = GemmtuneChoices(self.graphs, self.epilogues, self.templates_asked)
         templates = handler.choose_ahead(graph) or self.templates_asked
         with hooks.config.patch(max_autotune_gemm=templates), hooks.V.set_choices_handler(handler), \
                 _gate_warning_explained():

@@ -1,0 +1,168 @@
+"""How a compiled graph runs the GEMMs gemmtune chose for: the ways each one may run (``ways``)
+and the mix of them that costs the whole graph least (``plan``).
+
+A GEMM of compiled code runs one of three ways:
+
+- LIBRARY: the compiler's own library call (cuBLAS), as a default ``torch.compile`` runs it;
+- TEMPLATE: the compiler's Triton GEMM template with a config gemmtune tried, which costs the
+  host least (one Triton launch) and takes the activation that follows into its epilogue;
+- CALLED: gemmtune's own kernel called from the generated code, which costs the host most.
+
+Compiled code that is not replayed as a CUDA graph costs the longer of its host time (the
+launches queued) and its GPU time. A way that saves GPU time but costs host time pays only in a
+graph the GPU paces (a large batch); one that saves host time but costs GPU time only in a graph
+the host paces (decode, a small batch). So the ways are weighed over the whole graph: the host
+time of its GEMMs' calls and of the rest of its kernels, against their GPU time (``Rest``, from
+``rest.estimate``). How fast a host queues varies from machine to machine (twice as fast on one
+H100 host as on another), so a mix is taken only where it costs no more than the one it
+replaces at every host speed of HOST_SCALES. Under CUDA graphs only the GPU time counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gemmtune.backends import REFERENCE
+from gemmtune.results import Status, Trial
+from gemmtune.serving.dispatch import Choice
+
+TEMPLATE, CALLED, LIBRARY = "on the compiler's Triton template", "on gemmtune's kernels", "on cuBLAS"
+TEMPLATE_BACKEND = "triton_tiled"  # the gemmtune backend whose configs the compiler's template takes
+# the gemmtune kernels compiled code may call (runtime); cuBLASLt's only where it is replayed as a
+# CUDA graph: with the weights warm in L2, as in a model, the algorithms seen ran cuBLAS's own
+# kernel (compiled BERT-base, the seeds' MLP: 0.64-0.72 of torch.compile, docs/compile.md)
+CALLED_BACKENDS = ("triton_splitk", "triton_stream", "triton_persistent", "cublas_padded")
+GRAPHED_ONLY = ("cublaslt",)
+# Host time per call of compiled code, queued, in ms. The library call is torch.addmm's on a fast
+# H100 host; the others keep the ratios benchmarks/compiled_host.py measured side by side on one
+# host (docs/compile.md, host time per call): gemmtune's kernel called costs the library call's
+# and 0.21 of an F.linear more, the template's launch 0.60 of one less; a graph compiled with the
+# GEMM templates on runs its other addmm's library calls through a Python wrapper (torch 2.11's
+# bias_addmm) that costs 0.40 of one more (WRAPPED); any other Triton kernel of the compiler's
+# costs the host as the template's launch (LAUNCH).
+HOST_MS = {LIBRARY: 0.0131, CALLED: 0.0158, TEMPLATE: 0.0053}
+WRAPPED_MS = 0.0052
+LAUNCH_MS = 0.0053
+HOST_SCALES = (0.5, 1.0, 2.0, 4.0)  # the host speeds a mix must not lose at (x HOST_MS: slower hosts)
+TEMPLATE_SLOWDOWN = 1.25  # the most a template taken for its launch may cost in kernel time over cuBLAS
+MIN_GAIN = 0.02  # a kernel time of gemmtune's weighs this much more than the library call's (noise)
+
+
+@dataclass(frozen=True)
+class Way:
+    """One way to run a GEMM: the choice run, TEMPLATE, CALLED or LIBRARY, its kernel time as its
+    tuning measured it, and the host time a call costs."""
+
+    choice: Choice
+    kind: str
+    kernel_ms: float
+    host_ms: float
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One product of a graph: how many times the graph runs it, whether it adds a bias, and
+    its ways, the first the one it runs where nothing is weighed."""
+
+    count: int
+    bias: bool
+    ways: tuple[Way, ...]
+
+
+@dataclass(frozen=True)
+class Rest:
+    """What a graph costs besides the GEMMs weighed: host and GPU time per run, in ms."""
+
+    host_ms: float = 0.0
+    gpu_ms: float = 0.0
+
+
+def ways(choice: Choice, trials: dict[str, Trial], graphs: bool,
+         fused: tuple[Choice, dict[str, Trial]] | None = None) -> tuple[Way, ...]:
+    """The ways compiled code may run a GEMM gemmtune chose ``choice`` for, ``trials`` being its
+    tuning's (by label): the library call first where cuBLAS passed gemmtune's check, gemmtune's
+    kernel, the compiler's template with the fastest Triton config tried (for the product alone,
+    and with the activation that follows it: ``fused``, that form's choice and trials). Where
+    cuBLAS failed its check the library call is left out, and so is a way whose kernel time is
+    unknown (where none is known, the choice runs as it is)."""
+    reference = trials.get(REFERENCE)
+    library_ms = reference.median_ms if reference is not None else choice.cublas_ms
+    found = []
+    if choice.backend == REFERENCE or choice.cublas_ms is not None:
+        found.append(_way(Choice("cublas", {}, library_ms, library_ms), LIBRARY, library_ms, graphs))
+    if choice.backend in CALLED_BACKENDS or choice.backend in GRAPHED_ONLY and (graphs or choice.cublas_ms is None):
+        mine = trials.get(Trial(choice.backend, choice.config, Status.OK).label())
+        found.append(_way(choice, CALLED, mine.median_ms if mine is not None else choice.time_ms, graphs))
+    for form, (chosen, tried) in enumerate([(choice, trials)] + ([fused] if fused else [])):
+        tiled = _fastest_tiled(chosen, tried)
+        if tiled is not None and (library_ms is None or tiled.time_ms <= TEMPLATE_SLOWDOWN * library_ms):
+            way = _way(tiled, TEMPLATE, tiled.time_ms, graphs)
+            # the activation in the template's epilogue: the kernel it would have had, launched no more
+            found.append(Way(way.choice, TEMPLATE, way.kernel_ms, 0.0 if graphs else way.host_ms - form * LAUNCH_MS))
+    known = tuple(way for way in found if way.kernel_ms is not None)
+    if library_ms is None and found and found[0].kind == LIBRARY or not known:
+        # cuBLAS unmeasured (a fallback), or no time known at all: the choice as it is, nothing weighed
+        return (_way(found[0].choice if found else choice, found[0].kind if found else _kind(choice.backend),
+                     0.0, graphs),)
+    return known
+
+
+def plan(gemms: list[Gemm], rest: Rest, graphs: bool, templates_on: bool = False) -> list[Way]:
+    """The way each of ``gemms`` runs: from each one's first way, switches of one product at a
+    time, the one that saves the graph most at the nominal host speed first, each taken only
+    where it costs no more at any host speed of HOST_SCALES (``graph_ms``). ``templates_on``: the
+    caller switched the GEMM templates on, so taking one makes no other call dearer."""
+    picks = [gemm.ways[0] for gemm in gemms]
+    while True:
+        current = [graph_ms(gemms, picks, rest, scale, graphs, templates_on) for scale in HOST_SCALES]
+        best, saved = None, 0.0
+        for index, gemm in enumerate(gemms):
+            for way in gemm.ways:
+                trial = picks[:index] + [way] + picks[index + 1:]
+                costs = [graph_ms(gemms, trial, rest, scale, graphs, templates_on) for scale in HOST_SCALES]
+                gain = current[HOST_SCALES.index(1.0)] - costs[HOST_SCALES.index(1.0)]
+                if gain > saved and all(new <= old for new, old in zip(costs, current)):
+                    best, saved = trial, gain
+        if best is None:
+            return picks
+        picks = best
+
+
+def graph_ms(gemms: list[Gemm], picks: list[Way], rest: Rest, scale: float, graphs: bool,
+             templates_on: bool = False) -> float:
+    """A run of the graph whose ``gemms`` run as ``picks`` say, on a host ``scale`` times slower
+    than HOST_MS's: the longer of its host and GPU times (``times``; under CUDA graphs, its GPU
+    time)."""
+    host, gpu = times(gemms, picks, rest, templates_on)
+    return gpu if graphs else max(scale * host, gpu)
+
+
+def times(gemms: list[Gemm], picks: list[Way], rest: Rest, templates_on: bool = False) -> tuple[float, float]:
+    """The host and GPU time of a run of the graph whose ``gemms`` run as ``picks`` say, in ms; a
+    kernel time of gemmtune's weighs MIN_GAIN more than the library call's."""
+    wrapped = templates_on or any(way.kind == TEMPLATE for way in picks)
+    host, gpu = rest.host_ms, rest.gpu_ms
+    for gemm, way in zip(gemms, picks):
+        host += gemm.count * (way.host_ms + (WRAPPED_MS if wrapped and way.kind == LIBRARY and gemm.bias else 0.0))
+        gpu += gemm.count * way.kernel_ms * (1.0 if way.kind == LIBRARY else 1.0 + MIN_GAIN)
+    return host, gpu
+
+
+def _way(choice: Choice, kind: str, kernel_ms: float | None, graphs: bool) -> Way:
+    return Way(choice, kind, kernel_ms, 0.0 if graphs else HOST_MS[kind])
+
+
+def _kind(backend: str) -> str:
+    if backend == TEMPLATE_BACKEND:
+        return TEMPLATE
+    return CALLED if backend in CALLED_BACKENDS + GRAPHED_ONLY else LIBRARY
+
+
+def _fastest_tiled(choice: Choice, trials: dict[str, Trial]) -> Choice | None:
+    """The fastest Triton config tried for a product, as a choice: the tuner's own where it
+    chose one, else the fastest verified trial of one."""
+    if choice.backend == TEMPLATE_BACKEND and choice.time_ms is not None:
+        return choice
+    tiled = min((t for t in trials.values() if t.backend == TEMPLATE_BACKEND and t.median_ms is not None),
+                key=lambda t: t.median_ms, default=None)
+    return None if tiled is None else Choice(TEMPLATE_BACKEND, tiled.config, tiled.median_ms, choice.cublas_ms)

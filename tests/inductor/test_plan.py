@@ -1,0 +1,144 @@
+"""How compiled code runs the GEMMs gemmtune chose for: each GEMM's ways, and the mix planned
+over the whole graph, against host and GPU times given here."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gemmtune.inductor import plan
+from gemmtune.inductor.plan import CALLED, LIBRARY, TEMPLATE, Gemm, Rest, Way
+from gemmtune.results import Status, Timing, Trial
+from gemmtune.serving.dispatch import Choice
+
+TILES = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+STREAM = Choice("triton_stream", {"BLOCK_N": 64}, 0.012, 0.025)  # costs, as the tuner's final round measured them
+CUBLAS = Choice("cublas", {}, 0.013, 0.013)
+
+
+def trials(**kernel_ms):
+    """Stored trials by label, as ``kernel_times`` answers: cublas=..., tiled=... (TILES),
+    tiled_wide=... (BLOCK_N 64), stream=... (BLOCK_N 64)."""
+    configs = {"cublas": ("cublas", {}), "tiled": ("triton_tiled", TILES),
+               "tiled_wide": ("triton_tiled", {**TILES, "BLOCK_N": 64}), "stream": ("triton_stream", {"BLOCK_N": 64})}
+    made = [Trial(*configs[name], Status.OK, Timing((ms,))) for name, ms in kernel_ms.items()]
+    return {t.label(): t for t in made}
+
+
+def offered(found):
+    return [(way.kind, way.choice.backend, way.kernel_ms) for way in found]
+
+
+@pytest.mark.parametrize("choice,stored,graphs,expected", [
+    # the tuner's Triton config: the library call first, then the template
+    (Choice("triton_tiled", TILES, 0.02, 0.03), {}, False,
+     [(LIBRARY, "cublas", 0.03), (TEMPLATE, "triton_tiled", 0.02)]),
+    # cuBLAS within TEMPLATE_SLOWDOWN of the fastest Triton config tried, from the stored trials
+    (CUBLAS, trials(cublas=0.006, tiled=0.007, tiled_wide=0.0065), False,
+     [(LIBRARY, "cublas", 0.006), (TEMPLATE, "triton_tiled", 0.0065)]),
+    (CUBLAS, trials(cublas=0.006, tiled=0.008), False, [(LIBRARY, "cublas", 0.006)]),
+    (CUBLAS, trials(tiled=0.004), False, [(LIBRARY, "cublas", 0.013), (TEMPLATE, "triton_tiled", 0.004)]),
+    (CUBLAS, {}, False, [(LIBRARY, "cublas", 0.013)]),
+    (Choice("cublas", {}), trials(tiled=0.004), False, [(LIBRARY, "cublas", 0.0)]),  # a fallback: nothing measured
+    # gemmtune's kernel, by its stored trial's time, else the choice's own
+    (STREAM, trials(cublas=0.015, stream=0.011), False, [(LIBRARY, "cublas", 0.015), (CALLED, "triton_stream", 0.011)]),
+    (Choice("triton_stream", {"BLOCK_N": 64}, 0.010, 0.050), {}, False,
+     [(LIBRARY, "cublas", 0.05), (CALLED, "triton_stream", 0.010)]),
+    # where cuBLAS failed its check (no cublas_ms) its library call is never offered
+    (Choice("triton_stream", {"BLOCK_N": 64}, 0.012, None), trials(stream=0.012), False,
+     [(CALLED, "triton_stream", 0.012)]),
+    (Choice("triton_tiled", TILES, 0.02, None), {}, False, [(TEMPLATE, "triton_tiled", 0.02)]),
+    (Choice("triton_tiled", TILES), {}, False, [(TEMPLATE, "triton_tiled", 0.0)]),  # no time at all: as chosen
+    # cuBLASLt's algorithms are called only replayed as CUDA graphs, or where cuBLAS failed
+    (Choice("cublaslt", {"algo": 0}, 0.010, 0.050), {}, False, [(LIBRARY, "cublas", 0.05)]),
+    (Choice("cublaslt", {"algo": 0}, 0.010, 0.050), {}, True, [(LIBRARY, "cublas", 0.05), (CALLED, "cublaslt", 0.01)]),
+    (Choice("cublaslt", {"algo": 0}, 0.012, None), {}, False, [(CALLED, "cublaslt", 0.012)]),
+])
+def test_the_ways_a_choice_may_run(choice, stored, graphs, expected):
+    found = plan.ways(choice, stored, graphs)
+    assert offered(found) == [(kind, backend, pytest.approx(ms)) for kind, backend, ms in expected]
+    assert all(way.host_ms == (0.0 if graphs else plan.HOST_MS[way.kind]) for way in found)
+    template = [way for way in found if way.kind == TEMPLATE and choice.backend != "triton_tiled"]
+    if template:  # the fastest Triton config tried
+        fastest = min((t for t in stored.values() if t.backend == "triton_tiled"), key=lambda t: t.median_ms)
+        assert template[0].choice.config == fastest.config
+
+
+def test_the_template_with_the_activation_fused_launches_no_kernel_for_it():
+    fused = (CUBLAS, trials(cublas=0.008, tiled_wide=0.0062))
+    found = plan.ways(CUBLAS, trials(cublas=0.006, tiled=0.0061), False, fused)
+    assert offered(found)[1:] == [(TEMPLATE, "triton_tiled", 0.0061), (TEMPLATE, "triton_tiled", 0.0062)]
+    assert found[2].choice.config["BLOCK_N"] == 64
+    assert found[2].host_ms == pytest.approx(plan.HOST_MS[TEMPLATE] - plan.LAUNCH_MS)
+
+
+def way(kind, kernel_ms, graphs=False):
+    backend = {LIBRARY: "cublas", CALLED: "triton_stream", TEMPLATE: "triton_tiled"}[kind]
+    return Way(Choice(backend, {}, kernel_ms, 0.01), kind, kernel_ms, 0.0 if graphs else plan.HOST_MS[kind])
+
+
+HOST_PACED = Rest(host_ms=2.0, gpu_ms=0.1)  # a decode step: many short kernels
+GPU_PACED = Rest(host_ms=0.5, gpu_ms=5.0)  # a large batch
+
+
+@pytest.mark.parametrize("rest,expected", [(HOST_PACED, LIBRARY), (GPU_PACED, CALLED)])
+def test_gemmtunes_faster_kernel_is_called_only_where_the_gpu_sets_the_pace(rest, expected):
+    """Its call costs the host more than the library call's: in a graph the host paces that is
+    time lost, whatever the kernel saves."""
+    gemms = [Gemm(24, False, (way(LIBRARY, 0.025), way(CALLED, 0.010)))]
+    assert [w.kind for w in plan.plan(gemms, rest, graphs=False)] == [expected]
+
+
+@pytest.mark.parametrize("rest,expected", [(HOST_PACED, TEMPLATE), (GPU_PACED, LIBRARY)])
+def test_a_slower_template_is_taken_for_its_launch_only_where_the_host_sets_the_pace(rest, expected):
+    gemms = [Gemm(16, False, (way(LIBRARY, 0.006), way(TEMPLATE, 0.007)))]
+    assert [w.kind for w in plan.plan(gemms, rest, graphs=False)] == [expected]
+
+
+def test_a_graph_neither_clearly_paces_keeps_the_library_call_where_a_way_trades_host_for_gpu():
+    """Paced by the GPU on a fast host and by the host on a slow one: a trade that pays on one
+    loses on the other."""
+    balanced = Rest(host_ms=0.6, gpu_ms=0.6)
+    gemms = [Gemm(24, False, (way(LIBRARY, 0.020), way(CALLED, 0.015))),
+             Gemm(24, False, (way(LIBRARY, 0.006), way(TEMPLATE, 0.007)))]
+    assert [w.kind for w in plan.plan(gemms, balanced, graphs=False)] == [LIBRARY, LIBRARY]
+    faster = [Gemm(24, False, (way(LIBRARY, 0.020), way(TEMPLATE, 0.015)))]  # less host and less GPU time
+    assert [w.kind for w in plan.plan(faster, balanced, graphs=False)] == [TEMPLATE]
+
+
+@pytest.mark.parametrize("launched,wrapped,kept", [(2, 0, True), (12, 36, False), (17, 41, False), (30, 20, True)])
+def test_templates_for_their_launch_must_save_more_than_the_graphs_other_addmm_pay(launched, wrapped, kept):
+    """Switching the templates on makes a graph's other addmm calls dearer (torch 2.11's
+    bias_addmm): ``launched`` short GEMMs that would take the template for its launch, beside
+    ``wrapped`` ones with a bias that stay on cuBLAS (GPT-2: 12 and 36; the seeds' MLP: 2 and 0)."""
+    gemms = [Gemm(launched, True, (way(LIBRARY, 0.006), way(TEMPLATE, 0.0065))),
+             Gemm(wrapped, True, (way(LIBRARY, 0.008),))]
+    picks = plan.plan(gemms, HOST_PACED, graphs=False)
+    assert picks[0].kind == (TEMPLATE if kept else LIBRARY)
+    assert plan.plan(gemms, HOST_PACED, graphs=False, templates_on=True)[0].kind == TEMPLATE  # the caller's
+
+
+def test_replayed_as_a_cuda_graph_only_kernel_time_counts():
+    gemms = [Gemm(24, False, (way(LIBRARY, 0.025, True), way(CALLED, 0.010, True))),
+             Gemm(24, False, (way(LIBRARY, 0.006, True), way(TEMPLATE, 0.007, True))),
+             Gemm(24, False, (way(LIBRARY, 0.010, True), way(CALLED, 0.0099, True)))]  # within MIN_GAIN
+    assert [w.kind for w in plan.plan(gemms, HOST_PACED, graphs=True)] == [CALLED, LIBRARY, LIBRARY]
+
+
+KINDS = st.sampled_from([LIBRARY, CALLED, TEMPLATE])
+WAYS = st.lists(st.tuples(KINDS, st.floats(0.0, 0.3)), min_size=1, max_size=4)
+GEMMS = st.lists(st.tuples(st.integers(1, 50), st.booleans(), WAYS), min_size=1, max_size=6)
+
+
+@given(gemms=GEMMS, host=st.floats(0.0, 5.0), gpu=st.floats(0.0, 5.0), graphs=st.booleans(),
+       templates_on=st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_a_plan_never_costs_more_than_each_gemms_first_way_at_any_host_speed(gemms, host, gpu, graphs,
+                                                                          templates_on):
+    made = [Gemm(count, bias, tuple(way(kind, ms, graphs) for kind, ms in found)) for count, bias, found in gemms]
+    rest = Rest(host, gpu)
+    picks = plan.plan(made, rest, graphs, templates_on)
+    assert all(pick in gemm.ways for pick, gemm in zip(picks, made))
+    first = [gemm.ways[0] for gemm in made]
+    for scale in plan.HOST_SCALES:
+        assert plan.graph_ms(made, picks, rest, scale, graphs, templates_on) <= \
+            plan.graph_ms(made, first, rest, scale, graphs, templates_on) + 1e-12
