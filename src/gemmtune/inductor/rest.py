@@ -7,7 +7,8 @@ the compiler's aten graph before it is lowered, with the devices' rooflines.
 - any other op that computes (pointwise, copies, gathers): the compiler fuses a chain of them into
   one kernel, so only an op none of whose inputs comes from another such op starts a kernel,
   which reads and writes about its output;
-- views, placeholders and the graph's output: nothing.
+- views, placeholders and the graph's output: nothing;
+- and a run of the graph its guards' and wrapper's host time (``plan.GRAPH_MS``).
 
 The estimate only has to tell a graph the host paces (decode, small batches) from one the GPU
 paces (large batches), with HOST_SCALES's margin on the host side (``plan``): it counts kernels
@@ -23,7 +24,7 @@ import torch
 
 from gemmtune.backends.costmodel import dram_bytes_per_s, peak_flops
 from gemmtune.device import Device
-from gemmtune.inductor.plan import HOST_MS, LAUNCH_MS, LIBRARY, Rest
+from gemmtune.inductor.plan import GRAPH_MS, HOST_MS, LAUNCH_MS, LIBRARY, Rest
 from gemmtune.serving.calls import DTYPE_NAMES
 
 FLOPS_EFFICIENCY = 0.6  # of the matrix peak a library GEMM or attention kernel attains
@@ -39,7 +40,7 @@ _REDUCTIONS = ("sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "
 def estimate(graph: torch.fx.GraphModule, weighed: set, device: Device, tf32: bool) -> Rest:
     """The host and GPU time of ``graph``'s kernels other than the ``weighed`` nodes (the GEMMs
     ``plan`` weighs), per run."""
-    host = gpu = 0.0
+    host, gpu = GRAPH_MS, 0.0
     fused = set()  # nodes whose output a fused kernel computes (through views)
     for node in graph.graph.nodes:
         if node.op != "call_function" or node in weighed:
