@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from gemmtune import settings
+from gemmtune.backends import triton_key
 from gemmtune.device import current
 from gemmtune.kernel_config import KernelConfig, kernel_key
 from gemmtune.results import Timing
@@ -91,6 +92,7 @@ class Autotuned:
                  budget: int | None = None) -> None:
         self.fn = fn
         self.arg_names = list(getattr(fn, "arg_names", None) or _not_a_kernel(fn))
+        triton_key.install()  # a second process finds the chosen binary without hashing Triton first
         self.configs = list(configs) or [_default_config()]
         self.keys = _names("key", key, self.arg_names)
         self.reset_to_zero = _names("reset_to_zero", reset_to_zero or (), self.arg_names)

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gemmtune.backends import triton_key
+
 if TYPE_CHECKING:
     from gemmtune.backends.base import BoundCall, Kernel
 
@@ -30,6 +32,7 @@ class Launcher:
         determine (``gemm_hints``); it runs only when a guard is first seen."""
         from triton import knobs
 
+        triton_key.install()  # a new process finds its binaries in Triton's cache without hashing Triton
         self._fn = fn
         self._specialize = specialize
         self._hooks = knobs.runtime
