@@ -10,6 +10,7 @@ _MODULES = {
     "cublas": "gemmtune.backends.cublas",
     "cublas_padded": "gemmtune.backends.cublas_padded",
     "cublaslt": "gemmtune.backends.cublaslt",
+    "cute": "gemmtune.backends.cute",
     "triton_persistent": "gemmtune.backends.triton_persistent",
     "triton_splitk": "gemmtune.backends.triton_splitk",
     "triton_stream": "gemmtune.backends.triton_stream",

@@ -1,0 +1,204 @@
+"""``cute``: CUTLASS's CuTe DSL GEMM for Hopper (warpgroup matrix instructions, TMA loads and
+store, thread-block clusters, a persistent tile scheduler), tuned the way the seeds' CUTLASS
+guidance describes. The kernels are QuACK's (``quack-kernels``, with ``nvidia-cutlass-dsl``: the
+optional extra ``gemmtune[cute]``), used as a library; gemmtune's part is the method: the space
+(``space``), its pruning by the device's shared memory and the problem's shape, the cost model's
+ranking, verification, side-by-side timing, the choice and the store.
+
+A config is one CuTe DSL kernel: its CTA tile (M x N; K is 64 per stage for 16-bit operands, as
+many stages as the shared memory holds), its cluster shape, cooperative or ping-pong warpgroups,
+a static or dynamic persistent schedule, and whether A and B trade places (``swap_ab``: a
+problem with few rows runs as its transpose, its rows on the tile's N side). Blackwell's family
+(sm_100: 128- and 256-row tiles, 2-CTA instructions with an even cluster M) is defined and its
+configs validated, but not run here: ``is_available`` offers the backend on sm_90 only.
+
+Compiling a config takes CuTe DSL about 1.3 s. QuACK keeps each compiled kernel in process under
+its dtypes and config and exports it as an object file that a new process reloads in about a
+millisecond; gemmtune points that cache into its own cache directory (``cute/``, unless
+``QUACK_CACHE_DIR`` says otherwise), beside the store that keeps the tuning results.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import torch
+
+from gemmtune.backends import costmodel
+from gemmtune.backends.base import FieldConfig, KernelBase, config_from_mapping
+from gemmtune.backends.launch import unit_stride_bias
+from gemmtune.backends.triton_persistent import tma_ready
+from gemmtune.device import Device
+from gemmtune.problem import Problem
+from gemmtune.settings import cache_dir
+
+NAME = "cute"
+TILE_K = 64  # one 128-byte swizzled row of 16-bit K per pipeline stage
+MIN_STAGES = 2  # a pipeline of fewer stages cannot overlap TMA loads with the matrix instructions
+BARRIER_BYTES = 1024  # the pipeline's mbarriers and the tile scheduler's state
+RUNNABLE_ARCHS = (9,)  # the compute capabilities the backend is offered on (sm_100: defined only)
+DTYPES = ("bfloat16", "float16")
+SMALL = 64  # a side shorter than this runs on the tile's N side (swap_ab) or not at all
+
+# (tile_m, tile_n, pingpong) per compute capability major. sm_90: two cooperative warpgroups on a
+# 256-row tile (or 128 rows at the widest N), or two ping-pong warpgroups each on its own 128-row
+# tile; sm_100: one MMA warp on 128 or 256 rows (256: the 2-CTA instruction), no ping-pong.
+TILES = {
+    9: tuple([(256, n, False) for n in (128, 160, 192, 208)] + [(128, 224, False), (128, 256, False)]
+             + [(128, n, True) for n in (128, 160, 192, 208)] + [(192, 128, True)]),
+    10: tuple((m, n, False) for m in (128, 256) for n in (16, 32, 64, 128, 160, 192, 224, 256)),
+}
+CLUSTERS = {9: ((1, 2), (2, 1)), 10: ((1, 1), (1, 2), (2, 1), (2, 2))}
+PERSISTENT = {9: (False,), 10: (True, False)}  # sm_90: a static persistent schedule only
+
+
+@dataclass(frozen=True)
+class CuteConfig(FieldConfig):
+    FIELDS = {"arch": "arch", "tile_m": "tile_m", "tile_n": "tile_n", "cluster_m": "cluster_m",
+              "cluster_n": "cluster_n", "pingpong": "pingpong", "dynamic_persistent": "dynamic_persistent",
+              "swap_ab": "swap_ab"}  # persisted name -> attribute
+
+    arch: int
+    tile_m: int
+    tile_n: int
+    cluster_m: int
+    cluster_n: int
+    pingpong: bool = False
+    dynamic_persistent: bool = False
+    swap_ab: bool = False
+
+    def __post_init__(self) -> None:
+        """Only a config of the space (``space_of``): a config read from a store or a file is
+        untrusted, and an invalid one would fail to compile or fault."""
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (self.arch, self.tile_m, self.tile_n,
+                                                                      self.cluster_m, self.cluster_n)):
+            raise ValueError(f"{NAME} config: arch, tile and cluster sizes must be ints, got {self.as_dict()}")
+        if any(not isinstance(v, bool) for v in (self.pingpong, self.dynamic_persistent, self.swap_ab)):
+            raise ValueError(f"{NAME} config: pingpong, dynamic_persistent and swap_ab must be true or false, "
+                             f"got {self.as_dict()}")
+        if self.arch not in TILES:
+            raise ValueError(f"{NAME} arch={self.arch} is not one of {tuple(TILES)} (sm_90, sm_100)")
+        if self not in space_of(self.arch):
+            raise ValueError(f"{NAME} config {self.key()} is not in sm_{self.arch}0's space: tiles (M, N, "
+                             f"pingpong) {TILES[self.arch]}, clusters {CLUSTERS[self.arch]}, dynamic persistent "
+                             f"{PERSISTENT[self.arch]}")
+
+    def stages(self, element_size: int, smem_bytes: int) -> int:
+        """The pipeline stages the shared memory holds beside the epilogue's output subtile."""
+        stage = (self.tile_m + self.tile_n) * TILE_K * element_size
+        epilogue = self.tile_m * min(self.tile_n, 64) * element_size
+        return max(0, (smem_bytes - epilogue - BARRIER_BYTES) // stage)
+
+
+@functools.lru_cache(maxsize=None)
+def space_of(arch: int) -> tuple[CuteConfig, ...]:
+    """Every config of compute capability ``arch``'s family."""
+    return tuple(_unchecked(arch, m, n, cm, cn, pp, dyn, swap) for m, n, pp in TILES[arch] for cm, cn in CLUSTERS[arch] for dyn in PERSISTENT[arch]
+                 for swap in (False, True))
+
+
+def _unchecked(arch, m, n, cm, cn, pp, dyn, swap) -> CuteConfig:
+    """A config of the table itself, built without ``__post_init__``'s membership check (which
+    asks the table)."""
+    config = object.__new__(CuteConfig)
+    for name, value in zip(("arch", "tile_m", "tile_n", "cluster_m", "cluster_n", "pingpong", "dynamic_persistent",
+                            "swap_ab"), (arch, m, n, cm, cn, pp, dyn, swap)):
+        object.__setattr__(config, name, value)
+    return config
+
+
+def space(problem: Problem, device: Device) -> list[CuteConfig]:
+    """The configs for this problem on this device: its family's, those whose pipeline fits the
+    shared memory with MIN_STAGES stages or more, and by the problem's shape: a problem with
+    fewer than SMALL rows only as its transpose (swap_ab), one with fewer than SMALL columns only
+    as itself; none for a problem the kernels do not take (``takes``)."""
+    arch = device.capability[0]
+    if arch not in TILES or not takes(problem):
+        return []
+    configs = []
+    for config in space_of(arch):
+        if config.stages(problem.element_size, device.smem_per_block) < MIN_STAGES:
+            continue
+        if config.cluster_m * config.cluster_n > device.sm_count:
+            continue
+        if problem.m < SMALL and not config.swap_ab or problem.n < SMALL and config.swap_ab and problem.m >= SMALL:
+            continue
+        configs.append(config)
+    return configs
+
+
+def takes(problem: Problem) -> bool:
+    """Whether the kernels take ``problem``: 16-bit operands, no activation epilogue yet, and
+    TMA's 16-byte alignment of every row (K and N multiples of 8)."""
+    return (problem.dtype in DTYPES and problem.activation == "none" and problem.k % 8 == 0
+            and problem.n % 8 == 0 and problem.layout in ("linear", "nn"))
+
+
+class CuteKernel(KernelBase):
+    """One config's kernel: QuACK's GEMM with that config, compiled on its first call (or loaded
+    from the exported cache). 2-D ``a`` only, nothing to bind (``KernelBase``'s defaults)."""
+
+    def __init__(self, problem: Problem, config: CuteConfig) -> None:
+        gemm, make_config = _quack()
+        self._gemm = gemm
+        self._linear = problem.layout == "linear"
+        self._config = make_config(tile_m=config.tile_m, tile_n=config.tile_n, pingpong=config.pingpong,
+                                   is_dynamic_persistent=config.dynamic_persistent, cluster_m=config.cluster_m,
+                                   cluster_n=config.cluster_n, swap_ab=config.swap_ab, device_capacity=config.arch)
+
+    def __call__(self, a, b, bias, out=None):
+        a, b, bias = tma_ready(a), tma_ready(b), unit_stride_bias(bias)
+        b_kn = b.t() if self._linear else b  # (K, N): a weight's transpose is K-major, which TMA reads as well
+        result = out if out is not None and tma_ready(out) is out else \
+            torch.empty((a.shape[0], b_kn.shape[1]), dtype=a.dtype, device=a.device)
+        self._gemm(a, b_kn, result, bias=bias, config=self._config)
+        if out is not None and result is not out:
+            out.copy_(result)
+            return out
+        return result
+
+
+def _quack():
+    """QuACK's GEMM for one given config (its autotuned entry's undecorated function) and its
+    config class, imported on the first build: importing CuTe DSL takes seconds."""
+    os.environ.setdefault("QUACK_CACHE_DIR", str(cache_dir() / "cute"))
+    from quack.gemm_config import GemmConfig
+    from quack.gemm_interface import gemm_tuned
+
+    return gemm_tuned.fn, GemmConfig
+
+
+def installed() -> bool:
+    """Whether QuACK and CuTe DSL are installed (checked without importing them)."""
+    return all(importlib.util.find_spec(name) is not None for name in ("quack", "cutlass"))
+
+
+class CuteBackend:
+    name = NAME
+    space_size = len(space_of(9))
+
+    def is_available(self, device: Device) -> bool:
+        return not device.interpreter and device.capability[0] in RUNNABLE_ARCHS and installed()
+
+    def candidates(self, problem: Problem, device: Device) -> list[CuteConfig]:
+        return space(problem, device)
+
+    def predict_ms(self, problem: Problem, device: Device, config: CuteConfig) -> float | None:
+        """The tiled roofline (``costmodel.tile_gemm_ms``) over the tiles the kernel walks: the
+        transpose's where A and B trade places."""
+        shape = replace(problem, m=problem.n, n=problem.m) if config.swap_ab else problem
+        stages = min(config.stages(problem.element_size, device.smem_per_block), 8)
+        return costmodel.tile_gemm_ms(shape, device, config.tile_m, config.tile_n, TILE_K, stages)
+
+    def parse_config(self, data: Mapping) -> CuteConfig:
+        return config_from_mapping(self.name, data, CuteConfig)
+
+    def build(self, problem: Problem, config: CuteConfig, device: Device) -> CuteKernel:
+        return CuteKernel(problem, config)
+
+
+BACKEND = CuteBackend()

@@ -1,0 +1,147 @@
+"""The CuTe DSL backend: its space per architecture, configs read from untrusted data, pruning by
+the device and the problem, availability; on the GPU (with ``gemmtune[cute]`` installed), every
+kind of config against float64."""
+
+import pytest
+import torch
+
+from gemmtune.backends import cute, get
+from gemmtune.backends.cute import CuteConfig
+from gemmtune.device import Device
+from gemmtune.problem import Problem
+
+H100 = Device("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, 50 << 20)
+SM38 = Device("NVIDIA H100 80GB HBM3", (9, 0), 38, 232448, 50 << 20)
+SMALL_SMEM = Device("a Hopper with less shared memory", (9, 0), 132, 101376, 50 << 20)
+B200 = Device("NVIDIA B200", (10, 0), 148, 232448, 126 << 20)
+A100 = Device("NVIDIA A100-SXM4-80GB", (8, 0), 108, 166912, 40 << 20)
+
+
+def test_the_spaces_of_hopper_and_blackwell():
+    assert len(cute.space_of(9)) == 44 == get("cute").space_size
+    assert len(cute.space_of(10)) == 2 * 8 * 4 * 2 * 2
+    for arch in (9, 10):
+        configs = cute.space_of(arch)
+        assert len(set(configs)) == len(configs)
+        assert all(CuteConfig(**c.as_dict()) == c for c in configs)  # each valid when built from its fields
+    assert not any(c.pingpong for c in cute.space_of(10))  # Blackwell has no ping-pong warpgroups
+
+
+@pytest.mark.parametrize("arch", [9, 10])
+def test_every_config_round_trips_through_the_store(arch):
+    backend = get("cute")
+    for config in cute.space_of(arch):
+        assert backend.parse_config(config.as_dict()) == config
+        assert config.key().startswith(f"arch={arch},tile_m=")
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"tile_n": 96}, "not in sm_90's space"),
+    ({"tile_m": 256, "pingpong": True}, "not in sm_90's space"),
+    ({"cluster_m": 4}, "not in sm_90's space"),
+    ({"dynamic_persistent": True}, "not in sm_90's space"),
+    ({"arch": 8}, "arch=8 is not one of"),
+    ({"tile_m": True}, "must be ints"),
+    ({"tile_n": "128"}, "must be ints"),
+    ({"swap_ab": 1}, "must be true or false"),
+])
+def test_a_config_outside_the_space_is_refused_with_what_is_accepted(change, message):
+    data = {**cute.space_of(9)[0].as_dict(), **change}
+    with pytest.raises(ValueError, match=message):
+        get("cute").parse_config(data)
+
+
+def test_a_config_with_missing_or_extra_keys_is_refused():
+    data = cute.space_of(9)[0].as_dict()
+    with pytest.raises(ValueError, match="needs exactly the keys"):
+        get("cute").parse_config({k: v for k, v in data.items() if k != "swap_ab"})
+    with pytest.raises(ValueError, match="needs exactly the keys"):
+        get("cute").parse_config({**data, "num_stages": 3})
+
+
+def test_the_shared_memory_prunes_the_widest_tiles():
+    problem = Problem(4096, 4096, 4096)
+    full, small = cute.space(problem, H100), cute.space(problem, SMALL_SMEM)
+    assert len(full) == 44
+    assert {(c.tile_m, c.tile_n) for c in small} < {(c.tile_m, c.tile_n) for c in full}
+    assert all(c.stages(2, SMALL_SMEM.smem_per_block) >= cute.MIN_STAGES for c in small)
+    assert (256, 208) not in {(c.tile_m, c.tile_n) for c in small}
+
+
+def test_few_rows_run_as_the_transpose_and_few_columns_as_the_product():
+    assert {c.swap_ab for c in cute.space(Problem(1, 4096, 4096), H100)} == {True}
+    assert {c.swap_ab for c in cute.space(Problem(4096, 16, 4096), H100)} == {False}
+    assert {c.swap_ab for c in cute.space(Problem(512, 768, 768), H100)} == {False, True}
+    assert cute.space(Problem(512, 768, 768), SM38)  # clusters of 2 fit 38 SMs
+
+
+@pytest.mark.parametrize("problem", [Problem(512, 768, 4095), Problem(512, 4097, 768), Problem(512, 768, 768, "float32"),
+                                     Problem(512, 768, 768, activation="gelu")])
+def test_a_problem_the_kernels_do_not_take_has_no_candidates(problem):
+    assert cute.space(problem, H100) == []
+
+
+def test_only_hopper_with_the_package_runs_it(monkeypatch):
+    backend = get("cute")
+    monkeypatch.setattr(cute, "installed", lambda: True)
+    assert backend.is_available(H100)
+    assert not backend.is_available(B200)  # its space is defined, its kernels not run here
+    assert not backend.is_available(A100) and cute.space(Problem(512, 768, 768), A100) == []
+    monkeypatch.setattr(cute, "installed", lambda: False)
+    assert not backend.is_available(H100)
+
+
+def test_the_interpreter_never_offers_it():
+    from gemmtune.device import interpreter_device
+
+    assert not get("cute").is_available(interpreter_device())
+
+
+def test_the_cost_model_ranks_the_transpose_as_the_tiles_it_walks():
+    backend = get("cute")
+    decode, tall = Problem(16, 4096, 4096), Problem(4096, 16, 4096)
+    for config in cute.space(decode, H100):
+        twin = CuteConfig(**{**config.as_dict(), "swap_ab": False})
+        assert backend.predict_ms(decode, H100, config) == pytest.approx(backend.predict_ms(tall, H100, twin))
+    assert all(backend.predict_ms(Problem(4096, 4096, 4096), H100, c) > 0 for c in cute.space_of(9))
+
+
+# --------------------------------------------------------------------------------------------
+# On the GPU, with gemmtune[cute] installed
+
+
+def relative_error(out, ref):
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cute.installed(), reason="needs gemmtune[cute] (quack-kernels, nvidia-cutlass-dsl)")
+@pytest.mark.parametrize("m", [1, 7, 33, 512])
+@pytest.mark.parametrize("layout,bias,view", [("linear", True, "plain"), ("linear", False, "offset"),
+                                              ("nn", True, "transposed")])
+def test_each_kind_of_config_matches_float64(m, layout, bias, view):
+    n, k = 264, 520
+    problem = Problem(m, n, k, "bfloat16", layout, bias)
+    configs = cute.space(problem, _current())
+    kinds = {(c.pingpong, c.swap_ab, c.cluster_m): c for c in configs}  # one of each kind
+    assert kinds
+    a = torch.randn(m, k + 8, device="cuda", dtype=torch.bfloat16)
+    a = a[:, 8:] if view == "offset" else a[:, :k]
+    if layout == "linear":
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    else:  # (K, N): row-major, or the transposed view of an (N, K) tensor
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if view == "transposed" else \
+            torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    bias_t = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    expected = a.double() @ (b.double().t() if layout == "linear" else b.double())
+    if bias_t is not None:
+        expected += bias_t.double()
+    for config in kinds.values():
+        out = get("cute").build(problem, config, _current())(a, b, bias_t)
+        assert out.shape == (m, n) and relative_error(out, expected) < 2e-2, config.key()
+
+
+def _current():
+    from gemmtune.device import current
+
+    return current()
