@@ -282,3 +282,15 @@ def test_warming_up_runs_the_reference_and_error_measure_of_each_kind():
     for dtype in ("bfloat16", "float16", "float32"):
         problem = Problem(7, 33, 65, dtype, "linear", bias=True, activation="gelu")
         assert verify.warm_up(problem, *verify.make_operands(problem, "cpu", seed=1)) is None
+
+
+def test_a_kernel_of_its_own_jit_is_not_run_to_capture_triton_compiles(monkeypatch):
+    """CuTe DSL's kernels compile without Triton: capturing would compile each here, one after
+    another, before the threads start; their threads compile them side by side instead."""
+    from types import SimpleNamespace
+
+    from gemmtune import backends
+
+    monkeypatch.setattr(backends, "build", lambda *args: pytest.fail("built to capture a CuTe DSL kernel"))
+    on_gpu = (SimpleNamespace(is_cuda=True), None, None)
+    assert compiler._capture((Problem(512, 768, 768), "cute", {}, on_gpu), H100) == []

@@ -18,6 +18,7 @@ _MODULES = {
 }
 REFERENCE = "cublas"  # the backend every choice must beat beyond noise
 PRECOMPILED = ("cublas", "cublaslt")  # library kernels: nothing to compile ahead
+OWN_JIT = ("cute",)  # compiled by their own JIT (CuTe DSL), not Triton's: nothing for a fork child to take
 
 
 def names() -> tuple[str, ...]:

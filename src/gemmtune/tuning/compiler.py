@@ -137,7 +137,7 @@ def _capture(job: tuple[Problem, str, dict, tuple], device: Device) -> list:
     """The kernels job's candidate has Triton compile, that Triton's cache lacks
     (``fork_compile.capture``); none where its operands are not on a GPU or it fails first."""
     problem, name, config, operands = job
-    if not operands[0].is_cuda:
+    if not operands[0].is_cuda or name in backends.OWN_JIT:  # capturing would compile it here, one at a time
         return []
     try:
         with _on_device(operands[0].device.index):
