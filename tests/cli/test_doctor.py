@@ -235,3 +235,18 @@ def test_cublaslt_callable_or_said_not_to_be():
 def test_cublaslt_is_callable_on_the_gpu():
     check = doctor.cublaslt_check()
     assert check.status == "ok" and "libcublasLt" in check.value
+
+
+def test_the_cute_backend_is_said_offered_or_why_not(monkeypatch):
+    from gemmtune.backends import cute
+
+    hopper = Device("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, 50 << 20)
+    ampere = Device("NVIDIA A100-SXM4-80GB", (8, 0), 108, 166912, 40 << 20)
+    check = doctor.cute_check(ampere)
+    assert (check.status, check.value) == ("info", "not offered on sm_80")
+    monkeypatch.setattr(cute, "installed", lambda: False)
+    check = doctor.cute_check(hopper)
+    assert check.status == "info" and "pip install gemmtune[cute]" in check.advice
+    monkeypatch.setattr(cute, "installed", lambda: True)
+    assert doctor.cute_check(hopper).status == "ok"
+    assert any(c.name == "CuTe DSL" for c in doctor.collect(device=hopper))

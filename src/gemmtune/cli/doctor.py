@@ -77,7 +77,7 @@ def collect(store_path: str | Path | None = None, device: Device | None = None) 
 
     checks = [gpu_check(device)]
     if not device.interpreter:
-        checks += [sm_check(device), smem_check(device), l2_check(device)]
+        checks += [sm_check(device), smem_check(device), l2_check(device), _guard("CuTe DSL", lambda: cute_check(device))]
         checks += _guard_many(("clocks", "throttle"), lambda: nvml_checks(live))
         if live:
             checks.append(_guard("cuBLAS products", cublas_check))
@@ -225,6 +225,27 @@ def cublaslt_check(library: Callable | None = None) -> Check:
                      "The cublaslt backend is left out: cuBLAS through torch's own calls remains, "
                      "as do gemmtune's Triton kernels.")
     return Check("cuBLASLt", f"version {lib.cublasLtGetVersion()} ({lib._name})", "ok")
+
+
+def cute_check(device: Device) -> Check:
+    """Whether the ``cute`` backend (CuTe DSL GEMMs, the optional extra) is offered on ``device``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from gemmtune.backends import cute
+
+    arch = f"sm_{device.capability[0]}{device.capability[1]}"
+    if device.capability[0] not in cute.RUNNABLE_ARCHS:
+        return Check("CuTe DSL", f"not offered on {arch}", "info",
+                     "gemmtune's CuTe DSL GEMMs run on Hopper (sm_90); here its other backends remain.")
+    if not cute.installed():
+        return Check("CuTe DSL", "not installed", "info",
+                     "`pip install gemmtune[cute]` adds CuTe DSL GEMMs (QuACK's kernels on nvidia-cutlass-dsl) "
+                     "to the candidates on this GPU.")
+    try:
+        found = ", ".join(f"{name} {version(name)}" for name in ("quack-kernels", "nvidia-cutlass-dsl"))
+    except PackageNotFoundError:  # importable from a path, without the packages' metadata
+        found = "importable"
+    return Check("CuTe DSL", found, "ok")
 
 
 # --- clocks and throttle reasons, live from NVML ---------------------------------------------
