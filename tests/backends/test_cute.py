@@ -75,8 +75,8 @@ def test_few_rows_run_as_the_transpose_and_few_columns_as_the_product():
     assert cute.space(Problem(512, 768, 768), SM38)  # clusters of 2 fit 38 SMs
 
 
-@pytest.mark.parametrize("problem", [Problem(512, 768, 4095), Problem(512, 4097, 768), Problem(512, 768, 768, "float32"),
-                                     Problem(512, 768, 768, activation="gelu")])
+@pytest.mark.parametrize("problem", [Problem(512, 768, 4095), Problem(512, 4097, 768),
+                                     Problem(512, 768, 768, "float32"), Problem(512, 768, 768, activation="gelu")])
 def test_a_problem_the_kernels_do_not_take_has_no_candidates(problem):
     assert cute.space(problem, H100) == []
 

@@ -97,8 +97,8 @@ class CuteConfig(FieldConfig):
 @functools.lru_cache(maxsize=None)
 def space_of(arch: int) -> tuple[CuteConfig, ...]:
     """Every config of compute capability ``arch``'s family."""
-    return tuple(_unchecked(arch, m, n, cm, cn, pp, dyn, swap) for m, n, pp in TILES[arch] for cm, cn in CLUSTERS[arch] for dyn in PERSISTENT[arch]
-                 for swap in (False, True))
+    return tuple(_unchecked(arch, m, n, cm, cn, pp, dyn, swap) for m, n, pp in TILES[arch]
+                 for cm, cn in CLUSTERS[arch] for dyn in PERSISTENT[arch] for swap in (False, True))
 
 
 def _unchecked(arch, m, n, cm, cn, pp, dyn, swap) -> CuteConfig:

@@ -77,7 +77,8 @@ def collect(store_path: str | Path | None = None, device: Device | None = None) 
 
     checks = [gpu_check(device)]
     if not device.interpreter:
-        checks += [sm_check(device), smem_check(device), l2_check(device), _guard("CuTe DSL", lambda: cute_check(device))]
+        checks += [sm_check(device), smem_check(device), l2_check(device),
+                   _guard("CuTe DSL", lambda: cute_check(device))]
         checks += _guard_many(("clocks", "throttle"), lambda: nvml_checks(live))
         if live:
             checks.append(_guard("cuBLAS products", cublas_check))
