@@ -130,18 +130,23 @@ class GemmtuneChoices(hooks.InductorChoices):
         others = graph_rest(graph, {node for node, _, _ in found}, found[0][2])
         picks = plan.plan(gemms, others, self.graphs, self.templates_on)
         self.decided = dict(zip(counts, picks))
+        self._say(counts, gemms, picks, others)
+        return any(way.kind == TEMPLATE for way in picks)
+
+    def _say(self, counts: Counter, gemms: list[Gemm], picks: list[Way], others: Rest) -> None:
+        """One log line for a planned graph: how its GEMMs run, and the plan's estimate."""
         kinds = Counter()
         for gemm, way in zip(gemms, picks):
             kinds[way.kind] += gemm.count
-        unchecked = sum(n for (p, i), n in counts.items() if self._asked(p, i)[0].cublas_ms is None
-                        and self._asked(p, i)[0].backend != REFERENCE)
+        chosen = {key: self._asked(*key)[0] for key in counts}
+        unchecked = sum(n for key, n in counts.items() if chosen[key].cublas_ms is None
+                        and chosen[key].backend != REFERENCE)
         host, gpu = plan.times(gemms, picks, others, self.templates_on)
         log.info("gemmtune: a compiled graph's %d GEMMs (%d shapes): %s%s; estimated %.2f ms of host and %.2f ms "
-                 "of GPU time per run%s", len(found), len(counts),
+                 "of GPU time per run%s", sum(counts.values()), len(counts),
                  ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())),
                  f" ({unchecked} where cuBLAS failed gemmtune's check)" if unchecked else "", host, gpu,
                  " (replayed as a CUDA graph)" if self.graphs else "")
-        return kinds[TEMPLATE] > 0
 
     def uuid(self) -> str:
         """Part of the compiler's cache key: a graph compiled with gemmtune's choices is not one
