@@ -82,7 +82,9 @@ class CuteConfig(FieldConfig):
                              f"got {self.as_dict()}")
         if self.arch not in TILES:
             raise ValueError(f"{NAME} arch={self.arch} is not one of {tuple(TILES)} (sm_90, sm_100)")
-        if self not in space_of(self.arch):
+        tile, cluster = (self.tile_m, self.tile_n, self.pingpong), (self.cluster_m, self.cluster_n)
+        if tile not in TILES[self.arch] or cluster not in CLUSTERS[self.arch] \
+                or self.dynamic_persistent not in PERSISTENT[self.arch]:
             raise ValueError(f"{NAME} config {self.key()} is not in sm_{self.arch}0's space: tiles (M, N, "
                              f"pingpong) {TILES[self.arch]}, clusters {CLUSTERS[self.arch]}, dynamic persistent "
                              f"{PERSISTENT[self.arch]}")
@@ -97,18 +99,8 @@ class CuteConfig(FieldConfig):
 @functools.lru_cache(maxsize=None)
 def space_of(arch: int) -> tuple[CuteConfig, ...]:
     """Every config of compute capability ``arch``'s family."""
-    return tuple(_unchecked(arch, m, n, cm, cn, pp, dyn, swap) for m, n, pp in TILES[arch]
+    return tuple(CuteConfig(arch, m, n, cm, cn, pp, dyn, swap) for m, n, pp in TILES[arch]
                  for cm, cn in CLUSTERS[arch] for dyn in PERSISTENT[arch] for swap in (False, True))
-
-
-def _unchecked(arch, m, n, cm, cn, pp, dyn, swap) -> CuteConfig:
-    """A config of the table itself, built without ``__post_init__``'s membership check (which
-    asks the table)."""
-    config = object.__new__(CuteConfig)
-    for name, value in zip(("arch", "tile_m", "tile_n", "cluster_m", "cluster_n", "pingpong", "dynamic_persistent",
-                            "swap_ab"), (arch, m, n, cm, cn, pp, dyn, swap)):
-        object.__setattr__(config, name, value)
-    return config
 
 
 def space(problem: Problem, device: Device) -> list[CuteConfig]:
