@@ -10,9 +10,10 @@ so that the host sets the pace) compiled
     pointwise   a compiled graph of one Triton kernel and no GEMM (x * 2 + 1): a launch's floor
     eager       F.linear, uncompiled
 
-Each way's calls are queued in loops (no sync between calls) alternated over rounds, in one
-process; each figure is the median of its rounds' microseconds per call, and ``vs_library`` the
-median of the per-round ratios to the library call's. Every output is checked against float64.
+Each way's calls are queued in loops (no sync between calls) in shuffled order over rounds, in
+one process (``measure.loops``, as a model's forward is timed); each figure is the median of its
+rounds' microseconds per call, and ``vs_library`` the median of the per-round ratios to the
+library call's. Every output is checked against float64.
 
     PYTHONPATH=src python3 benchmarks/compiled_host.py --out $OUT/compiled-host.json
 """
@@ -24,7 +25,6 @@ import datetime
 import json
 import statistics
 import sys
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from unittest import mock
@@ -34,8 +34,10 @@ import torch._inductor.config
 import torch.nn.functional as F
 
 import gemmtune
+from gemmtune.device import current
 from gemmtune.inductor import choices, plan
 from gemmtune.serving.dispatch import Choice
+from gemmtune.tuning import measure
 
 WAYS = ("library", "wrapped", "template", "called", "pointwise", "eager")
 TILES = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
@@ -77,22 +79,12 @@ def build(way: str, layer: torch.nn.Linear, x: torch.Tensor):
     return lambda: fn(x)
 
 
-def loop_us(call, calls: int) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        call()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e6 / calls
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     parser.add_argument("--shape", default="64x256x256",
                         help="MxNxK of the linear layer, with a bias (default 64x256x256)")
-    parser.add_argument("--calls", type=int, default=2000, help="calls per loop (default 2000)")
-    parser.add_argument("--rounds", type=int, default=11, help="rounds of alternated loops (default 11)")
+    parser.add_argument("--rounds", type=int, default=11, help="rounds of shuffled loops (default 11)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("compiled_host.py: needs a CUDA GPU (it times host time per call of compiled code)", file=sys.stderr)
@@ -112,16 +104,14 @@ def main(argv=None) -> int:
             errors[way] = ((out.double() - expected).abs().max() / expected.abs().max()).item()
             if errors[way] > 2e-2:
                 raise SystemExit(f"compiled_host.py: {way} computed a wrong result (rel_err {errors[way]:.3g})")
-        times = {way: [] for way in WAYS}
-        for r in range(args.rounds):
-            for way in WAYS[r % len(WAYS):] + WAYS[:r % len(WAYS)]:
-                times[way].append(loop_us(calls[way], args.calls))
+        timings = measure.loops(calls, current(), budget_ms=60_000.0, rounds=args.rounds)
+    times = {way: [ms * 1e3 for ms in timing.samples] for way, timing in timings.items()}
     rows = [{"way": way, "host_us": statistics.median(times[way]),
              "vs_library": statistics.median(t / lib for t, lib in zip(times[way], times["library"])),
              "rel_err": errors[way]} for way in WAYS]
     doc = {"kind": "compiled-host", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "gemmtune": gemmtune.__version__, "date": datetime.date.today().isoformat(), "shape": [m, n, k],
-           "calls": args.calls, "rounds": args.rounds, "rows": rows}
+           "rounds": args.rounds, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     for row in rows:
