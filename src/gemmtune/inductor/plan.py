@@ -20,7 +20,7 @@ replaces at every host speed of HOST_SCALES. Under CUDA graphs only the GPU time
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gemmtune.backends import REFERENCE
 from gemmtune.results import Status, Trial
@@ -96,17 +96,17 @@ def ways(choice: Choice, trials: dict[str, Trial], graphs: bool,
     if choice.backend in CALLED_BACKENDS or choice.backend in GRAPHED_ONLY and (graphs or choice.cublas_ms is None):
         mine = trials.get(Trial(choice.backend, choice.config, Status.OK).label())
         found.append(_way(choice, CALLED, mine.median_ms if mine is not None else choice.time_ms, graphs))
-    for form, (chosen, tried) in enumerate([(choice, trials)] + ([fused] if fused else [])):
+    # the form with the activation fused into the template's epilogue launches no kernel for it
+    forms = [(choice, trials, 0.0)] + ([(*fused, LAUNCH_MS)] if fused else [])
+    for chosen, tried, saved_ms in forms:
         tiled = _fastest_tiled(chosen, tried)
         if tiled is not None and (library_ms is None or tiled.time_ms <= TEMPLATE_SLOWDOWN * library_ms):
-            way = _way(tiled, TEMPLATE, tiled.time_ms, graphs)
-            # the activation in the template's epilogue: the kernel it would have had, launched no more
-            found.append(Way(way.choice, TEMPLATE, way.kernel_ms, 0.0 if graphs else way.host_ms - form * LAUNCH_MS))
+            found.append(Way(tiled, TEMPLATE, tiled.time_ms, 0.0 if graphs else HOST_MS[TEMPLATE] - saved_ms))
     known = tuple(way for way in found if way.kernel_ms is not None)
-    if library_ms is None and found and found[0].kind == LIBRARY or not known:
-        # cuBLAS unmeasured (a fallback), or no time known at all: the choice as it is, nothing weighed
-        return (_way(found[0].choice if found else choice, found[0].kind if found else _kind(choice.backend),
-                     0.0, graphs),)
+    if not known or library_ms is None and found[0].kind == LIBRARY:
+        # no time known, or cuBLAS unmeasured (a fallback): the choice as it is, nothing weighed
+        first = found[0] if found else _way(choice, _kind(choice.backend), 0.0, graphs)
+        return (replace(first, kernel_ms=0.0),)
     return known
 
 

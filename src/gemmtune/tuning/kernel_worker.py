@@ -30,6 +30,7 @@ import torch
 from gemmtune.device import Device
 from gemmtune.kernel_config import BACKEND, KernelConfig
 from gemmtune.results import Status, Trial, TuneResult
+from gemmtune.shapes import KERNEL_CALL
 from gemmtune.tuning import autotuner
 from gemmtune.tuning.processes import main_hidden
 
@@ -145,7 +146,7 @@ def recorded_call(kernel: Tunable, key: str, args: tuple, kwargs: dict, grid, na
     if place is None or unsupported(named) is not None:
         return None
     job = _job(kernel, place, key, args, kwargs, grid, named, candidates, None)
-    return {"kind": "kernel", **{k: v for k, v in vars(job).items() if k != "progress"}}
+    return {"kind": KERNEL_CALL, **{k: v for k, v in vars(job).items() if k != "progress"}}
 
 
 def tune_recorded(call: dict, device: Device) -> tuple[TuneResult | None, str]:
