@@ -12,6 +12,8 @@
 #                                                                 # once all are there, unpacks them
 #   PYTHONPATH=src:/tmp/cute/site:/tmp/cute/site/nvidia_cutlass_dsl/dsl_packages python3 ...   # cute is there
 #
+# CuTe DSL's Python code is the libs-core wheel (libs-base holds only the MLIR bindings); its
+# other needs (cuda-bindings, protobuf) are on the GPU machines already.
 # Trimmed: CuTe DSL's profiler (iket) and TVM FFI's testing library and third-party sources.
 set -euo pipefail
 QUACK=quack-kernels==0.6.5
@@ -26,7 +28,7 @@ pack() {
   pip download --no-deps --only-binary=:all: --python-version 3.12 \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$work/wheels" "$QUACK" "nvidia-cutlass-dsl==$DSL" "nvidia-cutlass-dsl-libs-base==$DSL" \
-    "nvidia-cutlass-dsl-libs-cu13==$DSL" "apache-tvm-ffi<0.2,>=0.1.6" torch-c-dlpack-ext einops
+    "nvidia-cutlass-dsl-libs-cu13==$DSL" "nvidia-cutlass-dsl-libs-core==$DSL" "apache-tvm-ffi<0.2,>=0.1.6" torch-c-dlpack-ext einops
   mkdir "$work/site"
   for wheel in "$work"/wheels/*.whl; do unzip -q -o "$wheel" -d "$work/site"; done
   rm -rf "$work/site/nvidia_cutlass_dsl/dsl_packages/iket" "$work/site/tvm_ffi/lib/libtvm_ffi_testing.so" \

@@ -18,10 +18,10 @@ and the file says:
   reads as ``*_s - work_s / gpus``;
 - ``agreement``: the share of problems whose choice under ``--gpus all`` is the plain run's, and
   ``repeat``: the same between the two one-GPU runs (``plain`` and ``gpus_1``, on the same GPU:
-  how far two tunings agree at all). For each that differs, ``loss`` = the other choice's time over
-  the run's own choice's, the median of their per-round ratios in that run's final rounds, and
-  ``noise`` the spread of those ratios (null where the other choice was not among the run's
-  finalists), so a difference within noise reads 1.0 +- noise.
+  how far two tunings agree at all). Each difference is then crosschecked: its two choices timed
+  side by side with cuBLAS on GPU 0, in rounds like the tuner's final ones; ``kernel`` and
+  ``cost`` are the other choice's over plain's (medians of per-round ratios, with their noise),
+  and ``within_noise`` counts the differences where both are level (see ``crosscheck``).
 
     PYTHONPATH=src python3 benchmarks/fleet.py --out fleet.json [--count 200] [--keep DIR]
 
@@ -92,27 +92,47 @@ def agreement(plain: Path, spread: Path) -> dict:
         elif their.label() == ours.label():
             same += 1
         else:
-            final = finalists(base.trials(ours.device, ours.problem_key))
-            mine, others = final.get(ours.label()), final.get(their.label())
-            loss, noise = (others.ratio_to(mine), others.spread_against(mine)) if mine and others else (None, None)
-            differences.append({"problem": ours.problem_key, "plain": ours.label(), "other": their.label(),
-                                "loss": loss, "noise": noise})
+            differences.append({"problem": ours.problem_key, "plain": [ours.backend, ours.config],
+                                "other": [their.backend, their.config]})
     total = len(base.choices())
-    return {"problems": total, "same": same, "agreement": same / total if total else None,
-            "within_noise": sum(1 for d in differences if d.get("loss") is not None
-                                and abs(d["loss"] - 1.0) <= max(d["noise"], 0.02)),
-            "differences": differences}
+    return {"problems": total, "same": same, "agreement": same / total if total else None, "differences": differences}
 
 
-def finalists(trials) -> dict:
-    """The timings of a problem's final round, by label: the trials timed round by round beside
-    cuBLAS (as many samples as cuBLAS's final timing, at least the tuner's minimum of rounds)."""
-    from gemmtune.tuning.tuner import MIN_ROUNDS_FINAL
+def crosscheck(comparison: dict, budget_ms: float) -> None:
+    """Each difference's two choices timed side by side on GPU 0 with cuBLAS, as the tuner's final
+    rounds time its finalists: ``kernel`` and ``cost`` (a user's call, the time selection judges)
+    of the other choice over plain's, each the median of per-round ratios with its ``*_noise``
+    (the half inter-quartile range of those ratios), and ``host``, the host's time per call, where
+    the kernels are short enough for it to be measured. A difference is within noise where both
+    its kernel and its cost are level (within max(MIN_GAIN, noise)) with plain's."""
+    from gemmtune.device import current
+    from gemmtune.problem import Problem
+    from gemmtune.results import Status, Trial
+    from gemmtune.tuning.runner import LocalRunner
+    from gemmtune.tuning.tuner import MIN_GAIN, MIN_ROUNDS_FINAL
 
-    reference = next((t for t in trials if t.ok and t.backend == "cublas"), None)
-    rounds = len(reference.timing.samples) if reference else 0
-    return {t.label(): t.timing for t in trials if t.ok and rounds >= MIN_ROUNDS_FINAL
-            and len(t.timing.samples) == rounds}
+    runner = LocalRunner(current())
+    within = 0
+    for difference in comparison["differences"]:
+        if difference.get("missing"):
+            continue
+        runner.start(Problem.from_key(difference["problem"]), seed=0)
+        pair = [tuple(difference["plain"]), tuple(difference["other"])]
+        final = runner.final([("cublas", {}), *pair], budget_ms, MIN_ROUNDS_FINAL)
+        mine, theirs = (final.get(Trial(backend, config, Status.OK).label()) for backend, config in pair)
+        if mine is None or theirs is None:
+            difference["failed"] = "a choice failed its build or check in the crosscheck"
+            continue
+        level = True
+        for i, what in enumerate(("kernel", "cost")):
+            ratio, noise = theirs[i].ratio_to(mine[i]), theirs[i].spread_against(mine[i])
+            difference[what], difference[f"{what}_noise"] = ratio, noise
+            level = level and abs(ratio - 1.0) <= max(MIN_GAIN, noise)
+        if mine[2] is not None and theirs[2] is not None:
+            difference["host"] = theirs[2].ratio_to(mine[2])
+        difference["within_noise"] = level
+        within += level
+    comparison["within_noise"] = within
 
 
 def work_of(store: Path) -> float:
@@ -127,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=200, help="problems in the zoo (default 200, at most 210)")
     parser.add_argument("--keep", type=Path, help="a folder to keep the three runs' stores in")
     parser.add_argument("--timeout-s", type=float, default=400.0, help="the longest one tuning run may take")
+    parser.add_argument("--crosscheck-ms", type=float, default=90.0,
+                        help="the side-by-side rounds' budget for each difference (default 90: twice the tuner's final)")
     args = parser.parse_args(argv)
     gpu = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if gpu else 2
@@ -155,10 +177,20 @@ def main(argv: list[str] | None = None) -> int:
             out.write_text(json.dumps(result, indent=1))
         result["scheduler_overhead"] = result["gpus_1_s"] / result["plain_s"] - 1
         result["repeat"] = agreement(work / "plain.sqlite", work / "gpus_1.sqlite")
-    out.write_text(json.dumps(result, indent=1))
+        out.write_text(json.dumps(result, indent=1))
+        # the differences' kernels compile from the runs' own caches, merged
+        for cache in (work / f"{name}-triton" for name in runs):
+            if cache.is_dir():  # none under the interpreter
+                shutil.copytree(cache, work / "crosscheck-triton", dirs_exist_ok=True)
+        os.environ["TRITON_CACHE_DIR"] = str(work / "crosscheck-triton")
+        for comparison in (result, result["repeat"]):
+            crosscheck(comparison, args.crosscheck_ms)
+            out.write_text(json.dumps(result, indent=1))
     print(f"{gpus} GPUs: scaling {result['scaling']:.2f}x (ideal {gpus}), scheduler overhead "
           f"{result['scheduler_overhead']:+.1%}, agreement {result['same']}/{result['problems']} "
-          f"(one GPU twice: {result['repeat']['same']}/{result['repeat']['problems']})", file=sys.stderr)
+          f"({result['within_noise']} of the differences within noise; one GPU twice: "
+          f"{result['repeat']['same']}/{result['repeat']['problems']}, {result['repeat']['within_noise']})",
+          file=sys.stderr)
     return 0
 
 

@@ -117,6 +117,22 @@ def test_among_winners_that_cost_the_same_the_fastest_kernel_is_chosen():
     assert select("cublas", timings, costs) == "a"
 
 
+def test_near_equal_winners_are_told_apart_by_the_order_they_were_tried_not_by_noise():
+    """Two cuBLASLt algorithms 5% under cuBLAS and within a percent of each other: whichever
+    reads faster by noise in these rounds, the one tried first wins, so that two tunings agree;
+    one faster beyond MIN_GAIN still wins wherever it was tried."""
+    costs = {"cublas": timing(0.100, 0.005, 1), "lt1": timing(0.0950, 0.005, 2), "lt2": timing(0.0945, 0.005, 3)}
+    for first, second in (("lt1", "lt2"), ("lt2", "lt1")):
+        assert select("cublas", costs, costs, order=["cublas", first, second]) == first
+        swapped = {**costs, "lt1": costs["lt2"], "lt2": costs["lt1"]}
+        assert select("cublas", swapped, swapped, order=["cublas", first, second]) == first
+    costs["lt2"] = timing(0.090, 0.005, 3)
+    assert select("cublas", costs, costs, order=["cublas", "lt1", "lt2"]) == "lt2"
+    # without an order, the labels' own order: still the same choice whatever the noise
+    assert select("cublas", {**costs, "lt2": timing(0.0945, 0.005, 3)}, {**costs, "lt2": timing(0.0945, 0.005, 3)}) \
+        == "lt1"
+
+
 def test_a_winner_whose_kernel_is_slower_gives_way_to_the_next_cheapest():
     timings = {"cublas": timing(0.0087, 0.01), "x": timing(0.0106, 0.01), "y": timing(0.0080, 0.01)}
     costs = {"cublas": flat(0.012), "x": flat(0.0090), "y": flat(0.0100)}

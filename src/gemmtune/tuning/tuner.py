@@ -214,7 +214,8 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
     costs = {label: cost for label, (_, cost, *_) in passed.items()}
     hosts = {label: host for label, (_, _, host, _) in passed.items()}
     kept = reference if reference is not None and reference.label() in passed else None
-    label = select(kept.label() if kept else None, timings, costs, hosts)
+    order = list(dict.fromkeys(t.label() for t in trials))  # as tried: the backends' and cost models' order
+    label = select(kept.label() if kept else None, timings, costs, hosts, order)
     chosen = next(t for t in finalists if t.label() == label)
     trials = [_after_final(t, timings, failed) for t in trials]
     return TuneResult(
@@ -239,7 +240,7 @@ def _after_final(trial: Trial, timings: dict[str, Timing], failed: dict[str, str
 
 
 def select(reference: str | None, timings: dict[str, Timing], costs: dict[str, Timing],
-           hosts: dict[str, Timing | None] | None = None) -> str:
+           hosts: dict[str, Timing | None] | None = None, order: Sequence[str] = ()) -> str:
     """The label of the cheapest candidate that beats the reference beyond the measured noise
     and whose kernel is not slower on the GPU, else the reference's. The finalists are timed in
     the same rounds, and so are their costs, so every comparison reads the median and spread of
@@ -258,10 +259,13 @@ def select(reference: str | None, timings: dict[str, Timing], costs: dict[str, T
     what the step pays (on the H200, with TMA kernels chosen for the GPU time they saved, the
     Llama's eager decode at batch 16 read 0.95x eager's speed; with this rule, 1.13x).
 
-    Among the winners whose cost is within noise of the cheapest's, the fastest kernel is
-    chosen: as cheap for a user's loop, and faster inside a CUDA graph. Where launches set the
-    cost, several kernels cost the same launch, and picking by the noise between them made two
-    tunings of one shape on one GPU disagree (docs/selection.md).
+    Among the winners whose cost is level with the cheapest's (within MIN_GAIN or the noise),
+    the fastest kernel is chosen: as cheap for a user's loop, and faster inside a CUDA graph.
+    Where launches set the cost, several kernels cost the same launch, and picking by the noise
+    between them made two tunings of one shape on one GPU disagree. Kernels level with the
+    fastest are told apart by ``order`` (the labels as the search tried them, which the cost
+    models and cuBLASLt's heuristic set, not the timings), so that two tunings pick the same
+    one of near-equals (docs/selection.md).
     """
     if reference is not None and hosts and hosts.get(reference) is not None:
         ceiling = 1.0 + HOST_SLACK
@@ -273,9 +277,16 @@ def select(reference: str | None, timings: dict[str, Timing], costs: dict[str, T
     if not winners:
         return reference
     cheapest = min(winners, key=lambda label: costs[label].ratio_to(costs[reference]))
-    tied = [label for label in winners
-            if costs[label].ratio_to(costs[cheapest]) <= 1.0 + costs[label].spread_against(costs[cheapest])]
-    return min(tied, key=lambda label: timings[label].ratio_to(timings[reference]))
+    tied = [label for label in winners if _level(costs[label], costs[cheapest])]
+    fastest = min(tied, key=lambda label: timings[label].ratio_to(timings[reference]))
+    level = [label for label in tied if _level(timings[label], timings[fastest])]
+    rank = {label: i for i, label in enumerate(order)}
+    return min(level, key=lambda label: (rank.get(label, len(rank)), label))
+
+
+def _level(timing: Timing, best: Timing) -> bool:
+    """Whether ``timing`` is no more than MIN_GAIN or the noise of their ratio over ``best``'s."""
+    return timing.ratio_to(best) <= 1.0 + max(MIN_GAIN, timing.spread_against(best))
 
 
 def _beats(label: str, reference: str, timings: dict[str, Timing], costs: dict[str, Timing]) -> bool:
