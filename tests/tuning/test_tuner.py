@@ -12,8 +12,8 @@ import torch
 from gemmtune import backends, search
 from gemmtune.device import current
 from gemmtune.problem import Problem
-from gemmtune.results import Status, Timing
-from gemmtune.tuning.tuner import TuneOptions, select, tune_problem
+from gemmtune.results import Status, Timing, Trial
+from gemmtune.tuning.tuner import TuneOptions, _clear, _confirmed, _finalists, select, tune_problem
 
 
 def timing(median, spread=0.0, order_seed=None):
@@ -264,3 +264,54 @@ def test_triton_imported_before_the_interpreter_was_chosen_is_said_not_failed(tm
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Set TRITON_INTERPRET=1 in the environment before anything imports triton" in done.stderr
     assert done.stdout.strip() == "['cublas:ok', 'cublas_padded:ok']"
+
+
+def trial(backend, n):
+    return Trial(backend, {"n": n}, Status.OK, timing=flat(0.01), vs_reference=1.0 - n / 100)
+
+
+def test_the_finalists_hold_the_best_of_every_backend():
+    """Screening ranks kernel times; a call's cost adds its backend's launch path, which only the
+    final rounds measure, so each backend's best screened candidate is a finalist."""
+    ranked = [trial("cublaslt", 9), trial("cublaslt", 8), trial("triton_stream", 7), trial("cublaslt", 6),
+              trial("triton_tiled", 5), trial("cublaslt", 4), trial("triton_tiled", 3)]
+    chosen = _finalists(ranked, 2)
+    assert [(t.backend, t.config["n"]) for t in chosen] == [("cublaslt", 9), ("cublaslt", 8), ("triton_stream", 7),
+                                                             ("triton_tiled", 5)]
+    assert _finalists(ranked[:1], 4) == ranked[:1]
+
+
+class Rounds:
+    """A runner whose final rounds read what it is given, and that keeps what it was asked."""
+
+    def __init__(self, reads):
+        self.reads, self.asked = reads, []
+
+    def final(self, candidates, budget_ms, min_rounds):
+        self.asked.append([backend for backend, _ in candidates])
+        return self.reads
+
+
+@pytest.mark.parametrize("again,kept", [(0.95, "lt"), (0.995, "cublas")])
+def test_a_narrow_winner_is_kept_only_if_it_wins_again_in_rounds_of_its_own(again, kept):
+    reference, winner = Trial("cublas", {}, Status.OK), Trial("cublaslt", {"algo": 1}, Status.OK)
+    reads = {reference.label(): (timing(0.1, 0.01, 1), timing(0.1, 0.01, 1), None, ""),
+             winner.label(): (timing(0.1 * again, 0.01, 2), timing(0.1 * again, 0.01, 2), None, "")}
+    runner = Rounds(reads)
+    chosen = _confirmed(winner, reference, runner, TuneOptions(), Problem(64, 64, 64))
+    assert runner.asked == [["cublas", "cublaslt"]]
+    assert chosen is (winner if kept == "lt" else reference)
+
+
+def test_a_winner_wrong_after_its_confirming_rounds_is_never_chosen():
+    reference, winner = Trial("cublas", {}, Status.OK), Trial("cublaslt", {"algo": 1}, Status.OK)
+    reads = {reference.label(): (timing(0.1), timing(0.1), None, ""),
+             winner.label(): (timing(0.05), timing(0.05), None, "after timing: rel_err 3e-1")}
+    assert _confirmed(winner, reference, Rounds(reads), TuneOptions(), Problem(64, 64, 64)) is reference
+    assert _confirmed(winner, reference, Rounds({reference.label(): reads[reference.label()]}), TuneOptions(),
+                      Problem(64, 64, 64)) is reference
+
+
+def test_only_a_narrow_win_is_confirmed():
+    assert _clear(timing(0.09, 0.005, 1), timing(0.1, 0.005, 2))
+    assert not _clear(timing(0.97, 0.005, 1), timing(1.0, 0.005, 2))

@@ -201,7 +201,7 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
     # ranked by their ratio to cuBLAS in their own screening rounds, which drift between
     # measurements does not move; by their medians where cuBLAS was not there to pair with
     others = sorted((t for t in ok if t is not reference), key=_screening_rank)
-    finalists = ([reference] if reference else []) + others[: options.finalists]
+    finalists = ([reference] if reference else []) + _finalists(others, options.finalists)
     final = runner.final([(t.backend, t.config) for t in finalists], options.final_budget_ms, MIN_ROUNDS_FINAL)
     failed = {label: reason for label, (*_, reason) in final.items() if reason}
     for label, reason in failed.items():
@@ -217,6 +217,8 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
     order = list(dict.fromkeys(t.label() for t in trials))  # as tried: the backends' and cost models' order
     label = select(kept.label() if kept else None, timings, costs, hosts, order)
     chosen = next(t for t in finalists if t.label() == label)
+    if kept is not None and chosen is not kept and not _clear(costs[label], costs[kept.label()]):
+        chosen = _confirmed(chosen, kept, runner, options, problem)
     trials = [_after_final(t, timings, failed) for t in trials]
     return TuneResult(
         problem_key=problem.key(), device=device.fingerprint(), backend=chosen.backend,
@@ -225,6 +227,45 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
         tune_s=time.perf_counter() - started, rel_err=chosen.rel_err, trials=tuple(trials),
         gpu_timings=not device.interpreter,
     )
+
+
+def _finalists(ranked: list[Trial], count: int) -> list[Trial]:
+    """The ``count`` best screened, and the best of each backend not among them. Screening times
+    kernels; a user's call adds its backend's own launch path, which only the final rounds
+    measure (a Triton kernel's call costs the host about a third less than cuBLASLt's), so a
+    backend left out by a hair of kernel time made two tunings of one shape disagree by 35% of
+    the call's cost (docs/selection.md)."""
+    chosen = ranked[:count]
+    for trial in ranked[count:]:
+        if all(trial.backend != t.backend for t in chosen):
+            chosen.append(trial)
+    return chosen
+
+
+def _clear(cost: Timing, reference: Timing) -> bool:
+    """A win by more than twice what ``select`` asks: no confirming rounds needed."""
+    return cost.ratio_to(reference) < 1.0 - 2 * max(MIN_GAIN, cost.spread_against(reference))
+
+
+def _confirmed(chosen: Trial, reference: Trial, runner: Runner, options: TuneOptions, problem: Problem) -> Trial:
+    """``chosen`` if it beats cuBLAS again in fresh rounds of the two alone, else cuBLAS. A narrow
+    winner was the best of several finalists in the same rounds, so its gain is read high (the
+    largest of several noisy gains); rounds of its own read it without that bias. Without them,
+    two tunings of one shape on one GPU kept cuBLAS in one and a cuBLASLt algorithm in the other
+    that timed level with it side by side."""
+    again = runner.final([(reference.backend, reference.config), (chosen.backend, chosen.config)],
+                         options.final_budget_ms, MIN_ROUNDS_FINAL)
+    label, kept = chosen.label(), reference.label()
+    if label not in again or again[label][3]:
+        log.warning("gemmtune: %s failed in its confirming rounds on %s (%s): cuBLAS kept", label,
+                    problem.describe(), again[label][3] if label in again else "not run")
+        return reference
+    timings, costs, hosts = ({name: entry[i] for name, entry in again.items()} for i in range(3))
+    if kept not in again or select(kept, timings, costs, hosts) == label:
+        return chosen
+    log.debug("gemmtune: %s beat cuBLAS narrowly on %s and not again in rounds of its own: cuBLAS kept",
+              label, problem.describe())
+    return reference
 
 
 def _screening_rank(trial: Trial) -> float:
