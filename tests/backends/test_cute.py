@@ -145,3 +145,33 @@ def _current():
     from gemmtune.device import current
 
     return current()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cute.installed(), reason="needs gemmtune[cute] (quack-kernels, nvidia-cutlass-dsl)")
+def test_configs_first_called_from_several_threads_at_once_compile_and_match_float64():
+    """The tuner compiles candidates ahead in threads: each config's first call, from its own
+    thread, all at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    problem = Problem(256, 512, 384, "bfloat16", "linear")
+    configs = cute.space(problem, _current())[:6]
+    a = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(512, 384, device="cuda", dtype=torch.bfloat16)
+    expected = a.double() @ b.double().t()
+    with ThreadPoolExecutor(len(configs)) as pool:
+        outs = list(pool.map(lambda c: get("cute").build(problem, c, _current())(a, b, None), configs))
+    for config, out in zip(configs, outs):
+        assert relative_error(out, expected) < 2e-2, config.key()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cute.installed(), reason="needs gemmtune[cute] (quack-kernels, nvidia-cutlass-dsl)")
+def test_the_tuner_times_cute_candidates_on_a_prefill_shape():
+    """Compiled ahead in threads, verified and screened: no cute trial fails."""
+    from gemmtune.tuning.tuner import TuneOptions, tune_problem
+
+    problem = Problem(2048, 6144, 4096, "bfloat16", "linear")
+    result = tune_problem(problem, _current(), options=TuneOptions(backends=("cublas", "cute")))
+    trials = [t for t in result.trials if t.backend == "cute"]
+    assert trials and all(t.ok for t in trials), [t.reason for t in trials if not t.ok]

@@ -12,6 +12,11 @@ problem with few rows runs as its transpose, its rows on the tile's N side). Bla
 (sm_100: 128- and 256-row tiles, 2-CTA instructions with an even cluster M) is defined and its
 configs validated, but not run here: ``is_available`` offers the backend on sm_90 only.
 
+CuTe DSL compiles one kernel at a time in a process: compiled from several threads at once (the
+tuner compiles candidates ahead in threads, and tunes several GPUs from a thread each), every
+config failed with "The compiler could not build valid IR for this code", where each alone
+compiled and computed right. So a kernel's first call, which compiles it, holds a lock.
+
 Compiling a config takes CuTe DSL about 1.3 s. QuACK keeps each compiled kernel in process under
 its dtypes and config and exports it as an object file that a new process reloads in about a
 millisecond; gemmtune points that cache into its own cache directory (``cute/``, unless
@@ -23,6 +28,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -130,6 +136,9 @@ def takes(problem: Problem) -> bool:
             and problem.n % 8 == 0 and problem.layout in ("linear", "nn"))
 
 
+_COMPILING = threading.Lock()  # CuTe DSL compiles one kernel at a time (see the module's doc)
+
+
 class CuteKernel(KernelBase):
     """One config's kernel: QuACK's GEMM with that config, compiled on its first call (or loaded
     from the exported cache). 2-D ``a`` only, nothing to bind (``KernelBase``'s defaults)."""
@@ -141,13 +150,19 @@ class CuteKernel(KernelBase):
         self._config = make_config(tile_m=config.tile_m, tile_n=config.tile_n, pingpong=config.pingpong,
                                    is_dynamic_persistent=config.dynamic_persistent, cluster_m=config.cluster_m,
                                    cluster_n=config.cluster_n, swap_ab=config.swap_ab, device_capacity=config.arch)
+        self._compiled = False
 
     def __call__(self, a, b, bias, out=None):
         a, b, bias = tma_ready(a), tma_ready(b), unit_stride_bias(bias)
         b_kn = b.t() if self._linear else b  # (K, N): a weight's transpose is K-major, which TMA reads as well
         result = out if out is not None and tma_ready(out) is out else \
             torch.empty((a.shape[0], b_kn.shape[1]), dtype=a.dtype, device=a.device)
-        self._gemm(a, b_kn, result, bias=bias, config=self._config)
+        if self._compiled:
+            self._gemm(a, b_kn, result, bias=bias, config=self._config)
+        else:
+            with _COMPILING:
+                self._gemm(a, b_kn, result, bias=bias, config=self._config)
+            self._compiled = True
         if out is not None and result is not out:
             out.copy_(result)
             return out
