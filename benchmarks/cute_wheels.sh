@@ -14,7 +14,8 @@
 #
 # CuTe DSL's Python code is the libs-core wheel (libs-base holds only the MLIR bindings); its
 # other needs (cuda-bindings, protobuf) are on the GPU machines already.
-# Trimmed: CuTe DSL's profiler (iket) and TVM FFI's testing library and third-party sources.
+# Trimmed: CuTe DSL's profiler (iket) and TVM FFI's third-party sources (its core library links
+# libtvm_ffi_testing.so: that stays).
 set -euo pipefail
 QUACK=quack-kernels==0.6.5
 DSL=4.8.1
@@ -31,8 +32,7 @@ pack() {
     "nvidia-cutlass-dsl-libs-cu13==$DSL" "nvidia-cutlass-dsl-libs-core==$DSL" "apache-tvm-ffi<0.2,>=0.1.6" torch-c-dlpack-ext einops
   mkdir "$work/site"
   for wheel in "$work"/wheels/*.whl; do unzip -q -o "$wheel" -d "$work/site"; done
-  rm -rf "$work/site/nvidia_cutlass_dsl/dsl_packages/iket" "$work/site/tvm_ffi/lib/libtvm_ffi_testing.so" \
-    "$work/site/tvm_ffi/3rdparty"
+  rm -rf "$work/site/nvidia_cutlass_dsl/dsl_packages/iket" "$work/site/tvm_ffi/3rdparty"
   echo "packing $(du -sh "$work/site" | cut -f1) with xz -9e (a few minutes)"
   rm -f "$out"/part-*
   tar -C "$work/site" -cf - . | xz -9e -T0 | split -b "$PART_BYTES" - "$out/part-"

@@ -161,6 +161,10 @@ class CuteKernel(KernelBase):
             self._gemm(a, b_kn, result, bias=bias, config=self._config)
         else:
             with _COMPILING:
+                # CuTe DSL asks CUDA's driver about the device, which needs the device's context
+                # current in this thread: a runtime call makes it so in a thread that made none
+                # (CUDA_ERROR_INVALID_CONTEXT there otherwise, seen on the H100)
+                torch.cuda.synchronize(a.device)
                 self._gemm(a, b_kn, result, bias=bias, config=self._config)
             self._compiled = True
         if out is not None and result is not out:
