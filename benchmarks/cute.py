@@ -1,0 +1,254 @@
+"""The CuTe DSL backend against its goals (issue 31), on the prefill shapes of the public shapes
+(bf16 and fp16; ``--only`` names others). Per shape, in one process and from an empty compiled-
+kernel cache:
+
+1. **Exhaustive** over the backend's pruned space: each config compiled (``compile_s``: its
+   first call, cold), checked against float64, then all of them timed side by side with cuBLAS;
+   the best is the exhaustive choice.
+2. **gemmtune**, the whole default space (cute's kernels now compiled, as the goal's "once
+   compiled" asks): its choice and ``tune_s``; the best verified trial of each backend as a
+   ratio to cuBLAS (``by_backend``).
+3. **QuACK's own autotuner** (``gemm_tuned`` called without a config: it times its configs on
+   the first call, ``quack_tune_s``).
+4. **Side by side**, in one measurement of interleaved rounds with L2 flushed: cuBLAS,
+   gemmtune's choice, the exhaustive best CuTe DSL config, gemmtune's best CuTe DSL config, and
+   QuACK's autotuned call. Ratios to cuBLAS (above 1: faster) and TFLOP/s.
+5. **A second process** builds gemmtune's best CuTe DSL config from the compiled-kernel cache the
+   first one filled: ``second_first_call_s`` is its first call (the goal: at most 50 ms).
+
+    PYTHONPATH=src:<cute site> python3 benchmarks/cute.py --out cute.json [--only NAME ...]
+
+GPU only (sm_90 with gemmtune[cute] installed: benchmarks/cute_wheels.sh brings it to a machine
+without a package index).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GROUPS = ("prefill",)
+SIDE_BY_SIDE_MS = 1500.0
+EXHAUSTIVE_MS = 4000.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="the JSON file to write (rewritten after each shape)")
+    parser.add_argument("--only", nargs="*", default=None, help="names of public shapes to run")
+    parser.add_argument("--first-call", help=argparse.SUPPRESS)  # the second process: a problem key
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("QUACK_CACHE_DIR", tempfile.mkdtemp(prefix="gemmtune-cute-bench-"))
+    if args.first_call:
+        return second_process(args.first_call, json.loads(args.config))
+    if args.out is None:
+        parser.error("--out is required")
+    import torch
+
+    from gemmtune.backends import cute
+
+    if not torch.cuda.is_available() or not cute.installed():
+        raise SystemExit("needs an sm_90 GPU and gemmtune[cute] (quack-kernels, nvidia-cutlass-dsl)")
+    result = header()
+    for shape in chosen_shapes(args.only):
+        row = run_shape(shape)
+        result["rows"].append(row)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(f"{row['name']:24s} exhaustive cute x{row['vs_cublas']['cute_exhaustive']:.3f}  gemmtune "
+              f"x{row['vs_cublas']['gemmtune']:.3f} ({row['choice']})  quack x{row['vs_cublas']['quack']:.3f}  "
+              f"tune {row['tune_s']:.1f} s  second first call {row['second_first_call_s'] * 1e3:.0f} ms",
+              file=sys.stderr, flush=True)
+    return 0
+
+
+def header() -> dict:
+    import torch
+
+    from gemmtune.device import current
+    from gemmtune.version import __version__
+
+    device = current()
+    return {"kind": "cute", "device": torch.cuda.get_device_name(0), "sm_count": device.sm_count,
+            "torch": torch.__version__, "gemmtune": __version__, "quack": _version("quack-kernels"),
+            "cutlass_dsl": _version("nvidia-cutlass-dsl"), "date": datetime.date.today().isoformat(),
+            "timings": "GPU", "rows": []}
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def chosen_shapes(only: list[str] | None) -> list[dict]:
+    shapes = json.loads((ROOT / "benchmarks" / "shapes" / "public.json").read_text())["shapes"]
+    if only:
+        unknown = set(only) - {s["name"] for s in shapes}
+        if unknown:
+            raise SystemExit(f"--only: no public shape named {', '.join(sorted(unknown))}")
+        return [s for s in shapes if s["name"] in only]
+    return [s for s in shapes if s.get("group") in GROUPS and s["dtype"] in ("bfloat16", "float16")]
+
+
+def run_shape(shape: dict) -> dict:
+    import torch
+
+    from gemmtune.backends import cute
+    from gemmtune.device import current
+    from gemmtune.problem import Problem
+
+    device = current()
+    problem = Problem(shape["m"], shape["n"], shape["k"], shape["dtype"], shape.get("layout", "linear"))
+    dtype = getattr(torch, problem.dtype)
+    a = torch.randn(problem.m, problem.k, device="cuda", dtype=dtype)
+    b = torch.randn(problem.n, problem.k, device="cuda", dtype=dtype)
+    expected = a.double() @ b.double().t()
+    configs = cute.space(problem, device)
+    compiled, failed = exhaustive_build(problem, configs, a, b, expected)
+    tuned = tune(problem)
+    quack_call, quack_tune_s = quack_autotuned(a, b)
+    row = {"name": shape["name"], "m": problem.m, "n": problem.n, "k": problem.k, "dtype": problem.dtype,
+           "cute_configs": len(configs), "cute_failed": failed, "quack_tune_s": quack_tune_s, **tuned["row"]}
+    row |= side_by_side(problem, a, b, compiled, tuned, quack_call)
+    best_cute = tuned["best_cute"] or compiled[row["cute_exhaustive_config"]]["config"]
+    row["second_first_call_s"] = second_first_call(problem, best_cute)
+    return row
+
+
+def exhaustive_build(problem, configs, a, b, expected) -> tuple[dict, dict]:
+    """Each config built and first called (its cold compile timed), checked against float64."""
+    import torch
+
+    from gemmtune import backends
+    from gemmtune.device import current
+
+    compiled, failed = {}, {}
+    for config in configs:
+        label = config.key()
+        try:
+            kernel = backends.get("cute").build(problem, config, current())
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            out = kernel(a, b, None)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - started
+        except Exception as exc:  # noqa: BLE001 - a config that fails is reported, not fatal
+            failed[label] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            continue
+        error = ((out.double() - expected).abs().max() / expected.abs().max()).item()
+        if not error < 2e-2:
+            failed[label] = f"relative error {error:.2e} against float64"
+            continue
+        compiled[label] = {"kernel": kernel, "config": config, "compile_s": seconds, "rel_err": error}
+    return compiled, failed
+
+
+def tune(problem) -> dict:
+    """gemmtune's tuning over the default space: its choice, its time, its best per backend."""
+    from gemmtune import backends
+    from gemmtune.device import current
+    from gemmtune.tuning.tuner import tune_problem
+
+    result = tune_problem(problem, current())
+    best: dict[str, object] = {}
+    for trial in result.trials:
+        if trial.ok and trial.vs_reference is not None and \
+                (trial.backend not in best or trial.vs_reference < best[trial.backend].vs_reference):
+            best[trial.backend] = trial
+    cute_trial = best.get("cute")
+    return {"result": result,
+            "kernel": backends.build(problem, result.backend, result.config, current()),
+            "best_cute": backends.get("cute").parse_config(cute_trial.config) if cute_trial else None,
+            "row": {"choice": result.label(), "tune_s": result.tune_s,
+                    "by_backend": {name: {"config": t.label(), "vs_cublas": 1.0 / t.vs_reference}
+                                   for name, t in best.items()}}}
+
+
+def quack_autotuned(a, b):
+    """QuACK's own autotuned GEMM as its users call it, and how long its first call (which times
+    its configs) took."""
+    import torch
+    from quack.gemm_interface import gemm_tuned
+
+    b_kn = b.t()
+    out = torch.empty(a.shape[0], b.shape[0], dtype=a.dtype, device=a.device)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    gemm_tuned(a, b_kn, out)
+    torch.cuda.synchronize()
+    return (lambda: gemm_tuned(a, b_kn, out)), time.perf_counter() - started
+
+
+def side_by_side(problem, a, b, compiled, tuned, quack_call) -> dict:
+    """The exhaustive rounds over every compiled config beside cuBLAS, then the contenders'."""
+    import torch.nn.functional as F
+
+    from gemmtune.device import current
+    from gemmtune.tuning import measure
+
+    device = current()
+    cublas = lambda: F.linear(a, b)  # noqa: E731
+    everything = {"cublas": cublas, **{label: (lambda k=entry["kernel"]: k(a, b, None))
+                                       for label, entry in compiled.items()}}
+    rounds = measure.measure(everything, device, budget_ms=EXHAUSTIVE_MS)
+    exhaustive = min(compiled, key=lambda label: rounds[label].ratio_to(rounds["cublas"]))
+    best_cute = tuned["best_cute"]
+    contenders = {"cublas": cublas, "gemmtune": lambda: tuned["kernel"](a, b, None),
+                  "cute_exhaustive": everything[exhaustive], "quack": quack_call}
+    if best_cute is not None and best_cute.key() in compiled:
+        contenders["cute_gemmtune"] = everything[best_cute.key()]
+    final = measure.measure(contenders, device, budget_ms=SIDE_BY_SIDE_MS)
+    flops = 2 * problem.m * problem.n * problem.k
+    return {"cute_exhaustive_config": exhaustive,
+            "exhaustive_vs_cublas": {label: 1.0 / rounds[label].ratio_to(rounds["cublas"]) for label in compiled},
+            "compile_s": {label: entry["compile_s"] for label, entry in compiled.items()},
+            "vs_cublas": {name: 1.0 / final[name].ratio_to(final["cublas"]) for name in final},
+            "noise": {name: final[name].spread_against(final["cublas"]) for name in final},
+            "tflops": {name: flops / (final[name].median * 1e-3) / 1e12 for name in final},
+            "cute_gemmtune_within_exhaustive": (final["cute_gemmtune"].ratio_to(final["cute_exhaustive"])
+                                                if "cute_gemmtune" in final else None)}
+
+
+def second_first_call(problem, config) -> float:
+    """A fresh process's first call of ``config``, its kernel loaded from the cache this one filled."""
+    argv = [sys.executable, __file__, "--first-call", problem.key(), "--config", json.dumps(config.as_dict())]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    if done.returncode:
+        raise RuntimeError(done.stderr[-2000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+
+
+def second_process(key: str, config: dict) -> int:
+    import torch
+
+    from gemmtune import backends
+    from gemmtune.device import current
+    from gemmtune.problem import Problem
+
+    problem = Problem.from_key(key)
+    dtype = getattr(torch, problem.dtype)
+    a = torch.randn(problem.m, problem.k, device="cuda", dtype=dtype)
+    b = torch.randn(problem.n, problem.k, device="cuda", dtype=dtype)
+    kernel = backends.build(problem, "cute", config, current())
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    kernel(a, b, None)
+    torch.cuda.synchronize()
+    print(json.dumps({"seconds": time.perf_counter() - started}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
