@@ -135,6 +135,20 @@ def crosscheck(comparison: dict, budget_ms: float) -> None:
     comparison["within_noise"] = within
 
 
+def scale_file(result: dict) -> dict:
+    """The ``scale`` file of RESULTS.md from a fleet result: one row for the run over every GPU,
+    its speedup over the plain one-GPU run, its agreement with it, and the problems the plain
+    run stored that the spread run did not (entries lost)."""
+    lost = sum(1 for d in result["differences"] if d.get("missing"))
+    return {"kind": "scale", "device": result["device"], "torch": result["torch"], "date": result["date"],
+            "timings": result["timings"], "source": "benchmarks/fleet.py",
+            "rows": [{"gpus": result["gpus"], "hosts": 1, "problems": result["problems"],
+                      "wall_s": result["gpus_all_s"], "one_gpu_wall_s": result["plain_s"],
+                      "speedup_vs_one": result["scaling"], "choice_agreement": result["agreement"],
+                      "same_or_within_noise": (result["same"] + result["within_noise"]) / result["problems"],
+                      "entries_lost": lost}]}
+
+
 def work_of(store: Path) -> float:
     from gemmtune.store import Store
 
@@ -146,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the JSON file to write")
     parser.add_argument("--count", type=int, default=200, help="problems in the zoo (default 200, at most 210)")
     parser.add_argument("--keep", type=Path, help="a folder to keep the three runs' stores in")
+    parser.add_argument("--scale-out", type=Path, help="also write RESULTS.md's scale file there")
     parser.add_argument("--timeout-s", type=float, default=400.0, help="the longest one tuning run may take")
     parser.add_argument("--crosscheck-ms", type=float, default=90.0,
                         help="the side-by-side rounds' budget for each difference (default 90: twice the tuner's final)")
@@ -186,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         for comparison in (result, result["repeat"]):
             crosscheck(comparison, args.crosscheck_ms)
             out.write_text(json.dumps(result, indent=1))
+    if args.scale_out:
+        args.scale_out.write_text(json.dumps(scale_file(result), indent=1))
     print(f"{gpus} GPUs: scaling {result['scaling']:.2f}x (ideal {gpus}), scheduler overhead "
           f"{result['scheduler_overhead']:+.1%}, agreement {result['same']}/{result['problems']} "
           f"({result['within_noise']} of the differences within noise; one GPU twice: "
