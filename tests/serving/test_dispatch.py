@@ -312,3 +312,44 @@ def test_capture_misses_are_said_once_per_key(tmp_path, monkeypatch, caplog):
             dispatcher.capture_miss(key)
     assert caplog.text.count("inside CUDA graph capture") == 3
     assert [named.problem for named in shapes.load(misses)] == [PROBLEM, PROBLEM, other]
+
+
+# ----- a kernel for CUDA graphs --------------------------------------------------------------
+
+def final_rounds(median, seed):
+    import random
+
+    from gemmtune.results import Timing
+
+    rng = random.Random(seed)
+    return Timing(tuple(median * (1 + rng.uniform(-0.01, 0.01)) for _ in range(24)))
+
+
+def with_trials(result: TuneResult, tiled_ms: float) -> TuneResult:
+    """``result`` with final rounds on record: cuBLAS at 0.03 ms, the tiled kernel at ``tiled_ms``."""
+    from dataclasses import replace
+
+    from gemmtune.results import Status, Trial
+
+    trials = (Trial("cublas", {}, Status.OK, timing=final_rounds(0.03, 1), rel_err=0.0),
+              Trial("triton_tiled", dict(TILED), Status.OK, timing=final_rounds(tiled_ms, 2), rel_err=0.0))
+    return replace(result, trials=trials)
+
+
+def test_where_a_kernel_is_faster_for_graphs_the_choice_and_it_are_served_by_mode(store, built, no_tuning):
+    """cuBLAS chosen on a call's cost; the tiled kernel 10% faster in the final rounds: eager
+    calls run cuBLAS, a CUDA graph captures the tiled kernel."""
+    from gemmtune.serving.modes import ByMode
+
+    store.put(with_trials(stored(PROBLEM, "cublas", {}), 0.027))
+    kernel = Dispatcher(store).kernel(DispatchKey.of(PROBLEM))
+    assert isinstance(kernel, ByMode)
+    assert built == [(PROBLEM, "cublas", {}), (PROBLEM, "triton_tiled", TILED)]
+
+
+def test_where_no_kernel_is_faster_for_graphs_the_choice_alone_is_served(store, built, no_tuning):
+    from gemmtune.serving.modes import ByMode
+
+    store.put(with_trials(stored(PROBLEM, "cublas", {}), 0.0299))
+    kernel = Dispatcher(store).kernel(DispatchKey.of(PROBLEM))
+    assert not isinstance(kernel, ByMode) and built == [(PROBLEM, "cublas", {})]

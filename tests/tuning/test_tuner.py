@@ -13,7 +13,7 @@ from gemmtune import backends, search
 from gemmtune.device import current
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing, Trial
-from gemmtune.tuning.tuner import TuneOptions, _clear, _confirmed, _finalists, select, tune_problem
+from gemmtune.tuning.tuner import TuneOptions, _clear, _confirmed, _finalists, graph_choice, select, tune_problem
 
 
 def timing(median, spread=0.0, order_seed=None):
@@ -315,3 +315,38 @@ def test_a_winner_wrong_after_its_confirming_rounds_is_never_chosen():
 def test_only_a_narrow_win_is_confirmed():
     assert _clear(timing(0.09, 0.005, 1), timing(0.1, 0.005, 2))
     assert not _clear(timing(0.97, 0.005, 1), timing(1.0, 0.005, 2))
+
+
+def finalist(backend, config, median, rounds=24, seed=0):
+    """A stored trial of the final rounds: ``rounds`` samples around ``median``, 1% of noise."""
+    rng = random.Random(seed)
+    return Trial(backend, config, Status.OK, timing=Timing(tuple(median * (1 + rng.uniform(-0.01, 0.01))
+                                                                 for _ in range(rounds))))
+
+
+def test_a_graph_replays_the_fastest_finalist_kernel_where_the_choice_is_slower():
+    """Chosen on a call's cost: cuBLAS, whose call the host paces. A cuBLASLt algorithm 6% faster
+    in the final rounds is what a CUDA graph should replay; a screened-only trial (other rounds)
+    and a failed one never are."""
+    trials = [finalist("cublas", {}, 0.0300, seed=1), finalist("cublaslt", {"algo": 1}, 0.0282, seed=2),
+              finalist("cublaslt", {"algo": 2}, 0.0250, rounds=5, seed=3),
+              Trial("triton_tiled", {"n": 1}, Status.WRONG_RESULT, reason="rel_err")]
+    assert graph_choice(trials, "cublas") is trials[1]
+    assert graph_choice(trials, trials[1].label()) is None  # the choice is the fastest already
+    assert graph_choice(trials[:1] + trials[2:], "cublas") is None
+
+
+def test_a_graph_keeps_the_choice_where_no_kernel_beats_it_beyond_min_gain():
+    trials = [finalist("cublas", {}, 0.0300, seed=1), finalist("cublaslt", {"algo": 1}, 0.0297, seed=2)]
+    assert graph_choice(trials, "cublas") is None
+    # nor where the final rounds are not on record: too few, or no cuBLAS among them
+    short = [finalist("cublas", {}, 0.03, rounds=5), finalist("cublaslt", {"algo": 1}, 0.02, rounds=5)]
+    assert graph_choice(short, "cublas") is None
+    assert graph_choice(trials[1:], trials[1].label()) is None
+
+
+def test_near_equal_graph_kernels_are_told_apart_by_the_order_they_were_tried():
+    first, second = finalist("cublaslt", {"algo": 1}, 0.0250, seed=2), finalist("cublaslt", {"algo": 2}, 0.0248, seed=3)
+    reference = finalist("cublas", {}, 0.0300, seed=1)
+    assert graph_choice([reference, first, second], "cublas") is first
+    assert graph_choice([reference, second, first], "cublas") is second

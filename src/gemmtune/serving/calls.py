@@ -13,6 +13,7 @@ from gemmtune.backends.launch import any_rank, front_entry
 from gemmtune.problem import ACTIVATIONS, torch_dtypes
 from gemmtune.serving import recording as recorder
 from gemmtune.serving.dispatch import DISPATCHER, DispatchKey
+from gemmtune.serving.modes import ByMode
 
 DTYPE_NAMES = {dtype: name for name, dtype in torch_dtypes().items()}
 _FLOAT32 = torch.float32
@@ -131,6 +132,8 @@ def run(layout: str, a, b, bias, m: int, n: int, k: int, act: str, front: tuple 
             out = F.linear(a, b, bias) if layout == "linear" else torch_mm(a, b, bias)
             return activations.apply(out, act)
         kernel = DISPATCHER.kernel(key)
+        if isinstance(kernel, ByMode):
+            kernel.warm(a, b, bias)
     served = kernel if a.dim() == 2 else any_rank(kernel)
     out = served(a, b, bias)
     if front is not None:  # later calls like this one (of this rank too) take linear's front path

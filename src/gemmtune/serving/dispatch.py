@@ -12,10 +12,11 @@ from typing import NamedTuple
 from gemmtune import backends, settings
 from gemmtune.device import Device, current
 from gemmtune.problem import Problem, bucket
-from gemmtune.results import Trial
+from gemmtune.results import Status, Trial
 from gemmtune.shapes import append_miss, entry
 from gemmtune.store import ServerStore, Store, open_store
-from gemmtune.tuning.tuner import TuneOptions, tune_many, tune_problem
+from gemmtune.serving.modes import ByMode
+from gemmtune.tuning.tuner import TuneOptions, graph_choice, tune_many, tune_problem
 
 log = logging.getLogger("gemmtune")
 
@@ -145,14 +146,38 @@ class Dispatcher:
         return []
 
     def _resolve(self, problem: Problem, device: Device):
+        """The kernel of ``problem``'s choice, paired with the one CUDA graphs should capture where
+        its tuning found a faster kernel for them (``ByMode``)."""
         for choice in self._stored(problem, device):
             try:
-                return backends.build(problem, choice.backend, choice.config, device)
+                kernel = backends.build(problem, choice.backend, choice.config, device)
             except Exception as exc:  # noqa: BLE001 - an entry the library rejects here is passed over
                 log.warning("gemmtune: the stored %s for %s cannot be built here (%s); passing it over",
                             choice.backend, problem.describe(), exc)
+                continue
+            graph = self._for_graphs(problem, device, choice)
+            return kernel if graph is None else ByMode(kernel, graph)
         choice = self._fresh(problem, device)
-        return backends.build(problem, choice.backend, choice.config, device)
+        kernel = backends.build(problem, choice.backend, choice.config, device)
+        graph = None if choice is REFERENCE_CHOICE else self._for_graphs(problem, device, choice)
+        return kernel if graph is None else ByMode(kernel, graph)
+
+    def _for_graphs(self, problem: Problem, device: Device, choice: Choice):
+        """The kernel a CUDA graph should capture for ``problem`` where it is not the choice's
+        (``tuner.graph_choice`` over the stored trials), built; None otherwise."""
+        label = Trial(choice.backend, choice.config, Status.OK).label()
+        pick = graph_choice(self.trials(problem, device), label)
+        if pick is None or not _serves(pick.backend, problem, device):
+            return None
+        try:
+            kernel = backends.build(problem, pick.backend, pick.config, device)
+        except Exception as exc:  # noqa: BLE001 - the choice serves graphs too
+            log.warning("gemmtune: %s, faster for CUDA graphs on %s, cannot be built here (%s)",
+                        pick.label(), problem.describe(), exc)
+            return None
+        log.info("gemmtune: %s runs %s in eager calls and %s in CUDA graphs", problem.describe(), label,
+                 pick.label())
+        return kernel
 
     def _stored(self, problem: Problem, device: Device) -> Iterator[Choice]:
         """The stored choices that can serve ``problem``: its own shape's first, then its bucket's."""

@@ -325,6 +325,41 @@ def select(reference: str | None, timings: dict[str, Timing], costs: dict[str, T
     return min(level, key=lambda label: (rank.get(label, len(rank)), label))
 
 
+def graph_choice(trials: Sequence[Trial], chosen: str) -> Trial | None:
+    """What a CUDA graph should replay for a problem whose choice is ``chosen``, from its tuning's
+    stored ``trials``: the choice is made on a user's call's cost, host time included, but a graph
+    replays the kernel alone. So: the finalist whose kernel beats both cuBLAS's and the choice's
+    by more than max(MIN_GAIN, the noise of their per-round ratio), the fastest of them (kernels
+    level with it told apart by the order they were tried in, as in ``select``); None where none
+    does (the choice serves graphs too) or the final rounds are not on record. Seen on 2 H100s:
+    on short kernels whose call cost is the host's, cuBLASLt kernels 3-10% faster than the chosen
+    cuBLAS cost the same per call (docs/tuning-time.md).
+
+    The store keeps each trial's timing, not the round that made it: the final rounds' timings
+    are those as long as cuBLAS's (cuBLAS is always a finalist), at least MIN_ROUNDS_FINAL."""
+    reference = next((t for t in trials if t.ok and t.backend == backends.REFERENCE and t.timing), None)
+    if reference is None or len(reference.timing.samples) < MIN_ROUNDS_FINAL:
+        return None
+    rounds = len(reference.timing.samples)
+    final = {t.label(): t for t in trials if t.ok and t.timing is not None and len(t.timing.samples) == rounds}
+    mine = final.get(chosen)
+    if mine is None:
+        return None
+    faster = [label for label, t in final.items()
+              if _faster(t.timing, mine.timing) and _faster(t.timing, reference.timing)]
+    if not faster:
+        return None
+    fastest = min(faster, key=lambda label: final[label].timing.ratio_to(reference.timing))
+    order = list(final)
+    return final[min((label for label in faster if _level(final[label].timing, final[fastest].timing)),
+                     key=order.index)]
+
+
+def _faster(timing: Timing, other: Timing) -> bool:
+    """Whether ``timing`` is under ``other``'s by more than MIN_GAIN and the noise of their ratio."""
+    return timing.ratio_to(other) < 1.0 - max(MIN_GAIN, timing.spread_against(other))
+
+
 def _level(timing: Timing, best: Timing) -> bool:
     """Whether ``timing`` is no more than MIN_GAIN or the noise of their ratio over ``best``'s."""
     return timing.ratio_to(best) <= 1.0 + max(MIN_GAIN, timing.spread_against(best))
@@ -336,7 +371,7 @@ def _beats(label: str, reference: str, timings: dict[str, Timing], costs: dict[s
     kernel, cost = timings[label], costs[label]
     if kernel.ratio_to(timings[reference]) > 1.0 + kernel.spread_against(timings[reference]):
         return False
-    return cost.ratio_to(costs[reference]) < 1.0 - max(MIN_GAIN, cost.spread_against(costs[reference]))
+    return _faster(cost, costs[reference])
 
 
 # Failures that come from compiling the candidate, the same wherever it is compiled: the tuner

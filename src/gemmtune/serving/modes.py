@@ -1,0 +1,49 @@
+"""A served problem's two kernels, where its tuning found them different: the one that makes an
+eager call cheapest (a call's cost, host time included: what ``select`` judges) and the one a
+CUDA graph should capture, which replays the kernel alone (``tuner.graph_choice``). Which one
+runs is decided per call by whether the current stream is being captured, a check that only the
+problems with two kernels pay."""
+
+from __future__ import annotations
+
+import torch
+
+from gemmtune.backends.base import BoundCall, Kernel, KernelBase
+from gemmtune.backends.launch import any_rank
+
+
+def _never() -> bool:
+    return False
+
+
+# torch's own check, without its Python frame: a CPU-only torch has none (nothing is captured)
+_capturing = torch._C._cuda_isCurrentStreamCapturing if torch.cuda._is_compiled() else _never
+
+
+class ByMode(KernelBase):
+    """``eager`` for calls outside CUDA graph capture, ``graph`` for calls inside one."""
+
+    def __init__(self, eager: Kernel, graph: Kernel) -> None:
+        self.eager, self.graph = eager, graph
+        self.serves_any_rank = eager.serves_any_rank and graph.serves_any_rank
+
+    def __call__(self, a, b, bias, out=None):
+        return (self.graph if _capturing() else self.eager)(a, b, bias, out=out)
+
+    def bind(self, a, b, bias) -> BoundCall | None:
+        """The eager kernel's bound launch, and the graph kernel called as it is while a graph is
+        being captured (a capture runs once: its host time is not what a replay costs)."""
+        eager = self.eager.bind(a, b, bias)
+        if eager is None:
+            return None
+        graph = any_rank(self.graph) if a.dim() != 2 else self.graph
+
+        def call(x, weight, bias, px: int, pw: int, pbias: int):
+            return graph(x, weight, bias) if _capturing() else eager(x, weight, bias, px, pw, pbias)
+
+        return call
+
+    def warm(self, a, b, bias) -> None:
+        """Run the graph kernel once on a call's operands, outside any capture, so that its first
+        launch (a compile, a module load) is not made while a graph is being captured."""
+        (any_rank(self.graph) if a.dim() != 2 else self.graph)(a, b, bias)

@@ -1,0 +1,101 @@
+"""A problem's eager kernel and its CUDA-graph kernel (``gemmtune.serving.modes.ByMode``): which
+runs, called and through a bound launch, inside and outside a capture (the capture check faked:
+the CPU has no CUDA graphs)."""
+
+import pytest
+import torch
+
+from gemmtune.backends.base import function_kernel
+from gemmtune.serving import modes
+from gemmtune.serving.modes import ByMode
+
+
+def kernel(name, calls, any_rank=True, binds=True):
+    def run(a, b, bias, out=None):
+        calls.append(name)
+        return a @ b.t()
+
+    made = function_kernel(run, serves_any_rank=any_rank)
+    if binds:
+        def bound(x, weight, bias, px, pw, pbias):
+            calls.append(f"{name} bound")
+            return x @ weight.t()
+
+        made.bind = lambda a, b, bias: bound
+    return made
+
+
+@pytest.fixture
+def capturing(monkeypatch):
+    state = {"on": False}
+    monkeypatch.setattr(modes, "_capturing", lambda: state["on"])
+    return state
+
+
+def test_the_eager_kernel_runs_outside_a_capture_and_the_graph_kernel_inside(capturing):
+    calls = []
+    served = ByMode(kernel("eager", calls), kernel("graph", calls))
+    a, b = torch.randn(3, 4), torch.randn(5, 4)
+    served(a, b, None)
+    capturing["on"] = True
+    torch.testing.assert_close(served(a, b, None), a @ b.t())
+    assert calls == ["eager", "graph"]
+
+
+def test_a_bound_launch_is_the_eager_kernels_and_a_capture_calls_the_graph_kernel(capturing):
+    calls = []
+    served = ByMode(kernel("eager", calls), kernel("graph", calls, binds=False))
+    x, w = torch.randn(2, 3, 4), torch.randn(5, 4)
+    call = served.bind(x, w, None)
+    call(x, w, None, 0, 0, 0)
+    capturing["on"] = True
+    torch.testing.assert_close(call(x, w, None, 0, 0, 0), x @ w.t())
+    assert calls == ["eager bound", "graph"]
+
+
+def test_nothing_is_bound_where_the_eager_kernel_binds_nothing(capturing):
+    served = ByMode(kernel("eager", [], binds=False), kernel("graph", []))
+    assert served.bind(torch.randn(2, 4), torch.randn(5, 4), None) is None
+
+
+def test_it_serves_any_rank_only_where_both_kernels_do():
+    assert ByMode(kernel("e", []), kernel("g", [])).serves_any_rank
+    assert not ByMode(kernel("e", []), kernel("g", [], any_rank=False)).serves_any_rank
+
+
+def test_warming_runs_the_graph_kernel_once_flattening_what_it_cannot_take():
+    calls = []
+    served = ByMode(kernel("eager", calls), kernel("graph", calls, any_rank=False))
+    served.warm(torch.randn(2, 3, 4), torch.randn(5, 4), None)
+    assert calls == ["graph"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_captured_graph_replays_the_graph_kernel_and_computes_right():
+    from gemmtune import backends
+    from gemmtune.device import current
+    from gemmtune.problem import Problem
+
+    problem = Problem(33, 96, 200, "bfloat16", "linear", bias=True)
+    config = backends.get("triton_tiled").candidates(problem, current())[0].as_dict()
+    calls = []
+    graph_kernel = backends.build(problem, "triton_tiled", config, current())
+
+    def graph(a, b, bias, out=None):
+        calls.append("graph")
+        return graph_kernel(a, b, bias, out=out)
+
+    served = ByMode(backends.build(problem, "cublas", {}, current()), function_kernel(graph))
+    a = torch.randn(33, 200, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(96, 200, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(96, device="cuda", dtype=torch.bfloat16)
+    served.warm(a, w, bias)
+    captured = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(captured):
+        out = served(a, w, bias)
+    a.copy_(torch.randn_like(a))
+    captured.replay()
+    expected = a.double() @ w.double().t() + bias.double()
+    assert calls == ["graph", "graph"]  # warmed, then captured; the replay calls no Python
+    assert ((out.double() - expected).abs().max() / expected.abs().max()).item() < 2e-2
