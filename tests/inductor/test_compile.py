@@ -487,3 +487,22 @@ def test_a_second_process_takes_the_compiled_graph_from_the_compilers_cache(tmp_
     first, second = counts
     assert first.get("fxgraph_cache_miss") == 1
     assert second.get("fxgraph_cache_hit") == 1 and "fxgraph_cache_miss" not in second
+
+
+def test_a_graph_replayed_as_a_cuda_graph_runs_the_kernel_its_tuning_found_faster_for_graphs(chosen, monkeypatch):
+    """cuBLAS chosen on a call's cost; a cuBLASLt algorithm 8% faster in the final rounds: a
+    CUDA-graph replay calls it, a plain compiled graph keeps the library call."""
+    import random
+
+    def rounds(median, seed):
+        rng = random.Random(seed)
+        return Timing(tuple(median * (1 + rng.uniform(-0.005, 0.005)) for _ in range(24)))
+
+    lt = Trial("cublaslt", {"algo": 66}, Status.OK, rounds(0.0276, 2))
+    trials = {"cublas": Trial("cublas", {}, Status.OK, rounds(0.030, 1)), lt.label(): lt}
+    chosen.answer = Choice("cublas", {}, 0.030, 0.030)
+    monkeypatch.setattr(choices, "kernel_times", lambda problem, index: trials)
+    problem = Problem(2048, 768, 768, "bfloat16", "linear", True)
+    graphed = choices.GemmtuneChoices(graphs=True)._asked(problem, 0)[0]
+    assert (graphed.backend, graphed.config) == ("cublaslt", {"algo": 66})
+    assert choices.GemmtuneChoices(graphs=False)._asked(problem, 0)[0].backend == "cublas"

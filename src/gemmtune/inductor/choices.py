@@ -27,9 +27,10 @@ from gemmtune.inductor import hooks, plan, rest, runtime
 from gemmtune.inductor.plan import CALLED, LIBRARY, TEMPLATE, Gemm, Rest, Way
 from gemmtune.inductor.problems import Operands, problem_of
 from gemmtune.problem import Problem
-from gemmtune.results import Trial
+from gemmtune.results import Status, Trial
 from gemmtune.serving.calls import DTYPE_NAMES, tf32_allowed
 from gemmtune.serving.dispatch import DISPATCHER, Choice
+from gemmtune.tuning.tuner import graph_choice
 from gemmtune.version import __version__
 
 log = logging.getLogger("gemmtune")
@@ -104,12 +105,19 @@ class GemmtuneChoices(hooks.InductorChoices):
         return plan.ways(*self._asked(problem, device_index), self.graphs, fused)
 
     def _asked(self, problem: Problem, device_index: int) -> tuple[Choice, dict[str, Trial]]:
-        """gemmtune's choice for ``problem`` and its tuning's trials, asked once per compile."""
+        """gemmtune's choice for ``problem`` and its tuning's trials, asked once per compile. A
+        graph replayed as a CUDA graph pays the kernel alone: there the choice is the kernel its
+        tuning found faster for graphs, where it found one (``tuner.graph_choice``)."""
         key = (problem, device_index)
         if key not in self.asked:
             with hooks.unset_fake_temporarily():  # real tensors: a GEMM tuned now runs on the GPU
                 chosen = choose(problem, device_index)
-                self.asked[key] = chosen, kernel_times(problem, device_index)
+                trials = kernel_times(problem, device_index)
+            pick = graph_choice(list(trials.values()), Trial(chosen.backend, chosen.config, Status.OK).label()) \
+                if self.graphs else None
+            if pick is not None:
+                chosen = Choice(pick.backend, pick.config, pick.median_ms, chosen.cublas_ms)
+            self.asked[key] = chosen, trials
         return self.asked[key]
 
     def choose_ahead(self, graph) -> bool:
