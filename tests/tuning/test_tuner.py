@@ -8,6 +8,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gemmtune import backends, search
 from gemmtune.device import current
@@ -350,3 +352,30 @@ def test_near_equal_graph_kernels_are_told_apart_by_the_order_they_were_tried():
     reference = finalist("cublas", {}, 0.0300, seed=1)
     assert graph_choice([reference, first, second], "cublas") is first
     assert graph_choice([reference, second, first], "cublas") is second
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.5, 1.5), min_size=1, max_size=6), st.integers(0, 2 ** 16), st.data())
+def test_a_graph_kernel_is_never_slower_than_the_choice_or_cublas(medians, seed, data):
+    """Whatever the finalists' times and whichever of them was chosen, a graph kernel, where there
+    is one, beats both the choice's kernel and cuBLAS's by more than MIN_GAIN."""
+    from gemmtune.tuning.tuner import MIN_GAIN
+
+    trials = [finalist("cublas", {}, 1.0, seed=seed)] + [finalist("cublaslt", {"algo": i}, m, seed=seed + i + 1)
+                                                          for i, m in enumerate(medians)]
+    chosen = data.draw(st.sampled_from(trials)).label()
+    pick = graph_choice(trials, chosen)
+    if pick is not None:
+        timings = {t.label(): t.timing for t in trials}
+        assert pick.timing.ratio_to(timings[chosen]) < 1 - MIN_GAIN
+        assert pick.timing.ratio_to(timings["cublas"]) < 1 - MIN_GAIN
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.90, 1.0), min_size=2, max_size=5), st.permutations(range(5)))
+def test_the_choice_does_not_depend_on_the_order_the_rounds_report_it(medians, order):
+    """The same costs, listed in another order: the same choice (the search's order decides ties)."""
+    labels = ["cublas"] + [f"lt{i}" for i in range(len(medians))]
+    costs = {"cublas": timing(1.0, 0.005, 1), **{f"lt{i}": timing(m, 0.005, i + 2) for i, m in enumerate(medians)}}
+    shuffled = {label: costs[label] for label in sorted(labels, key=lambda l: order[labels.index(l) % 5])}
+    assert select("cublas", costs, costs, order=labels) == select("cublas", shuffled, shuffled, order=labels)
