@@ -26,6 +26,7 @@ from torch import nn
 from gemmtune import activation as activations
 from gemmtune import api
 from gemmtune.device import current
+from gemmtune.nn import attention
 from gemmtune.nn import conv1d as conv1d_layers
 from gemmtune.nn import fusion
 from gemmtune.nn import joined as sibling_layers
@@ -99,7 +100,8 @@ class AlignedLinear(Linear):
 
 
 TransposedLinear = conv1d_layers.TransposedLinear  # a transformers Conv1D taken over (gemmtune.nn.conv1d)
-LAYERS = (Linear, TransposedLinear)  # the layers optimize takes over
+FUSABLE = (Linear, TransposedLinear)  # the layers an activation that follows can be fused into
+LAYERS = FUSABLE + (attention.MultiheadAttention,)  # the layers optimize takes over
 
 
 def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
@@ -169,6 +171,13 @@ def _take_over(model: nn.Module, filter: Callable[[str, nn.Module], bool] | None
     gemmtune cannot take (``gemmtune.nn.refused``: one log line names them and why)."""
     held, refusals = refused.holders(model), {}
     for name, module in list(model.named_modules()):
+        if type(module) is nn.MultiheadAttention and (filter is None or filter(name, module)):
+            why = attention.reason(module, held)
+            if why is None:
+                attention.take_over(module)
+            else:
+                refusals[name] = why
+            continue
         conv1d = type(module) is not nn.Linear and conv1d_layers.is_conv1d(module)
         if not (type(module) is nn.Linear or conv1d) or filter is not None and not filter(name, module):
             continue
@@ -191,7 +200,7 @@ def _fuse_activations(model: nn.Module) -> None:
     layer keeps it in ``fused`` to put it back."""
 
     def unfused_layer(module: nn.Module) -> bool:
-        return isinstance(module, LAYERS) and module.activation == "none"
+        return isinstance(module, FUSABLE) and module.activation == "none"
 
     for pair in fusion.pairs(model, unfused_layer):
         layer, act = pair.parent._modules[pair.layer], pair.parent._modules[pair.activation]
@@ -259,7 +268,7 @@ def _keep_what_pays(run: Callable[[], object], per_layer: dict, results: list, *
     forms = [keep.Form(layer) for layer in per_layer]
     kept = keep.served(forms, per_layer, {r.problem_key: r for r in results})
     verdict = "nothing to time"
-    if kept and any(form.layer.weight.is_cuda for form in kept):
+    if kept and any(p.is_cuda for form in kept for p in form.layer.parameters()):
         with torch.no_grad():
             eager = keep.speedup(run, kept)
             graph = keep.graph_speedup(run, kept) if eager >= 1.0 else None

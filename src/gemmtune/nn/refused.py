@@ -30,11 +30,13 @@ def holders(model: nn.Module) -> Counter:
     return Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
 
 
-def reason(layer: nn.Module, held: Counter, *, restored: bool = False) -> str | None:
+def reason(layer: nn.Module, held: Counter, *, restored: bool = False,
+           weight: torch.Tensor | None = None) -> str | None:
     """Why ``layer`` (an ``nn.Linear``, or a Conv1D where ``restored``: its weight is stored anew
     when taken, so its layout does not matter) is left to torch, or None where gemmtune can take
-    it; ``held``: ``holders`` of the model."""
-    weight = layer.weight
+    it; ``held``: ``holders`` of the model. ``weight``: the one its GEMM reads, where it is not
+    ``layer.weight`` (an attention's input projection)."""
+    weight = layer.weight if weight is None else weight
     own = [p for p in layer._parameters.values() if p is not None]
     if any(held[id(p)] > 1 for p in own):
         return "a parameter shared with another module"

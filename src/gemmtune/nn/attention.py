@@ -1,0 +1,79 @@
+"""``nn.MultiheadAttention`` with its two projections served by gemmtune.
+
+``nn.MultiheadAttention`` computes its input projection (one (3E, E) GEMM for self-attention)
+and its output projection inside ``F.multi_head_attention_forward``, from its own weights: no
+module call that ``optimize`` could take over performs them. ``optimize`` makes such a module
+this class, which serves the calls it can as they are: self-attention (query, key and value the
+same tensor) with one embedding size, no attention weights asked for (``need_weights=False``,
+as ``nn.TransformerEncoderLayer`` and torchvision's ViT ask), no masks, no ``bias_k``/``bias_v``
+or zero attention, no dropout while training. There it runs the input projection through
+``gemmtune.linear``, attention through ``F.scaled_dot_product_attention`` and the output
+projection through ``gemmtune.linear``; any other call runs torch's own forward, as do calls
+while torch.compile traces it (the compiler chooses those GEMMs) and, where ``optimize``'s check
+found torch's faster there, calls captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gemmtune import api
+from gemmtune.nn import refused
+
+_is_compiling = torch.compiler.is_compiling
+_capturing = torch.cuda.is_current_stream_capturing
+
+
+class MultiheadAttention(nn.MultiheadAttention):
+    torch_class = nn.MultiheadAttention  # the class it goes back to (gemmtune.nn.keep)
+    judged_alone = True
+    activation = "none"  # nothing is fused into it
+    fused = None
+    torch_in_graphs = False
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        if not self._serves(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal) \
+                or _is_compiling() or self.torch_in_graphs and _capturing():
+            return nn.MultiheadAttention.forward(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                                                 average_attn_weights, is_causal)
+        return self.served_forward(query), None
+
+    def _serves(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal) -> bool:
+        """Whether this call is one ``served_forward`` computes as torch's forward does."""
+        return (query is key and key is value and not need_weights and key_padding_mask is None
+                and attn_mask is None and not is_causal and query.dim() in (2, 3) and not query.is_nested
+                and not (self.training and self.dropout > 0.0))
+
+    def served_forward(self, query: torch.Tensor) -> torch.Tensor:
+        """Self-attention of ``query`` ((L, E) unbatched; (B, L, E) batch first, else (L, B, E))."""
+        x = query.unsqueeze(0) if query.dim() == 2 else query if self.batch_first else query.transpose(0, 1)
+        batch, length, embed = x.shape
+        heads = self.num_heads
+        qkv = api.linear(x, self.in_proj_weight, self.in_proj_bias)
+        q, k, v = qkv.view(batch, length, 3, heads, embed // heads).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, length, embed)
+        out = api.linear(attended, self.out_proj.weight, self.out_proj.bias)
+        if query.dim() == 2:
+            return out.squeeze(0)
+        return out if self.batch_first else out.transpose(0, 1)
+
+
+def reason(module: nn.MultiheadAttention, held: Counter) -> str | None:
+    """Why ``module`` is left to torch, or None where ``optimize`` can take it over."""
+    if not module._qkv_same_embed_dim:
+        return "attention whose key or value size differs from its embedding size"
+    if module.bias_k is not None or module.add_zero_attn:
+        return "attention with bias_k/bias_v or add_zero_attn"
+    if module.embed_dim % module.num_heads:
+        return "attention whose embedding size does not divide into its heads"
+    return refused.reason(module, held, weight=module.in_proj_weight) or \
+        refused.reason(module.out_proj, held)
+
+
+def take_over(module: nn.MultiheadAttention) -> None:
+    module.__class__ = MultiheadAttention
