@@ -204,6 +204,27 @@ def timm_entry(name: str, batch: int, tiny: dict | Callable[[], nn.Module], trai
                  + (" (+ a train step)" if train else ""))
 
 
+def torchvision_vit_entry() -> Entry:
+    """torchvision's ViT-B/16: its attention is ``nn.MultiheadAttention``, called for
+    self-attention without attention weights (``gemmtune.nn.attention`` serves it)."""
+
+    def build(tiny: bool) -> nn.Module:
+        from torchvision.models.vision_transformer import VisionTransformer
+
+        if tiny:
+            return VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=64,
+                                     mlp_dim=128, num_classes=10)
+        return VisionTransformer(image_size=224, patch_size=16, num_layers=12, num_heads=12, hidden_dim=768,
+                                 mlp_dim=3072)
+
+    def cases(key: str, tiny: bool) -> list[Case]:
+        b, size = (2, 32) if tiny else (64, 224)
+        return [Case(key, "torchvision", b, None, BF16, "inference", images(b, size))]
+
+    return Entry("torchvision", build, cases, "torchvision ViT-B/16 (nn.MultiheadAttention), random weights, "
+                 "batch 64 at 224x224")
+
+
 def bert_entry() -> Entry:
     def build(tiny: bool) -> nn.Module:
         from transformers import BertConfig, BertModel
@@ -355,6 +376,7 @@ MODELS: dict[str, Entry] = {
         img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)),
     "swin_tiny_patch4_window7_224": timm_entry("swin_tiny_patch4_window7_224", 64, dict(
         img_size=32, patch_size=4, window_size=4, embed_dim=32, depths=(1, 1), num_heads=(2, 4), num_classes=10)),
+    "vit_b_16-torchvision": torchvision_vit_entry(),
     "convnext_tiny": timm_entry("convnext_tiny", 64, dict(depths=(1, 1, 1, 1), dims=(16, 32, 64, 128),
                                                           num_classes=10)),
     "mixer_b16_224": timm_entry("mixer_b16_224", 32, tiny_mixer),
