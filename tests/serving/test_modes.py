@@ -99,3 +99,15 @@ def test_a_captured_graph_replays_the_graph_kernel_and_computes_right():
     expected = a.double() @ w.double().t() + bias.double()
     assert calls == ["graph", "graph"]  # warmed, then captured; the replay calls no Python
     assert ((out.double() - expected).abs().max() / expected.abs().max()).item() < 2e-2
+
+
+def test_its_front_is_the_eager_kernels_front_outside_a_capture(capturing):
+    calls = []
+    eager = kernel("eager", calls, binds=False)
+    eager.front = lambda a, b, bias: calls.append("eager front") or a @ b.t()
+    served = ByMode(eager, kernel("graph", calls))
+    a, b = torch.randn(3, 4), torch.randn(5, 4)
+    served.front(a, b, None)
+    capturing["on"] = True
+    served.front(a, b, None)
+    assert calls == ["eager front", "graph"]

@@ -50,18 +50,18 @@ class MultiheadAttention(nn.MultiheadAttention):
                 and not (self.training and self.dropout > 0.0))
 
     def served_forward(self, query: torch.Tensor) -> torch.Tensor:
-        """Self-attention of ``query`` ((L, E) unbatched; (B, L, E) batch first, else (L, B, E))."""
-        x = query.unsqueeze(0) if query.dim() == 2 else query if self.batch_first else query.transpose(0, 1)
-        batch, length, embed = x.shape
-        heads = self.num_heads
+        """Self-attention of ``query``: (L, E) unbatched; (B, L, E) batch first, else (L, B, E),
+        whose order the projections keep (no copy of the input)."""
+        seq_first = query.dim() == 2 or not self.batch_first
+        x = query.unsqueeze(1) if query.dim() == 2 else query
+        heads, embed = self.num_heads, self.embed_dim
         qkv = api.linear(x, self.in_proj_weight, self.in_proj_bias)
-        q, k, v = qkv.view(batch, length, 3, heads, embed // heads).permute(2, 0, 3, 1, 4)
-        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, length, embed)
+        q, k, v = qkv.view(*x.shape[:2], 3, heads, embed // heads).permute(
+            (2, 1, 3, 0, 4) if seq_first else (2, 0, 3, 1, 4))  # each (B, heads, L, head size)
+        attended = F.scaled_dot_product_attention(q, k, v)
+        attended = attended.permute((2, 0, 1, 3) if seq_first else (0, 2, 1, 3)).reshape(*x.shape[:2], embed)
         out = api.linear(attended, self.out_proj.weight, self.out_proj.bias)
-        if query.dim() == 2:
-            return out.squeeze(0)
-        return out if self.batch_first else out.transpose(0, 1)
-
+        return out.squeeze(1) if query.dim() == 2 else out
 
 def reason(module: nn.MultiheadAttention, held: Counter) -> str | None:
     """Why ``module`` is left to torch, or None where ``optimize`` can take it over."""

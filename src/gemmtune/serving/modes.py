@@ -43,6 +43,17 @@ class ByMode(KernelBase):
 
         return call
 
+    @property
+    def front(self):
+        """The eager kernel's front (cuBLAS's ``F.linear``, say), the graph kernel while a graph is
+        being captured."""
+        eager, graph = self.eager.front, self.graph
+
+        def call(a, b, bias):
+            return graph(a, b, bias) if _capturing() else eager(a, b, bias)
+
+        return call
+
     def warm(self, a, b, bias) -> None:
         """Run the graph kernel once on a call's operands, outside any capture, so that its first
         launch (a compile, a module load) is not made while a graph is being captured."""
