@@ -50,7 +50,7 @@ def test_tune_json_then_cache_round_trip(capsys, tmp_path):
 
     key = Problem(7, 40, 33, "float32", "nn").key()
     code, out, _ = run(capsys, "cache", "--cache", str(store), "show", key)
-    assert code == 0 and "triton_tiled" in out and "cublas" in out
+    assert code == 0 and "triton_tiled" in out and "cublas" in out and "in CUDA graphs: " in out
 
     exported = tmp_path / "export.json"
     assert run(capsys, "cache", "--cache", str(store), "export", str(exported))[0] == 0

@@ -69,3 +69,20 @@ def test_a_file_that_is_not_a_suite_is_refused(tmp_path):
         report.read_suite(path)
     with pytest.raises(ValueError, match="cannot read"):
         report.read_suite(tmp_path / "missing.json")
+
+
+def test_the_graph_line_names_the_kernel_cuda_graphs_replay():
+    import random
+
+    from gemmtune.cli.report import graph_line
+    from gemmtune.results import Status, Timing, Trial, TuneResult
+
+    def final(backend, config, median, seed):
+        rng = random.Random(seed)
+        return Trial(backend, config, Status.OK, timing=Timing(tuple(median * (1 + rng.uniform(-0.01, 0.01))
+                                                                     for _ in range(24))))
+
+    choice = TuneResult("key", "dev", "cublas", {}, 0.03, 0.03, 1.0)
+    trials = [final("cublas", {}, 0.030, 1), final("cublaslt", {"algo": 1}, 0.027, 2)]
+    assert graph_line(choice, trials).startswith(f"in CUDA graphs: {trials[1].label()}, its kernel 0.027")
+    assert graph_line(choice, trials[:1]) == "in CUDA graphs: the choice's own kernel"

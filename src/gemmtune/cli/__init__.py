@@ -567,8 +567,10 @@ def _cache(args, console: Console) -> int:
         choice = store.get(device, args.problem)
         if choice is None:
             raise ValueError(f"no stored choice for {args.problem!r} on device {device}")
+        trials = store.trials(device, args.problem)
         console.print(report.results_table([choice], [args.problem]))
-        console.print(report.trials_table(store.trials(device, args.problem)))
+        console.print(report.trials_table(trials))
+        console.print(report.graph_line(choice, trials))
     elif args.action == "export":
         count = store.export_json(args.path, args.device)
         console.print(f"exported {count} choices to {args.path}")

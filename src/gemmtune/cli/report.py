@@ -69,6 +69,19 @@ def trials_table(trials: Sequence[Trial]) -> Table:
     return table
 
 
+def graph_line(choice: TuneResult, trials: Sequence[Trial]) -> str:
+    """What CUDA graphs replay for a stored choice: its own kernel, or the finalist whose kernel
+    its tuning found faster (``tuner.graph_choice``), which served calls captured in a graph run."""
+    from gemmtune.tuning.tuner import graph_choice
+
+    pick = graph_choice(trials, choice.label())
+    if pick is None:
+        return "in CUDA graphs: the choice's own kernel"
+    mine = next((t for t in trials if t.label() == choice.label() and t.ok and t.timing), None)
+    against = f" against the choice's {mine.median_ms:.4f} ms" if mine is not None else ""
+    return f"in CUDA graphs: {pick.label()}, its kernel {pick.median_ms:.4f} ms{against} in the final rounds"
+
+
 # --- suite files (benchmarks/results/suite-*.json) ---------------------------------------------
 
 # Dense 16-bit tensor-core peaks (TFLOP/s) for the roofline's compute roof, by a name fragment of
