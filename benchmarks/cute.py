@@ -60,14 +60,23 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("needs an sm_90 GPU and gemmtune[cute] (quack-kernels, nvidia-cutlass-dsl)")
     result = header()
     for shape in chosen_shapes(args.only):
-        row = run_shape(shape)
+        try:
+            row = run_shape(shape)
+        except Exception as exc:  # noqa: BLE001 - one shape's failure is its row, the others still run
+            row = {"name": shape["name"], "error": f"{type(exc).__name__}: {exc}"[:1000]}
         result["rows"].append(row)
         args.out.write_text(json.dumps(result, indent=1))
-        print(f"{row['name']:24s} exhaustive cute x{row['vs_cublas']['cute_exhaustive']:.3f}  gemmtune "
-              f"x{row['vs_cublas']['gemmtune']:.3f} ({row['choice']})  quack x{row['vs_cublas']['quack']:.3f}  "
-              f"tune {row['tune_s']:.1f} s  second first call {row['second_first_call_s'] * 1e3:.0f} ms",
-              file=sys.stderr, flush=True)
+        print(summary(row), file=sys.stderr, flush=True)
     return 0
+
+
+def summary(row: dict) -> str:
+    if "error" in row:
+        return f"{row['name']:24s} {row['error'][:200]}"
+    speedup = row["vs_cublas"]
+    return (f"{row['name']:24s} exhaustive cute x{speedup['cute_exhaustive']:.3f}  gemmtune x{speedup['gemmtune']:.3f} "
+            f"({row['choice']})  quack x{speedup['quack']:.3f}  tune {row['tune_s']:.1f} s  "
+            f"second first call {row['second_first_call_s'] * 1e3:.0f} ms")
 
 
 def header() -> dict:
@@ -117,6 +126,8 @@ def run_shape(shape: dict) -> dict:
     expected = a.double() @ b.double().t()
     configs = cute.space(problem, device)
     compiled, failed = exhaustive_build(problem, configs, a, b, expected)
+    if not compiled:
+        raise RuntimeError(f"every one of the {len(configs)} configs failed: {next(iter(failed.values()), '')}")
     tuned = tune(problem)
     quack_call, quack_tune_s = quack_autotuned(a, b)
     row = {"name": shape["name"], "m": problem.m, "n": problem.n, "k": problem.k, "dtype": problem.dtype,
