@@ -15,7 +15,7 @@ from gemmtune import backends, search
 from gemmtune.device import current
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing, Trial
-from gemmtune.tuning.tuner import TuneOptions, _clear, _confirmed, _finalists, graph_choice, select, tune_problem
+from gemmtune.tuning.tuner import TuneOptions, _confirmed, _faster, _finalists, graph_choice, select, tune_problem
 
 
 def timing(median, spread=0.0, order_seed=None):
@@ -315,8 +315,8 @@ def test_a_winner_wrong_after_its_confirming_rounds_is_never_chosen():
 
 
 def test_only_a_narrow_win_is_confirmed():
-    assert _clear(timing(0.09, 0.005, 1), timing(0.1, 0.005, 2))
-    assert not _clear(timing(0.97, 0.005, 1), timing(1.0, 0.005, 2))
+    assert _faster(timing(0.09, 0.005, 1), timing(0.1, 0.005, 2), by=2)
+    assert not _faster(timing(0.97, 0.005, 1), timing(1.0, 0.005, 2), by=2)
 
 
 def finalist(backend, config, median, rounds=24, seed=0):

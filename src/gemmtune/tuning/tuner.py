@@ -217,7 +217,7 @@ def _tune(problem: Problem, device: Device, options: TuneOptions, on_trial, runn
     order = list(dict.fromkeys(t.label() for t in trials))  # as tried: the backends' and cost models' order
     label = select(kept.label() if kept else None, timings, costs, hosts, order)
     chosen = next(t for t in finalists if t.label() == label)
-    if kept is not None and chosen is not kept and not _clear(costs[label], costs[kept.label()]):
+    if kept is not None and chosen is not kept and not _faster(costs[label], costs[kept.label()], by=2):
         chosen = _confirmed(chosen, kept, runner, options, problem)
     trials = [_after_final(t, timings, failed) for t in trials]
     return TuneResult(
@@ -240,11 +240,6 @@ def _finalists(ranked: list[Trial], count: int) -> list[Trial]:
         if all(trial.backend != t.backend for t in chosen):
             chosen.append(trial)
     return chosen
-
-
-def _clear(cost: Timing, reference: Timing) -> bool:
-    """A win by more than twice what ``select`` asks: no confirming rounds needed."""
-    return cost.ratio_to(reference) < 1.0 - 2 * max(MIN_GAIN, cost.spread_against(reference))
 
 
 def _confirmed(chosen: Trial, reference: Trial, runner: Runner, options: TuneOptions, problem: Problem) -> Trial:
@@ -319,8 +314,15 @@ def select(reference: str | None, timings: dict[str, Timing], costs: dict[str, T
         return reference
     cheapest = min(winners, key=lambda label: costs[label].ratio_to(costs[reference]))
     tied = [label for label in winners if _level(costs[label], costs[cheapest])]
-    fastest = min(tied, key=lambda label: timings[label].ratio_to(timings[reference]))
-    level = [label for label in tied if _level(timings[label], timings[fastest])]
+    return _first_fastest(tied, timings, timings[reference], order)
+
+
+def _first_fastest(labels: list[str], timings: Mapping[str, Timing], reference: Timing,
+                   order: Sequence[str]) -> str:
+    """The fastest kernel of ``labels``, or among those level with it the first in ``order`` (the
+    order the search tried them in; a label not in it after those that are, by name)."""
+    fastest = min(labels, key=lambda label: timings[label].ratio_to(reference))
+    level = [label for label in labels if _level(timings[label], timings[fastest])]
     rank = {label: i for i, label in enumerate(order)}
     return min(level, key=lambda label: (rank.get(label, len(rank)), label))
 
@@ -349,15 +351,14 @@ def graph_choice(trials: Sequence[Trial], chosen: str) -> Trial | None:
               if _faster(t.timing, mine.timing) and _faster(t.timing, reference.timing)]
     if not faster:
         return None
-    fastest = min(faster, key=lambda label: final[label].timing.ratio_to(reference.timing))
-    order = list(final)
-    return final[min((label for label in faster if _level(final[label].timing, final[fastest].timing)),
-                     key=order.index)]
+    timings = {label: t.timing for label, t in final.items()}
+    return final[_first_fastest(faster, timings, reference.timing, list(final))]
 
 
-def _faster(timing: Timing, other: Timing) -> bool:
-    """Whether ``timing`` is under ``other``'s by more than MIN_GAIN and the noise of their ratio."""
-    return timing.ratio_to(other) < 1.0 - max(MIN_GAIN, timing.spread_against(other))
+def _faster(timing: Timing, other: Timing, by: float = 1.0) -> bool:
+    """Whether ``timing`` is under ``other``'s by more than ``by`` times MIN_GAIN or the noise of
+    their ratio (``by`` 2: a clear win, which needs no confirming rounds)."""
+    return timing.ratio_to(other) < 1.0 - by * max(MIN_GAIN, timing.spread_against(other))
 
 
 def _level(timing: Timing, best: Timing) -> bool:
