@@ -27,7 +27,7 @@ from gemmtune.inductor import hooks, plan, rest, runtime
 from gemmtune.inductor.plan import CALLED, LIBRARY, TEMPLATE, Gemm, Rest, Way
 from gemmtune.inductor.problems import Operands, problem_of
 from gemmtune.problem import Problem
-from gemmtune.results import Status, Trial
+from gemmtune.results import Trial
 from gemmtune.serving.calls import DTYPE_NAMES, tf32_allowed
 from gemmtune.serving.dispatch import DISPATCHER, Choice
 from gemmtune.tuning.tuner import graph_choice
@@ -113,8 +113,7 @@ class GemmtuneChoices(hooks.InductorChoices):
             with hooks.unset_fake_temporarily():  # real tensors: a GEMM tuned now runs on the GPU
                 chosen = choose(problem, device_index)
                 trials = kernel_times(problem, device_index)
-            pick = graph_choice(list(trials.values()), Trial(chosen.backend, chosen.config, Status.OK).label()) \
-                if self.graphs else None
+            pick = graph_choice(list(trials.values()), chosen.label()) if self.graphs else None
             if pick is not None:
                 chosen = Choice(pick.backend, pick.config, pick.median_ms, chosen.cublas_ms)
             self.asked[key] = chosen, trials

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from gemmtune.backends import REFERENCE
-from gemmtune.results import Status, Trial
+from gemmtune.results import Trial
 from gemmtune.serving.dispatch import Choice
 
 TEMPLATE, CALLED, LIBRARY = "on the compiler's Triton template", "on gemmtune's kernels", "on cuBLAS"
@@ -94,7 +94,7 @@ def ways(choice: Choice, trials: dict[str, Trial], graphs: bool,
     if choice.backend == REFERENCE or choice.cublas_ms is not None:
         found.append(_way(Choice("cublas", {}, library_ms, library_ms), LIBRARY, library_ms, graphs))
     if choice.backend in CALLED_BACKENDS or choice.backend in GRAPHED_ONLY and (graphs or choice.cublas_ms is None):
-        mine = trials.get(Trial(choice.backend, choice.config, Status.OK).label())
+        mine = trials.get(choice.label())
         found.append(_way(choice, CALLED, mine.median_ms if mine is not None else choice.time_ms, graphs))
     # the form with the activation fused into the template's epilogue launches no kernel for it
     forms = [(choice, trials, 0.0)] + ([(*fused, LAUNCH_MS)] if fused else [])

@@ -58,6 +58,10 @@ class Choice(NamedTuple):
     def of(cls, result) -> Choice:
         return cls(result.backend, result.config, result.time_ms, result.cublas_ms)
 
+    def label(self) -> str:
+        """The label of the trial it was (``Trial.label``), by which its tuning's trials name it."""
+        return Trial(self.backend, self.config, Status.OK).label()
+
 
 REFERENCE_CHOICE = Choice(backends.REFERENCE, {})
 
@@ -146,8 +150,6 @@ class Dispatcher:
         return []
 
     def _resolve(self, problem: Problem, device: Device):
-        """The kernel of ``problem``'s choice, paired with the one CUDA graphs should capture where
-        its tuning found a faster kernel for them (``ByMode``)."""
         for choice in self._stored(problem, device):
             try:
                 kernel = backends.build(problem, choice.backend, choice.config, device)
@@ -155,29 +157,27 @@ class Dispatcher:
                 log.warning("gemmtune: the stored %s for %s cannot be built here (%s); passing it over",
                             choice.backend, problem.describe(), exc)
                 continue
-            graph = self._for_graphs(problem, device, choice)
-            return kernel if graph is None else ByMode(kernel, graph)
+            return self._with_graph_kernel(problem, device, choice, kernel)
         choice = self._fresh(problem, device)
-        kernel = backends.build(problem, choice.backend, choice.config, device)
-        graph = None if choice is REFERENCE_CHOICE else self._for_graphs(problem, device, choice)
-        return kernel if graph is None else ByMode(kernel, graph)
+        return self._with_graph_kernel(problem, device, choice,
+                                       backends.build(problem, choice.backend, choice.config, device))
 
-    def _for_graphs(self, problem: Problem, device: Device, choice: Choice):
-        """The kernel a CUDA graph should capture for ``problem`` where it is not the choice's
-        (``tuner.graph_choice`` over the stored trials), built; None otherwise."""
-        label = Trial(choice.backend, choice.config, Status.OK).label()
-        pick = graph_choice(self.trials(problem, device), label)
+    def _with_graph_kernel(self, problem: Problem, device: Device, choice: Choice, kernel):
+        """``kernel`` (the choice's), paired with the one CUDA graphs should capture where its
+        tuning found a faster kernel for them (``tuner.graph_choice`` over the stored trials:
+        ``ByMode``); ``kernel`` alone otherwise."""
+        pick = graph_choice(self.trials(problem, device), choice.label())
         if pick is None or not _serves(pick.backend, problem, device):
-            return None
+            return kernel
         try:
-            kernel = backends.build(problem, pick.backend, pick.config, device)
+            graph = backends.build(problem, pick.backend, pick.config, device)
         except Exception as exc:  # noqa: BLE001 - the choice serves graphs too
             log.warning("gemmtune: %s, faster for CUDA graphs on %s, cannot be built here (%s)",
                         pick.label(), problem.describe(), exc)
-            return None
-        log.info("gemmtune: %s runs %s in eager calls and %s in CUDA graphs", problem.describe(), label,
+            return kernel
+        log.info("gemmtune: %s runs %s in eager calls and %s in CUDA graphs", problem.describe(), choice.label(),
                  pick.label())
-        return kernel
+        return ByMode(kernel, graph)
 
     def _stored(self, problem: Problem, device: Device) -> Iterator[Choice]:
         """The stored choices that can serve ``problem``: its own shape's first, then its bucket's."""
