@@ -10,11 +10,8 @@ import torch
 from torch import nn
 
 import gemmtune
-from gemmtune import nn as gnn
-from gemmtune.device import Device
 from gemmtune.nn import attention, keep
 from gemmtune.problem import Problem
-from gemmtune.results import TuneResult
 
 
 def made(embed=24, heads=4, **kwargs):
@@ -86,19 +83,11 @@ def test_release_gives_back_torch_s_attention():
         torch.testing.assert_close(module(x, x, x, need_weights=False)[0], reference(x, x, x, need_weights=False)[0])
 
 
-def test_the_example_run_records_both_projections_of_each_attention(monkeypatch):
+def test_the_example_run_records_both_projections_of_each_attention(fake_tuning):
     """The input projection (M, 3E, E) and the output projection (M, E, E), both with their bias;
     the layer stays gemmtune's where one of them was tuned to a gemmtune kernel."""
     model = Block(batch_first=True)
-    tuned = []
-    monkeypatch.setattr(gnn, "current", lambda: Device("H100", (9, 0), 132, 232448, 50 << 20))
-
-    def tune(problems, options=None):
-        tuned.extend(problems)
-        return [TuneResult(p.key(), "fake", "triton_tiled" if p.n == 72 else "cublas", {}, 1.0, 1.0, 0.1)
-                for p in problems]
-
-    monkeypatch.setattr(gnn.api, "tune", tune)
+    tuned = fake_tuning(lambda p: "triton_tiled" if p.n == 72 else "cublas")
     gemmtune.optimize(model, (torch.randn(3, 7, 24),))
     assert sorted(tuned, key=lambda p: p.n) == [Problem(21, 24, 24, "float32", "linear", True),
                                                 Problem(21, 72, 24, "float32", "linear", True)]

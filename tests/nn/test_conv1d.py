@@ -11,11 +11,8 @@ import torch
 from torch import nn
 
 import gemmtune
-from gemmtune import nn as gnn
-from gemmtune.device import Device
 from gemmtune.nn import conv1d, keep
 from gemmtune.problem import Problem
-from gemmtune.results import TuneResult
 
 from .test_fusion import made
 
@@ -154,20 +151,12 @@ def test_release_gives_back_the_conv1d_and_its_activation():
     torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-6)
 
 
-def test_the_example_run_tunes_the_conv1d_gemms_and_keeps_what_pays(monkeypatch):
+def test_the_example_run_tunes_the_conv1d_gemms_and_keeps_what_pays(fake_tuning):
     """Both GEMMs are recorded per layer as linear problems on the (N, K) weight; the one tuned
     to cuBLAS goes back to Conv1D, the other stays gemmtune's (the model's timing is not asked
     for: no GPU here, so the check cannot time and keeps what was tuned)."""
     model = made(GPT2MLP)
-    tuned = []
-    monkeypatch.setattr(gnn, "current", lambda: Device("H100", (9, 0), 132, 232448, 50 << 20))
-
-    def tune(problems, options=None):
-        tuned.extend(problems)
-        return [TuneResult(p.key(), "fake", "cublas" if p.n == 24 else "triton_tiled", {}, 1.0, 1.0, 0.1)
-                for p in problems]
-
-    monkeypatch.setattr(gnn.api, "tune", tune)
+    tuned = fake_tuning(lambda p: "cublas" if p.n == 24 else "triton_tiled")
     gemmtune.optimize(model, (torch.randn(3, 5, 24),))
     assert sorted(tuned, key=lambda p: p.n) == [
         Problem(15, 24, 40, "float32", "linear", True, False, "none"),
