@@ -38,21 +38,16 @@ from gemmtune.serving.dispatch import DISPATCHER
 from gemmtune.tuning.tuner import TuneOptions
 
 log = logging.getLogger("gemmtune")
-_is_compiling = torch.compiler.is_compiling  # looked up once: every layer call asks
-_capturing = torch.cuda.is_current_stream_capturing
+_is_compiling, _capturing = keep.is_compiling, keep.capturing
 
 
-class Linear(nn.Linear):
+class Linear(keep.TakenOver, nn.Linear):
     """``nn.Linear`` through gemmtune, with an optional fused activation. While torch.compile
     traces it, it is the ``nn.Linear`` and activation it stands for: the compiler chooses its GEMM
     (a gemmtune custom op would cost ~60-80 us of host time per call in the compiled graph,
     docs/host-cost.md)."""
 
-    torch_class = nn.Linear  # the class it goes back to (gemmtune.nn.keep)
-    judged_alone = True  # tuned to cuBLAS alone, it goes back to torch without the model's check
-    activation: str = "none"
-    fused: tuple[nn.Module, str, nn.Module] | None = None  # the activation module fused: parent, name, module
-    torch_in_graphs = False  # True: torch's forward while a CUDA graph is captured (optimize's check found it faster)
+    torch_class = nn.Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _is_compiling() or self.torch_in_graphs and _capturing():

@@ -22,18 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from gemmtune import api
-from gemmtune.nn import refused
+from gemmtune.nn import keep, refused
 
-_is_compiling = torch.compiler.is_compiling
-_capturing = torch.cuda.is_current_stream_capturing
+_is_compiling, _capturing = keep.is_compiling, keep.capturing
 
 
-class MultiheadAttention(nn.MultiheadAttention):
-    torch_class = nn.MultiheadAttention  # the class it goes back to (gemmtune.nn.keep)
-    judged_alone = True
-    activation = "none"  # nothing is fused into it
-    fused = None
-    torch_in_graphs = False
+class MultiheadAttention(keep.TakenOver, nn.MultiheadAttention):
+    torch_class = nn.MultiheadAttention  # nothing is fused into it: optimize fuses into FUSABLE layers only
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):

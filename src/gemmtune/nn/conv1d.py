@@ -29,23 +29,17 @@ from torch import nn
 
 from gemmtune import activation as activations
 from gemmtune import api
+from gemmtune.nn import keep
 
 CLASS_NAME = "Conv1D"
 TOLERANCE = 2e-2  # of the largest output: the agreement asked of the layer's own forward (TF32, half types)
 
-_is_compiling = torch.compiler.is_compiling
-_capturing = torch.cuda.is_current_stream_capturing
+_is_compiling, _capturing = keep.is_compiling, keep.capturing
 
 
-class TransposedLinear(nn.Module):
+class TransposedLinear(keep.TakenOver, nn.Module):
     """The forward of a Conv1D taken over by ``optimize``: the first base of the subclass made for
     each Conv1D class (``subclass``), so that its forward is this one."""
-
-    torch_class: type  # the class the layer was, whose forward is torch's
-    judged_alone = True  # tuned to cuBLAS alone, it goes back to torch (gemmtune.nn.keep)
-    activation: str = "none"
-    fused: tuple[nn.Module, str, nn.Module] | None = None  # the activation module fused: parent, name, module
-    torch_in_graphs = False  # True: torch's forward while a CUDA graph is captured (as gemmtune.nn.Linear's)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _is_compiling() or self.torch_in_graphs and _capturing():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
+import torch
 from torch import nn
 
 from gemmtune import backends
@@ -31,6 +32,25 @@ CHECK_BUDGET_MS = 2000.0  # the wall time the model's self-check may take (sever
 
 
 GEMMTUNE_ATTRIBUTES = ("activation", "fused", "siblings", "aligned", "torch_in_graphs")  # what optimize puts on a layer
+
+# what a taken-over layer's forward asks on every call, looked up once
+is_compiling = torch.compiler.is_compiling
+capturing = torch.cuda.is_current_stream_capturing
+
+
+class TakenOver:
+    """What every layer class ``optimize`` takes a module over with declares (a first base, before
+    the torch class): the class it goes back to (``torch_class``), and the defaults of what
+    optimize puts on a layer. Its forward runs torch's while torch.compile traces it (the compiler
+    chooses its GEMMs) and, where ``torch_in_graphs``, while a CUDA graph is being captured:
+    ``is_compiling() or self.torch_in_graphs and capturing()``, written out in each forward (a
+    method call would cost every layer call a frame)."""
+
+    torch_class: type  # the class the layer was, whose forward is torch's
+    judged_alone = True  # tuned to cuBLAS alone, it goes back to torch without the model's check
+    activation: str = "none"  # the activation fused into its GEMM's epilogue
+    fused: tuple[nn.Module, str, nn.Module] | None = None  # the activation module fused: parent, name, module
+    torch_in_graphs = False  # True: torch's forward while a CUDA graph is captured (optimize's check found it faster)
 
 
 class Form:
