@@ -112,20 +112,17 @@ def chosen_shapes(only: list[str] | None) -> list[dict]:
 
 
 def run_shape(shape: dict) -> dict:
-    import torch
-
     from gemmtune.backends import cute
     from gemmtune.device import current
     from gemmtune.problem import Problem
+    from gemmtune.tuning import verify
 
     device = current()
     problem = Problem(shape["m"], shape["n"], shape["k"], shape["dtype"], shape.get("layout", "linear"))
-    dtype = getattr(torch, problem.dtype)
-    a = torch.randn(problem.m, problem.k, device="cuda", dtype=dtype)
-    b = torch.randn(problem.n, problem.k, device="cuda", dtype=dtype)
-    expected = a.double() @ b.double().t()
+    inputs = verify.make_inputs(problem, "cuda", seed=0)
+    a, b = inputs.a, inputs.b
     configs = cute.space(problem, device)
-    compiled, failed = exhaustive_build(problem, configs, a, b, expected)
+    compiled, failed = exhaustive_build(problem, configs, inputs)
     if not compiled:
         raise RuntimeError(f"every one of the {len(configs)} configs failed: {next(iter(failed.values()), '')}")
     tuned = tune(problem)
@@ -138,12 +135,14 @@ def run_shape(shape: dict) -> dict:
     return row
 
 
-def exhaustive_build(problem, configs, a, b, expected) -> tuple[dict, dict]:
-    """Each config built and first called (its cold compile timed), checked against float64."""
+def exhaustive_build(problem, configs, inputs) -> tuple[dict, dict]:
+    """Each config built and first called (its cold compile timed), then judged against float64
+    as the tuner judges every candidate (``verify.check``)."""
     import torch
 
     from gemmtune import backends
     from gemmtune.device import current
+    from gemmtune.tuning import verify
 
     compiled, failed = {}, {}
     for config in configs:
@@ -152,17 +151,17 @@ def exhaustive_build(problem, configs, a, b, expected) -> tuple[dict, dict]:
             kernel = backends.get("cute").build(problem, config, current())
             torch.cuda.synchronize()
             started = time.perf_counter()
-            out = kernel(a, b, None)
+            kernel(inputs.a, inputs.b, inputs.bias)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - started
+            verdict = verify.check(kernel, problem, inputs)
         except Exception as exc:  # noqa: BLE001 - a config that fails is reported, not fatal
             failed[label] = f"{type(exc).__name__}: {str(exc)[:200]}"
             continue
-        error = ((out.double() - expected).abs().max() / expected.abs().max()).item()
-        if not error < 2e-2:
-            failed[label] = f"relative error {error:.2e} against float64"
+        if not verdict.ok:
+            failed[label] = verdict.reason()
             continue
-        compiled[label] = {"kernel": kernel, "config": config, "compile_s": seconds, "rel_err": error}
+        compiled[label] = {"kernel": kernel, "config": config, "compile_s": seconds, "rel_err": verdict.rel_err}
     return compiled, failed
 
 
