@@ -70,6 +70,19 @@ def test_warming_runs_the_graph_kernel_once_flattening_what_it_cannot_take():
     assert calls == ["graph"]
 
 
+def test_warming_a_matmul_passes_its_operands_as_they_are():
+    # layout nn: b is (K, N); a flattening wrapper would shape the result by b's first dimension
+    seen = []
+
+    def graph(a, b, bias, out=None):
+        seen.append((tuple(a.shape), tuple(b.shape)))
+        return a @ b
+
+    served = ByMode(kernel("eager", []), function_kernel(graph, serves_any_rank=False))
+    served.warm(torch.randn(6, 4), torch.randn(4, 5), None)
+    assert seen == [((6, 4), (4, 5))]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_captured_graph_replays_the_graph_kernel_and_computes_right():

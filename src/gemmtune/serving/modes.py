@@ -56,5 +56,6 @@ class ByMode(KernelBase):
 
     def warm(self, a, b, bias) -> None:
         """Run the graph kernel once on a call's operands, outside any capture, so that its first
-        launch (a compile, a module load) is not made while a graph is being captured."""
-        any_rank(self.graph)(a, b, bias)
+        launch (a compile, a module load) is not made while a graph is being captured. A 2-D ``a``
+        goes as it is, in either layout: flattening is for linear's (..., K) inputs alone."""
+        (self.graph if a.dim() == 2 else any_rank(self.graph))(a, b, bias)
