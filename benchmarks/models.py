@@ -47,7 +47,9 @@ step's GEMMs each checked against float64 from its own inputs (wrong ones, worst
 eager step: ``gemms``, the GEMM calls gemmtune saw (every nn.Linear's and Conv1D's);
 ``gemms_kept``, those still going through gemmtune after ``optimize`` (whose check hands layers
 that do not pay back to torch); ``gemms_served``, those of them a kernel other than cuBLAS serves
-(``served_by``: calls per backend); ``fused_kept``, the layers left running an activation fused
+(``served_by``: calls per backend); ``graph_only`` and ``eager_only``, the layers optimize's
+check kept for one mode (torch's forward in the other: such a layer's calls are not in the
+eager counts above when it is graph-only); ``fused_kept``, the layers left running an activation fused
 into their GEMM; ``gemm_flops_seen``, the seen GEMMs' FLOPs over those of every aten mm, addmm, bmm
 and baddbmm of the same step (FlopCounterMode; attention inside SDPA and convolutions not counted).
 Train cases (forward + backward of ``out.float().sum()``, the model in eval mode so that dropout
@@ -726,6 +728,12 @@ def fused_kept(tuned: nn.Module) -> int:
     return sum(1 for m in tuned.modules() if getattr(m, "fused", None) is not None and m.activation != "none")
 
 
+def one_mode(tuned: nn.Module, torch_when_capturing: bool) -> int:
+    """The layers of the optimized model that run torch's forward while a CUDA graph is captured
+    (True: gemmtune's in eager only) or outside captures (False: gemmtune's in graphs only)."""
+    return sum(1 for m in tuned.modules() if getattr(m, "torch_when_capturing", None) is torch_when_capturing)
+
+
 def backend_of(kernel) -> str:
     """The backend a built kernel comes from: the module of its class or function
     (``gemmtune.backends.<name>``); cuBLAS's kernels are functions of ``gemmtune.backends.cublas``."""
@@ -834,6 +842,7 @@ def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budg
         tuned, tuned_kwargs, tune_s = tune_side(case, base, shared)
         by = served_by(case, tuned, tuned_kwargs)
         common |= {"tune_s": tune_s, "served_by": dict(by), "fused_kept": fused_kept(tuned),
+                   "graph_only": one_mode(tuned, False), "eager_only": one_mode(tuned, True),
                    "gemms_served": sum(c for b, c in by.items() if b not in ("torch", "cublas")),
                    "gemms_kept": sum(c for b, c in by.items() if b != "torch")}
         sides["tuned"] = (tuned, tuned_kwargs)
@@ -908,7 +917,9 @@ def print_row(row: dict) -> None:
           f"err {row['rel_err']:.1e}"
           + (f" (vs fp64 {row['baseline_ref_err']:.1e}/{row['ref_err']:.1e})" if "ref_err" in row else "") + "  "
           f"gemms {row.get('gemms_served', '-')}/{row.get('gemms_kept', '-')}/{row['gemms']}  "
-          f"flops seen {'-' if seen is None else f'{seen:.3f}'}"
+          + (f"layers graph-only {row['graph_only']} eager-only {row['eager_only']}  "
+             if row.get("graph_only") or row.get("eager_only") else "")
+          +           f"flops seen {'-' if seen is None else f'{seen:.3f}'}"
           + (f"  A/A x{row['control']:.3f} +-{row['control_spread']:.3f}" if "control" in row else ""),
           file=sys.stderr, flush=True)
 

@@ -77,7 +77,7 @@ def test_release_gives_back_torch_s_attention():
     module, reference = made(batch_first=True), made(batch_first=True)
     gemmtune.optimize(module)
     keep.Form(module).release()
-    assert type(module) is nn.MultiheadAttention and "torch_in_graphs" not in vars(module)
+    assert type(module) is nn.MultiheadAttention and "torch_when_capturing" not in vars(module)
     x = torch.randn(2, 5, 24)
     with torch.no_grad():
         torch.testing.assert_close(module(x, x, x, need_weights=False)[0], reference(x, x, x, need_weights=False)[0])

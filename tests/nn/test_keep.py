@@ -120,21 +120,38 @@ def test_on_the_gpu_optimize_keeps_only_what_pays():
         assert (type(layer), type(act)) in {(nn.Linear, type(act)), (gnn.Linear, nn.Identity)}
 
 
-def test_a_layer_torch_in_graphs_runs_torch_s_forward_while_captured(monkeypatch):
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_layer_runs_torch_s_forward_in_the_mode_it_is_marked_for(monkeypatch, marked):
     model = gemmtune.optimize(mlp())
     layer, x = model[0], torch.randn(3, 16)
     ran = []
     monkeypatch.setattr(gnn.api, "linear", lambda *args: ran.append("gemmtune") or torch.zeros(3, 32))
-    monkeypatch.setattr(gnn, "_capturing", lambda: True)
-    layer(x)  # not marked: gemmtune's, captured or not
-    layer.torch_in_graphs = True
     expected = torch.nn.functional.gelu(torch.nn.functional.linear(x, layer.weight, layer.bias))
-    assert torch.equal(layer(x), expected) and ran == ["gemmtune"]
-    monkeypatch.setattr(gnn, "_capturing", lambda: False)
-    layer(x)  # marked, but not captured: gemmtune's
+    for capturing in (True, False):  # not marked: gemmtune's, captured or not
+        monkeypatch.setattr(gnn, "_capturing", lambda capturing=capturing: capturing)
+        layer(x)
     assert ran == ["gemmtune"] * 2
+    layer.torch_when_capturing = marked
+    for capturing in (True, False):
+        monkeypatch.setattr(gnn, "_capturing", lambda capturing=capturing: capturing)
+        out = layer(x)
+        if capturing == marked:
+            assert torch.equal(out, expected)
+    assert ran == ["gemmtune"] * 3  # the other mode's call only
     keep.Form(layer).release()
-    assert "torch_in_graphs" not in vars(layer)
+    assert "torch_when_capturing" not in vars(layer)
+
+
+@pytest.mark.parametrize("eager, graph, kept, when", [
+    (1.02, 1.10, True, None), (1.02, None, True, None), (1.0, 1.0, True, None),
+    (1.02, 0.98, True, True),  # graphs capture torch's forward
+    (0.97, 1.07, True, False),  # eager calls run torch's (a noisy host's eager verdict; the graph's gain kept)
+    (0.97, 1.0, False, None), (0.97, None, False, None), (0.97, 0.95, False, None),
+])
+def test_the_check_keeps_the_layers_where_either_mode_pays(eager, graph, kept, when):
+    words, kept_any, torch_when_capturing = keep.decide(eager, graph)
+    assert (kept_any, torch_when_capturing) == (kept, when)
+    assert words.startswith(f"eager {eager:.2f}x") and ("goes back to torch" in words) == (not kept)
 
 
 @pytest.mark.gpu

@@ -33,7 +33,7 @@ class MultiheadAttention(keep.TakenOver, nn.MultiheadAttention):
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
         if not self._serves(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal) \
-                or _is_compiling() or self.torch_in_graphs and _capturing():
+                or _is_compiling() or self.torch_when_capturing is not None and self.torch_when_capturing == _capturing():
             return nn.MultiheadAttention.forward(self, query, key, value, key_padding_mask, need_weights, attn_mask,
                                                  average_attn_weights, is_causal)
         return self.served_forward(query), None

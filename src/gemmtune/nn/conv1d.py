@@ -42,7 +42,7 @@ class TransposedLinear(keep.TakenOver, nn.Module):
     each Conv1D class (``subclass``), so that its forward is this one."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _is_compiling() or self.torch_in_graphs and _capturing():
+        if _is_compiling() or self.torch_when_capturing is not None and self.torch_when_capturing == _capturing():
             return self.torch_forward(x)
         return api.linear(x, self.weight.t(), self.bias, None if self.activation == "none" else self.activation)
 

@@ -31,7 +31,7 @@ log = logging.getLogger("gemmtune")
 CHECK_BUDGET_MS = 2000.0  # the wall time the model's self-check may take (several rounds at least)
 
 
-GEMMTUNE_ATTRIBUTES = ("activation", "fused", "siblings", "aligned", "torch_in_graphs")  # what optimize puts on a layer
+GEMMTUNE_ATTRIBUTES = ("activation", "fused", "siblings", "aligned", "torch_when_capturing")  # what optimize puts on a layer
 
 # what a taken-over layer's forward asks on every call, looked up once
 is_compiling = torch.compiler.is_compiling
@@ -42,15 +42,18 @@ class TakenOver:
     """What every layer class ``optimize`` takes a module over with declares (a first base, before
     the torch class): the class it goes back to (``torch_class``), and the defaults of what
     optimize puts on a layer. Its forward runs torch's while torch.compile traces it (the compiler
-    chooses its GEMMs) and, where ``torch_in_graphs``, while a CUDA graph is being captured:
-    ``is_compiling() or self.torch_in_graphs and capturing()``, written out in each forward (a
-    method call would cost every layer call a frame)."""
+    chooses its GEMMs) and, where ``torch_when_capturing`` is set, in the mode it names:
+    ``is_compiling() or self.torch_when_capturing is not None and self.torch_when_capturing ==
+    capturing()``, written out in each forward (a method call would cost every layer call a
+    frame; a layer with nothing set pays one attribute test)."""
 
     torch_class: type  # the class the layer was, whose forward is torch's
     judged_alone = True  # tuned to cuBLAS alone, it goes back to torch without the model's check
     activation: str = "none"  # the activation fused into its GEMM's epilogue
     fused: tuple[nn.Module, str, nn.Module] | None = None  # the activation module fused: parent, name, module
-    torch_in_graphs = False  # True: torch's forward while a CUDA graph is captured (optimize's check found it faster)
+    # None: gemmtune's forward always; True: torch's while a CUDA graph is captured, False: torch's
+    # outside captures (optimize's check found torch's faster in that mode, gemmtune's in the other)
+    torch_when_capturing: bool | None = None
 
 
 class Form:
@@ -134,6 +137,21 @@ def served(forms: Iterable[Form], layer_problems: dict, results: dict[str, TuneR
         else:
             kept.append(form)
     return kept
+
+
+def decide(eager: float, graph: float | None) -> tuple[str, bool, bool | None]:
+    """What the model's check concludes from its ``eager`` and ``graph`` speedups (graph None:
+    the run cannot be captured): the verdict in words, whether the layers stay gemmtune's, and
+    their ``torch_when_capturing``. Eager pays at 1.0 or more (the layers' own kernels were each
+    chosen faster); a graph must read above 1.0, its replays timing the GPU alone to 0.1%."""
+    words = f"eager {eager:.2f}x" + ("" if graph is None else f", graph {graph:.2f}x")
+    if eager >= 1.0:
+        if graph is None or graph >= 1.0:
+            return words, True, None
+        return words + ", so CUDA graphs capture torch's forward", True, True
+    if graph is not None and graph > 1.0:
+        return words + ", so eager calls run torch's forward and CUDA graphs capture gemmtune's", True, False
+    return words + ", so every layer goes back to torch", False, None
 
 
 def speedup(run: Callable[[], object], forms: list[Form], *, budget_ms: float = CHECK_BUDGET_MS) -> float:
