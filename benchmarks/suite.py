@@ -68,6 +68,12 @@ def operands(named, inputs):
     """torch's call (cuBLAS) and gemmtune's through its public API, on ``inputs``."""
     p = named.problem
     a, b, bias = inputs.a, inputs.b, inputs.bias
+    if p.scaled:  # torch._scaled_mm's operands: b (K, N) and its scales in that orientation
+        sa, sb = inputs.scales
+        sb = sb.t() if sb.dim() == 2 else sb
+        act = None if p.activation == "none" else p.activation
+        out_dtype = verify.TORCH_DTYPES[p.out_dtype]
+        return bench.torch_call(named, inputs), (lambda: gemmtune.scaled_mm(a, b.t(), sa, sb, bias, out_dtype, act))
     if p.layout == "linear":
         act = None if p.activation == "none" else p.activation
         return bench.torch_call(named, inputs), (lambda: gemmtune.linear(a, b, bias, act))
@@ -80,7 +86,7 @@ def bound(result, problem, inputs):
     """The kernel a TuneResult chose (or a Trial measured), built directly, as a zero-argument call
     on ``inputs``."""
     kernel = backends.build(problem, result.backend, result.config, current())
-    return lambda: kernel(inputs.a, inputs.b, inputs.bias)
+    return lambda: kernel(*inputs.operands)
 
 
 def run_shape(named, args, runner) -> dict:
@@ -95,6 +101,8 @@ def run_shape(named, args, runner) -> dict:
     cublas_fn, gemmtune_fn = operands(named, inputs)
     out = gemmtune_fn()
     fns = {"cublas": cublas_fn, "gemmtune": gemmtune_fn}
+    if p.scaled:  # the bf16 GEMM the fp8 one replaces (issue 32's decode goals are against it)
+        fns["unscaled"] = bench.unscaled_call(p, inputs)
     exhaustive = None
     if args.exhaustive:  # the best of the whole space, timed in the same rounds as the choice
         exhaustive = tune_problem(p, current(), options=dataclasses.replace(args.options, strategy="exhaustive"),
@@ -113,7 +121,8 @@ def run_shape(named, args, runner) -> dict:
     rel = verdict.rel_err
     row = {
         "name": named.name, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype, "tf32": p.tf32,
-        "layout": p.layout, "group": named.group,
+        "layout": p.layout, "group": named.group, "scaling": p.scaling, "out_dtype": p.out_dtype,
+        "unscaled_ms": timings["unscaled"].median if p.scaled else None,
         "cublas_ms": timings["cublas"].median, "gemmtune_ms": timings["gemmtune"].median,
         "speedup": timings["cublas"].median / timings["gemmtune"].median,
         "cublas_spread": timings["cublas"].spread, "gemmtune_spread": timings["gemmtune"].spread,
@@ -233,6 +242,8 @@ def main() -> int:
         ind = f" inductor {row['inductor_ms']:.4f} ms ({row['inductor_tune_s']:.1f} s)" if row["inductor_ms"] else ""
         warm = f" warm {row['tune_s_warm']:.2f}s" if row["tune_s_warm"] is not None else ""
         ex = f" exhaustive {row['exhaustive_ms']:.4f} ({row['exhaustive_tune_s']:.1f} s)" if row["exhaustive_ms"] else ""
+        if row["unscaled_ms"]:
+            ex += f" vs {row['out_dtype']} x{row['unscaled_ms'] / row['gemmtune_ms']:.3f}"
         print(f"{item.name:24s} cublas {row['cublas_ms']:.4f} gemmtune {row['gemmtune_ms']:.4f} "
               f"x{row['speedup']:.3f} tune {row['tune_s']:.1f}s{warm} {row['choice']} err {row['rel_err']:.1e}"
               f"{ex}{ind}", flush=True)

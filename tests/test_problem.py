@@ -8,14 +8,39 @@ def test_key_format_is_pinned():
     assert Problem(1, 6144, 4096).key() == "v2/linear/bfloat16/1x6144x4096/bias=0/act=none"
     assert Problem(4095, 4097, 4095, "float32", "nn", bias=True, tf32=True).key() == "v2/nn/float32+tf32/4095x4097x4095/bias=1/act=none"
     assert Problem(256, 1024, 1024, bias=True, activation="gelu_tanh").key() == "v2/linear/bfloat16/256x1024x1024/bias=1/act=gelu_tanh"
+    assert Problem(16, 4096, 14336, "float8_e4m3fn", scaling="row").key() \
+        == "v2/linear/float8_e4m3fn>bfloat16@row/16x4096x14336/bias=0/act=none"
 
 
 @pytest.mark.parametrize("problem", [
     Problem(1, 1, 1), Problem(7, 33, 4095, "float16", "nn", True), Problem(256, 1024, 1024, "float32", tf32=True),
     Problem(256, 1024, 1024, "float32", tf32=False), Problem(3, 5, 7, bias=True, activation="silu"),
+    Problem(1, 4096, 4096, "float8_e4m3fn", scaling="tensor"),
+    Problem(33, 130, 200, "float8_e5m2", bias=True, activation="gelu", scaling="block", out_dtype="float32"),
 ])
 def test_key_round_trips(problem):
     assert Problem.from_key(problem.key()) == problem
+
+
+def test_an_fp8_product_is_scaled_with_a_wider_output():
+    p = Problem(16, 4096, 4096, "float8_e4m3fn", scaling="row")
+    assert p.scaled and p.out_dtype == "bfloat16" and p.element_size == 1
+    assert p.min_bytes == 16 * 4096 + 4096 * 4096 + 2 * 16 * 4096
+    unscaled = Problem(16, 4096, 4096, "float16")
+    assert not unscaled.scaled and unscaled.out_dtype == "float16" and unscaled.scaling == "none"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dtype="float8_e4m3fn"), "fp8 products .* take one of tensor, row, block"),
+    (dict(dtype="bfloat16", scaling="row"), "does not go with dtype 'bfloat16'"),
+    (dict(dtype="float8_e5m2", scaling="rows"), "Problem.scaling 'rows' is not a scaling"),
+    (dict(dtype="float8_e5m2", scaling="row", out_dtype="float8_e5m2"), "accepted: float16, bfloat16, float32"),
+    (dict(dtype="bfloat16", out_dtype="float32"), "Problem.out_dtype 'float32' is not accepted"),
+    (dict(dtype="float8_e4m3fn", scaling="tensor", layout="nn"), "layout 'linear'"),
+])
+def test_scaled_problems_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Problem(8, 8, 8, **kwargs)
 
 
 def test_tf32_only_means_something_for_float32():

@@ -10,7 +10,7 @@ needs them.
 
 from __future__ import annotations
 
-from gemmtune.api import compile, linear, matmul, tune
+from gemmtune.api import compile, linear, matmul, scaled_mm, tune
 from gemmtune.autotune import autotune
 from gemmtune.nn import optimize
 from gemmtune.problem import Problem
@@ -19,4 +19,5 @@ from gemmtune.serving import torch_ops  # noqa: F401 - registers the ops
 from gemmtune.serving.recording import record
 from gemmtune.version import __version__
 
-__all__ = ["Problem", "TuneResult", "tune", "matmul", "linear", "record", "optimize", "compile", "autotune", "__version__"]
+__all__ = ["Problem", "TuneResult", "tune", "matmul", "linear", "scaled_mm", "record", "optimize", "compile", "autotune",
+           "__version__"]

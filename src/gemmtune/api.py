@@ -1,4 +1,4 @@
-"""The public functions: ``tune``, ``matmul``, ``linear`` and ``compile``.
+"""The public functions: ``tune``, ``matmul``, ``linear``, ``scaled_mm`` and ``compile``.
 
 What falls back to torch (documented, never a wrong result): tensors not on a CUDA device,
 dtypes other than float16/bfloat16/float32, a zero-size dimension, a store miss during
@@ -105,6 +105,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return torch_ops.linear(x, weight, bias, act)
     n, k = weight.shape
     return serve_linear(x, weight, bias, act, x.shape, n, k, front)
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+              activation: str | None = None) -> torch.Tensor:
+    """``torch._scaled_mm`` through the tuned kernel, with its arguments: a (M, K) and b (K, N)
+    in one fp8 format (float8_e4m3fn or float8_e5m2; b is the transpose of an (N, K) weight,
+    ``w.t()``), float32 scales per tensor (one element each), per row ((M, 1) and (1, N)) or per
+    block ((M, K/128) and (K/128, N/128): 1 x 128 blocks of a, 128 x 128 of b), an optional bias
+    (N,) of ``out_dtype``; ``activation`` one of relu, gelu, gelu_tanh, silu, fused into the
+    kernel's epilogue. gemmtune quantizes nothing: the operands and scales are the caller's.
+    Inference only (no autograd); tensors not on a CUDA device, empty products and calls that
+    torch.compile traces (the compiler chooses their GEMM) run ``torch._scaled_mm``."""
+    from gemmtune.serving import scaled
+
+    scaling, act = scaled.check(a, b, scale_a, scale_b, bias, out_dtype, activation)
+    if torch.compiler.is_compiling():
+        return scaled.by_torch(a, b, scale_a, scale_b, bias, out_dtype, act)
+    return scaled.forward(a, b, scale_a, scale_b, bias, out_dtype, scaling, act)
 
 
 def compile(model, *, mode: str | None = None, fullgraph: bool = False, dynamic: bool | None = None,

@@ -9,12 +9,20 @@ from functools import cache
 LAYOUTS = ("linear", "nn")
 # The one dtype table: the names gemmtune serves, as torch names them (torch.<name>).
 DTYPES = ("float16", "bfloat16", "float32")
+# fp8 inputs, served as scaled products only (``Problem.scaling``), with an output of DTYPES
+SCALED_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+# How an fp8 product's inputs carry their scales (float32): one per tensor; one per row of A and
+# one per row of B (a token's and an output channel's); or one per 1 x 128 block of A and per
+# 128 x 128 block of B (along K, and N for B). "none" for the unscaled dtypes.
+SCALINGS = ("none", "tensor", "row", "block")
+SCALE_BLOCK = 128
 # Applied to every output element after the bias, in float32, before the cast to the output dtype.
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 KEY_VERSION = "v2"
 
 _KEY_RE = re.compile(
-    rf"^v2/(?P<layout>linear|nn)/(?P<dtype>{'|'.join(DTYPES)})(?P<tf32>\+tf32)?"
+    rf"^v2/(?P<layout>linear|nn)/(?P<dtype>{'|'.join(DTYPES + SCALED_DTYPES)})(?P<tf32>\+tf32)?"
+    rf"(?:>(?P<out>{'|'.join(DTYPES)})@(?P<scaling>tensor|row|block))?"
     r"/(?P<m>[1-9]\d*)x(?P<n>[1-9]\d*)x(?P<k>[1-9]\d*)/bias=(?P<bias>[01])"
     r"/act=(?P<act>none|relu|gelu|gelu_tanh|silu)$"
 )
@@ -29,14 +37,28 @@ def torch_dtypes() -> dict:
     return {name: getattr(torch, name) for name in DTYPES}
 
 
+@cache
+def scaled_torch_dtypes() -> dict:
+    """``SCALED_DTYPES`` as torch's dtypes, name -> torch.dtype."""
+    import torch
+
+    return {name: getattr(torch, name) for name in SCALED_DTYPES}
+
+
 @dataclass(frozen=True)
 class Problem:
     """One GEMM.
 
     ``layout="linear"`` is ``x @ w.T`` with ``x`` (M, K) and ``w`` (N, K), as ``nn.Linear``;
     ``layout="nn"`` is ``a @ b`` with ``a`` (M, K) and ``b`` (K, N). ``bias`` adds a vector of
-    N values to every row; ``activation`` is then applied element-wise. ``tf32`` says float32 inputs may use TF32 matrix units; it is part
-    of the key because it changes both the speed and the numbers.
+    N values to every row; ``activation`` is then applied element-wise. ``tf32`` says float32
+    inputs may use TF32 matrix units; it is part of the key because it changes both the speed and
+    the numbers.
+
+    An fp8 product (``dtype`` one of SCALED_DTYPES) is scaled: ``scaling`` says how its float32
+    scales are laid (SCALINGS), and ``out_dtype`` is its output's dtype (bfloat16 unless given;
+    a bias is in that dtype); layout linear only, as ``torch._scaled_mm`` takes it. Unscaled
+    problems have ``scaling`` "none" and ``out_dtype`` their ``dtype``.
     """
 
     m: int
@@ -47,20 +69,44 @@ class Problem:
     bias: bool = False
     tf32: bool = False
     activation: str = "none"
+    scaling: str = "none"
+    out_dtype: str = ""
 
     def __post_init__(self) -> None:
         for name in ("m", "n", "k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Problem.{name} must be an int >= 1, got {value!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"Problem.dtype {self.dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
+        if self.dtype not in DTYPES + SCALED_DTYPES:
+            accepted = ", ".join(DTYPES + SCALED_DTYPES)
+            raise ValueError(f"Problem.dtype {self.dtype!r} is not supported; accepted: {accepted}")
+        self._check_scaling()
         if self.layout not in LAYOUTS:
             raise ValueError(f"Problem.layout {self.layout!r} is not a layout; accepted: {', '.join(LAYOUTS)}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"Problem.activation {self.activation!r} is not supported; accepted: {', '.join(ACTIVATIONS)}")
         if self.tf32 and self.dtype != "float32":
             object.__setattr__(self, "tf32", False)
+
+    def _check_scaling(self) -> None:
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"Problem.scaling {self.scaling!r} is not a scaling; accepted: {', '.join(SCALINGS)}")
+        if self.scaled != (self.scaling != "none"):
+            raise ValueError(f"Problem.scaling {self.scaling!r} does not go with dtype {self.dtype!r}: fp8 products "
+                             f"({', '.join(SCALED_DTYPES)}) take one of {', '.join(SCALINGS[1:])}, the others 'none'")
+        out = self.out_dtype or ("bfloat16" if self.scaled else self.dtype)
+        if out not in DTYPES or not self.scaled and out != self.dtype:
+            accepted = ", ".join(DTYPES) if self.scaled else self.dtype
+            raise ValueError(f"Problem.out_dtype {self.out_dtype!r} is not accepted with dtype {self.dtype!r}; "
+                             f"accepted: {accepted}")
+        object.__setattr__(self, "out_dtype", out)
+        if self.scaled and self.layout != "linear":
+            raise ValueError(f"Problem.layout {self.layout!r}: fp8 products take layout 'linear' (x @ w.T) only")
+
+    @property
+    def scaled(self) -> bool:
+        """An fp8 product, whose inputs carry scales."""
+        return self.dtype in SCALED_DTYPES
 
     def without_epilogue(self) -> "Problem":
         """The same product with no bias and no activation."""
@@ -69,8 +115,9 @@ class Problem:
     def key(self) -> str:
         """The persisted identity of this problem; a golden test pins its format."""
         precision = "+tf32" if self.tf32 else ""
+        scaled = f">{self.out_dtype}@{self.scaling}" if self.scaled else ""
         return (
-            f"{KEY_VERSION}/{self.layout}/{self.dtype}{precision}"
+            f"{KEY_VERSION}/{self.layout}/{self.dtype}{precision}{scaled}"
             f"/{self.m}x{self.n}x{self.k}/bias={int(self.bias)}/act={self.activation}"
         )
 
@@ -82,7 +129,7 @@ class Problem:
         return cls(
             m=int(match["m"]), n=int(match["n"]), k=int(match["k"]), dtype=match["dtype"],
             layout=match["layout"], bias=match["bias"] == "1", tf32=match["tf32"] is not None,
-            activation=match["act"],
+            activation=match["act"], scaling=match["scaling"] or "none", out_dtype=match["out"] or "",
         )
 
     @property
@@ -91,7 +138,12 @@ class Problem:
 
     @property
     def element_size(self) -> int:
-        return 4 if self.dtype == "float32" else 2
+        """Bytes per input element."""
+        return 1 if self.scaled else 4 if self.dtype == "float32" else 2
+
+    @property
+    def out_element_size(self) -> int:
+        return 4 if self.out_dtype == "float32" else 2
 
     @property
     def rows_aligned(self) -> bool:
@@ -109,12 +161,13 @@ class Problem:
     @property
     def min_bytes(self) -> int:
         """Bytes a perfect kernel moves: each operand read once, the output written once."""
-        return self.element_size * (self.m * self.k + self.k * self.n + self.m * self.n)
+        return self.element_size * (self.m * self.k + self.k * self.n) + self.out_element_size * self.m * self.n
 
     def describe(self) -> str:
         extra = ("+bias" if self.bias else "") + ("" if self.activation == "none" else f"+{self.activation}")
         precision = "+tf32" if self.tf32 else ""
-        return f"{self.m}x{self.n}x{self.k} {self.dtype}{precision} {self.layout}{extra}"
+        scaled = f"->{self.out_dtype} scaled by {self.scaling}" if self.scaled else ""
+        return f"{self.m}x{self.n}x{self.k} {self.dtype}{precision}{scaled} {self.layout}{extra}"
 
 
 BUCKETS = ("exact", "pow2", "log2m")

@@ -35,6 +35,21 @@ def test_python_dash_m_runs_the_same_command_line():
 
 
 @pytest.mark.interpreter
+def test_an_fp8_shape_is_tuned_and_stored_under_its_scaled_key(capsys, tmp_path):
+    store = tmp_path / "store"
+    code, out, err = run(capsys, "tune", "--shape", "5x32x130", "--dtype", "float8_e4m3fn", "--scaling", "row",
+                         "--out-dtype", "float32", "--json", "--cache", str(store))
+    assert code == 0, err
+    row = json.loads(out)[0]
+    assert (row["scaling"], row["out_dtype"]) == ("row", "float32") and row["rel_err"] < 8e-3
+    key = Problem(5, 32, 130, "float8_e4m3fn", scaling="row", out_dtype="float32").key()
+    code, out, _ = run(capsys, "cache", "--cache", str(store), "show", key)
+    assert code == 0 and "triton_scaled" in out
+    code, _, err = run(capsys, "tune", "--shape", "5x32x130", "--dtype", "float8_e4m3fn", "--cache", str(store))
+    assert code != 0 and "take one of tensor, row, block" in err
+
+
+@pytest.mark.interpreter
 def test_tune_json_then_cache_round_trip(capsys, tmp_path):
     store = tmp_path / "store"
     code, out, err = run(capsys, "tune", "--shape", "7x40x33", "--dtype", "float32", "--layout", "nn",

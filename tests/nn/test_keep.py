@@ -91,8 +91,8 @@ def test_the_check_times_both_forms_and_leaves_gemmtune_s(monkeypatch):
         seen.append((type(model[0]), type(model[1]), type(model[3])))
         return model(x)
 
-    ratio = keep.speedup(run, forms, budget_ms=50.0)
-    assert ratio > 0
+    measured = keep.speedup(run, forms, budget_ms=50.0)
+    assert measured.ratio > 0 and measured.noise >= 0
     assert (gnn.Linear, nn.Identity, nn.Identity) in seen and (nn.Linear, nn.GELU, nn.SiLU) in seen
     assert type(model[0]) is gnn.Linear and isinstance(model[1], nn.Identity) and model[0].activation == "gelu"
 
@@ -142,16 +142,23 @@ def test_a_layer_runs_torch_s_forward_in_the_mode_it_is_marked_for(monkeypatch, 
     assert "torch_when_capturing" not in vars(layer)
 
 
+S = keep.Speedup
+
+
 @pytest.mark.parametrize("eager, graph, kept, when", [
-    (1.02, 1.10, True, None), (1.02, None, True, None), (1.0, 1.0, True, None),
-    (1.02, 0.98, True, True),  # graphs capture torch's forward
-    (0.97, 1.07, True, False),  # eager calls run torch's (a noisy host's eager verdict; the graph's gain kept)
-    (0.97, 1.0, False, None), (0.97, None, False, None), (0.97, 0.95, False, None),
+    (S(1.02, 0.01), S(1.10, 0.001), True, None), (S(1.02, 0.0), None, True, None),
+    (S(1.0, 0.0), S(1.0, 0.0), True, None),
+    (S(1.02, 0.01), S(0.98, 0.001), True, True),  # graphs capture torch's forward
+    (S(0.97, 0.02), S(1.07, 0.001), True, False),  # eager calls run torch's
+    (S(1.01, 0.08), S(1.02, 0.001), True, False),  # an eager gain within its noise is no gain: graph-only
+    (S(1.01, 0.08), None, False, None), (S(0.97, 0.0), S(1.0, 0.0), False, None),
+    (S(0.97, 0.0), S(1.001, 0.002), False, None), (S(0.97, 0.0), S(0.95, 0.0), False, None),
 ])
-def test_the_check_keeps_the_layers_where_either_mode_pays(eager, graph, kept, when):
+def test_the_check_keeps_the_layers_where_either_mode_pays_beyond_its_noise(eager, graph, kept, when):
     words, kept_any, torch_when_capturing = keep.decide(eager, graph)
     assert (kept_any, torch_when_capturing) == (kept, when)
-    assert words.startswith(f"eager {eager:.2f}x") and ("goes back to torch" in words) == (not kept)
+    assert words.startswith(f"eager {eager.ratio:.2f}x +-{eager.noise:.2f}")
+    assert ("goes back to torch" in words) == (not kept)
 
 
 @pytest.mark.gpu
@@ -161,6 +168,6 @@ def test_on_the_gpu_the_graph_check_times_both_forms_or_says_it_cannot():
     x = torch.randn(33, 16, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         model(x)  # the kernels are tuned and built before any capture
-        assert keep.graph_speedup(lambda: model(x), forms, budget_ms=50.0) > 0
+        assert keep.graph_speedup(lambda: model(x), forms, budget_ms=50.0).ratio > 0
         assert keep.graph_speedup(lambda: model(x).sum().item(), forms, budget_ms=50.0) is None  # a host sync
     assert type(model[0]) is gnn.Linear and isinstance(model[1], nn.Identity)

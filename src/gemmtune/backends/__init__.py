@@ -12,6 +12,7 @@ _MODULES = {
     "cublaslt": "gemmtune.backends.cublaslt",
     "cute": "gemmtune.backends.cute",
     "triton_persistent": "gemmtune.backends.triton_persistent",
+    "triton_scaled": "gemmtune.backends.triton_scaled",
     "triton_splitk": "gemmtune.backends.triton_splitk",
     "triton_stream": "gemmtune.backends.triton_stream",
     "triton_tiled": "gemmtune.backends.triton_tiled",
@@ -19,10 +20,18 @@ _MODULES = {
 REFERENCE = "cublas"  # the backend every choice must beat beyond noise
 PRECOMPILED = ("cublas", "cublaslt")  # library kernels: nothing to compile ahead
 OWN_JIT = ("cute",)  # compiled by their own JIT (CuTe DSL), not Triton's: nothing for a fork child to take
+SCALED = ("triton_scaled",)  # the backends of fp8 (scaled) products alone; the reference takes both kinds
 
 
 def names() -> tuple[str, ...]:
     return tuple(_MODULES)
+
+
+def takes(name: str, problem) -> bool:
+    """Whether backend ``name`` is asked for ``problem``'s candidates: the reference always, the
+    SCALED backends for fp8 products alone, the others for the rest (their kernels' call takes
+    no scales)."""
+    return name == REFERENCE or (name in SCALED) == problem.scaled
 
 
 def get(name: str) -> Backend:

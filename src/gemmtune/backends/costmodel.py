@@ -11,12 +11,13 @@ lost vector loads of rows that are not 16-byte aligned. Absolute times are rough
 from __future__ import annotations
 
 from gemmtune.device import Device
-from gemmtune.problem import Problem
+from gemmtune.problem import SCALED_DTYPES, Problem
 
 # Dense 16-bit matrix flops per SM per clock, by compute capability major (Hopper's wgmma,
 # Ampere's mma.sync, older tensor cores); CUDA-core fp32 is 256 (128 FMA).
 MATRIX_FLOPS_PER_SM_CLOCK = {9: 4096, 8: 2048, 7: 1024}
 FP32_FLOPS_PER_SM_CLOCK = 256
+FP8_OVER_16_BIT = 2  # fp8 tensor cores (Ada, Hopper: capability 8.9 on) run twice the 16-bit rate
 CLOCK_HZ = 1.7e9
 # DRAM bytes/s by compute capability major: a rough default; only the compute/memory balance
 # of one problem depends on it, not the order of tile shapes.
@@ -45,6 +46,8 @@ def peak_flops(dtype: str, tf32: bool, device: Device) -> float:
     per_clock = MATRIX_FLOPS_PER_SM_CLOCK.get(device.capability[0], 512)
     if dtype == "float32":
         per_clock = per_clock // 2 if tf32 else FP32_FLOPS_PER_SM_CLOCK
+    elif dtype in SCALED_DTYPES and device.capability >= (8, 9):
+        per_clock *= FP8_OVER_16_BIT
     return per_clock * device.sm_count * CLOCK_HZ
 
 

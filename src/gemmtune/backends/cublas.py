@@ -1,6 +1,7 @@
 """cuBLAS through torch's own ``F.linear`` / ``mm`` / ``addmm`` (bias fused by cuBLAS), then
-torch's activation: what eager PyTorch runs, and the reference every candidate must beat. On a
-machine without a GPU the same calls run torch's CPU kernels."""
+torch's activation: what eager PyTorch runs, and the reference every candidate must beat. An fp8
+product is ``torch._scaled_mm`` (cuBLASLt), as a serving stack calls it. On a machine without a
+GPU the same calls run torch's CPU kernels."""
 
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ class CublasBackend:
         return CublasConfig()
 
     def build(self, problem: Problem, config: CublasConfig, device: Device) -> Kernel:
+        if problem.scaled:
+            return _scaled_mm(problem)
         gemm = _linear if problem.layout == "linear" else _mm
         if problem.activation == "none":
             return gemm
@@ -66,6 +69,22 @@ class CublasBackend:
             return result if out is None else out.copy_(result)
 
         return function_kernel(gemm_then_activation, serves_any_rank=gemm is _linear)
+
+
+def _scaled_mm(problem: Problem) -> Kernel:
+    """``torch._scaled_mm`` on gemmtune's scaled-kernel operands (``Problem.scaling``), then
+    torch's activation: b is the (N, K) weight, whose transpose is the column-major (K, N) torch
+    takes, and its scales are transposed alike (a row-wise (N, 1) becomes torch's (1, N))."""
+    dtype, name = getattr(torch, problem.out_dtype), problem.activation
+
+    def scaled(a, b, bias, scale_a, scale_b, out=None):
+        scale_b = scale_b.t() if scale_b.dim() == 2 else scale_b
+        if name == "none":
+            return torch._scaled_mm(a, b.t(), scale_a, scale_b, bias=bias, out_dtype=dtype, out=out)
+        result = activation.apply(torch._scaled_mm(a, b.t(), scale_a, scale_b, bias=bias, out_dtype=dtype), name)
+        return result if out is None else out.copy_(result)
+
+    return function_kernel(scaled)
 
 
 BACKEND = CublasBackend()

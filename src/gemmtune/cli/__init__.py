@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from gemmtune import settings
-from gemmtune.problem import ACTIVATIONS, BUCKETS, DTYPES
+from gemmtune.problem import ACTIVATIONS, BUCKETS, DTYPES, SCALED_DTYPES, SCALINGS
 from gemmtune.search import STRATEGIES, Budget
 
 # The interpreter runs a 64^3 GEMM in about a second per candidate; far larger is hours.
@@ -167,8 +167,12 @@ def _shape_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
                         help="a shapes file (the format of benchmarks/shapes/public.json), a file written by "
                              "gemmtune.record, or the misses GEMMTUNE_MISSES collected (JSON Lines; the "
                              "gemmtune.autotune kernel calls it records are tuned too, on fresh tensors)")
-    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
-                        help="dtype for --shape (default bfloat16)")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES + SCALED_DTYPES,
+                        help="dtype for --shape (default bfloat16; an fp8 dtype needs --scaling)")
+    parser.add_argument("--scaling", default="none", choices=SCALINGS,
+                        help="for an fp8 --dtype: its scales per tensor, per row, or per 1x128 / 128x128 block")
+    parser.add_argument("--out-dtype", default="", choices=("",) + DTYPES, metavar="DTYPE",
+                        help=f"for an fp8 --dtype: the output's dtype, one of {', '.join(DTYPES)} (default bfloat16)")
     parser.add_argument("--layout", default="linear", choices=("linear", "nn"),
                         help="linear: x @ w.T as nn.Linear; nn: a @ b (default linear)")
     parser.add_argument("--bias", action="store_true", help="add a bias vector (fused where the kernel can)")
@@ -187,7 +191,8 @@ def _named_problems(args, device) -> list:
     from gemmtune.problem import Problem, parse_shape
 
     tf32 = args.tf32 if args.tf32 is not None else torch.get_float32_matmul_precision() != "highest"
-    named = [shapes.NamedProblem(text, "", Problem(*parse_shape(text), args.dtype, args.layout, args.bias, tf32, args.activation))
+    named = [shapes.NamedProblem(text, "", Problem(*parse_shape(text), args.dtype, args.layout, args.bias, tf32,
+                                                   args.activation, args.scaling, args.out_dtype))
              for text in args.shape]
     if args.shapes:
         try:

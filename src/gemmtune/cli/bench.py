@@ -26,12 +26,24 @@ from gemmtune.tuning import verify
 
 
 def torch_call(named: NamedProblem, inputs: verify.Inputs) -> Callable[[], torch.Tensor]:
-    """torch's own call of the problem on ``inputs``, its epilogue included (what cuBLAS alone costs a user)."""
+    """torch's own call of the problem on ``inputs``, its epilogue included (what cuBLAS alone costs
+    a user; for an fp8 product, ``torch._scaled_mm``)."""
     p, a, b, bias = named.problem, inputs.a, inputs.b, inputs.bias
+    if p.scaled:
+        kernel = backends.build(p, backends.REFERENCE, {}, None)
+        return lambda: kernel(*inputs.operands)
     if p.layout == "linear":
         return lambda: activation.apply(F.linear(a, b, bias), p.activation, inplace=False)
     return lambda: activation.apply(torch.mm(a, b) if bias is None else torch.addmm(bias, a, b), p.activation,
                                     inplace=False)
+
+
+def unscaled_call(p, inputs: verify.Inputs) -> Callable[[], torch.Tensor]:
+    """cuBLAS's ``F.linear`` on the fp8 product's dequantized operands in its output dtype (bf16,
+    say): the call an fp8 kernel replaces."""
+    dtype = verify.TORCH_DTYPES[p.out_dtype]
+    a, b = inputs.a.to(dtype), inputs.b.to(dtype)
+    return lambda: activation.apply(F.linear(a, b, inputs.bias), p.activation, inplace=False)
 
 
 def compiled(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], torch.Tensor], float]:
@@ -66,10 +78,12 @@ def _measure(named: NamedProblem, result: TuneResult, device: Device, *, inducto
     p = named.problem
     inputs = verify.make_inputs(p, "cpu" if device.interpreter else "cuda")
     kernel = backends.build(p, result.backend, result.config, device)
-    verdict = verify.judge(kernel(inputs.a, inputs.b, inputs.bias), p, inputs)
+    verdict = verify.judge(kernel(*inputs.operands), p, inputs)
     theirs = torch_call(named, inputs)
-    timings = timing.measure({"cublas": theirs, "gemmtune": lambda: kernel(inputs.a, inputs.b, inputs.bias)}, device,
-                            budget_ms=budget_ms, min_rounds=rounds)
+    fns = {"cublas": theirs, "gemmtune": lambda: kernel(*inputs.operands)}
+    if p.scaled:  # what the fp8 product is measured against besides: the same GEMM in its output dtype
+        fns["unscaled"] = unscaled_call(p, inputs)
+    timings = timing.measure(fns, device, budget_ms=budget_ms, min_rounds=rounds)
     mine, ref = timings["gemmtune"], timings["cublas"]
     row = {
         "name": named.name, "group": named.group, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype, "tf32": p.tf32,
@@ -80,6 +94,8 @@ def _measure(named: NamedProblem, result: TuneResult, device: Device, *, inducto
         "tflops": p.flops / (mine.median * 1e-3) / 1e12, "tbps": p.min_bytes / (mine.median * 1e-3) / 1e12,
         "inductor_ms": None, "inductor_tune_s": None, "inductor_cublas_ms": None,
     }
+    if p.scaled:
+        row |= {"scaling": p.scaling, "out_dtype": p.out_dtype, "unscaled_ms": timings["unscaled"].median}
     if inductor and not device.interpreter:
         fast, seconds = compiled(theirs)
         paired = timing.measure({"cublas": theirs, "inductor": fast}, device, budget_ms=budget_ms / 2,

@@ -21,7 +21,7 @@ def result_dict(result: TuneResult, name: str | None = None) -> dict:
     return {
         "name": name or problem.describe(), "m": problem.m, "n": problem.n, "k": problem.k,
         "dtype": problem.dtype, "tf32": problem.tf32, "layout": problem.layout, "bias": problem.bias,
-        "activation": problem.activation,
+        "activation": problem.activation, "scaling": problem.scaling, "out_dtype": problem.out_dtype,
         "backend": result.backend, "config": result.config, "choice": result.label(),
         "time_ms": result.time_ms, "cublas_ms": result.cublas_ms, "speedup": result.speedup,
         "rel_err": result.rel_err, "tune_s": result.tune_s, "from_store": result.from_store,

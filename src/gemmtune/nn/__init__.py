@@ -33,6 +33,7 @@ from gemmtune.nn import joined as sibling_layers
 from gemmtune.nn import keep
 from gemmtune.nn import padded as aligned_layers
 from gemmtune.nn import refused
+from gemmtune.nn.scaled import ScaledLinear  # noqa: F401 - gemmtune.nn.ScaledLinear
 from gemmtune.serving import recording
 from gemmtune.serving.dispatch import DISPATCHER
 from gemmtune.tuning.tuner import TuneOptions

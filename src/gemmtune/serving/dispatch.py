@@ -23,7 +23,7 @@ log = logging.getLogger("gemmtune")
 
 class DispatchKey(NamedTuple):
     """What a served call's kernel is looked up by: the problem it is (sizes, dtype, layout,
-    epilogue, TF32) and the CUDA device it runs on."""
+    epilogue, TF32; an fp8 product's scaling and output dtype) and the CUDA device it runs on."""
 
     layout: str
     m: int
@@ -34,15 +34,19 @@ class DispatchKey(NamedTuple):
     tf32: bool
     activation: str
     device: int | None  # a tensor's get_device(); None: the current device
+    scaling: str = "none"
+    out_dtype: str = ""  # an fp8 product's; "" for the others (their output's is their dtype)
 
     def problem(self) -> Problem:
-        return Problem(self.m, self.n, self.k, self.dtype, self.layout, self.bias, self.tf32, self.activation)
+        return Problem(self.m, self.n, self.k, self.dtype, self.layout, self.bias, self.tf32, self.activation,
+                       self.scaling, self.out_dtype)
 
     @classmethod
     def of(cls, problem: Problem, device: int | None = None) -> DispatchKey:
         """The key of ``problem`` on the CUDA device ``device`` (None: the current device)."""
         p = problem
-        return cls(p.layout, p.m, p.n, p.k, p.dtype, p.bias, p.tf32, p.activation, device)
+        return cls(p.layout, p.m, p.n, p.k, p.dtype, p.bias, p.tf32, p.activation, device, p.scaling,
+                   p.out_dtype if p.scaled else "")
 
 
 class Choice(NamedTuple):

@@ -28,19 +28,20 @@ _LOCK = threading.Lock()
 class Recording:
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self.counts: Counter[tuple] = Counter()  # (m, n, k, dtype, layout, bias, tf32, activation)
+        # Problem's fields in order: (m, n, k, dtype, layout, bias, tf32, activation, scaling, out_dtype)
+        self.counts: Counter[tuple] = Counter()
         self.trace: list[tuple] | None = None  # where a list is put here, every call's tuple in order
 
-    def add(self, m: int, n: int, k: int, dtype: str, layout: str, bias: bool, tf32: bool, activation: str) -> None:
-        call = (m, n, k, dtype, layout, bias, tf32, activation)
+    def add(self, m: int, n: int, k: int, dtype: str, layout: str, bias: bool, tf32: bool, activation: str,
+            scaling: str = "none", out_dtype: str = "") -> None:
+        call = (m, n, k, dtype, layout, bias, tf32, activation, scaling, out_dtype)
         self.counts[call] += 1
         if self.trace is not None:
             self.trace.append(call)
 
     def problems(self) -> list[tuple[Problem, int]]:
         """Each recorded problem with its count, most frequent first."""
-        return [(Problem(m, n, k, dtype, layout, bias, tf32, act), count)
-                for (m, n, k, dtype, layout, bias, tf32, act), count in self.counts.most_common()]
+        return [(Problem(*call), count) for call, count in self.counts.most_common()]
 
     def save(self) -> None:
         shapes = [entry(problem) | {"count": count} for problem, count in self.problems()]

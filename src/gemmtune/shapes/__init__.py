@@ -1,6 +1,7 @@
 """Shape sets: the public benchmark shapes shipped with the package, and the loader for files
-of the same format (``{"shapes": [{"name", "m", "n", "k", "dtype", "layout", "group"}]}``, with optional
-``bias``, ``activation``, ``tf32`` and ``count``), or JSON Lines of such entries (the misses that
+of the same format (``{"shapes": [{"name", "m", "n", "k", "dtype", "layout", "group"}]}``, with
+optional ``bias``, ``activation``, ``tf32`` and ``count``, and for fp8 products ``scaling`` and
+``out_dtype``), or JSON Lines of such entries (the misses that
 ``GEMMTUNE_MISSES`` collects in lookup mode). A misses file also holds the calls of
 ``gemmtune.autotune`` kernels that missed (``"kind": "kernel"``, ``kernel_calls``), which ``load``
 passes over."""
@@ -48,7 +49,8 @@ def load(path: str | Path | None = None, *, tf32: bool = True) -> list[NamedProb
         try:
             problem = Problem(entry["m"], entry["n"], entry["k"], entry.get("dtype", "bfloat16"),
                               entry.get("layout", "linear"), bool(entry.get("bias", False)),
-                              bool(entry.get("tf32", tf32)), entry.get("activation", "none"))
+                              bool(entry.get("tf32", tf32)), entry.get("activation", "none"),
+                              entry.get("scaling", "none"), entry.get("out_dtype", ""))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source}: shape #{i} ({entry!r}) is invalid: {exc}") from None
         out.append(NamedProblem(entry.get("name", problem.describe()), entry.get("group", ""), problem))
@@ -57,8 +59,9 @@ def load(path: str | Path | None = None, *, tf32: bool = True) -> list[NamedProb
 
 def entry(problem: Problem) -> dict:
     """``problem`` as one entry of a shapes file: what ``load`` reads back as the same Problem."""
-    return {"name": problem.describe(), "m": problem.m, "n": problem.n, "k": problem.k, "dtype": problem.dtype,
+    line = {"name": problem.describe(), "m": problem.m, "n": problem.n, "k": problem.k, "dtype": problem.dtype,
             "layout": problem.layout, "bias": problem.bias, "tf32": problem.tf32, "activation": problem.activation}
+    return line | ({"scaling": problem.scaling, "out_dtype": problem.out_dtype} if problem.scaled else {})
 
 
 def kernel_calls(path: str | Path) -> list[dict]:

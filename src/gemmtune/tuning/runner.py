@@ -106,7 +106,7 @@ class LocalRunner:
 
     def compile(self, candidates: list[tuple[str, dict]]) -> list[Compiled]:
         """Each candidate compiled ahead on this problem's operands, in parallel threads."""
-        operands = (self._inputs.a, self._inputs.b, self._inputs.bias)
+        operands = self._inputs.operands
         return compiler.compile_ahead([(self._problem, name, config, operands) for name, config in candidates],
                                       self.device)
 
@@ -205,9 +205,8 @@ class LocalRunner:
         return trial
 
     def _bound(self, label: str) -> Callable[[], object]:
-        kernel = self._ready[label][0]
-        a, b, bias = self._inputs.a, self._inputs.b, self._inputs.bias
-        return lambda: kernel(a, b, bias)
+        kernel, operands = self._ready[label][0], self._inputs.operands
+        return lambda: kernel(*operands)
 
     def _costs(self, timings: dict[str, Timing]) -> tuple[dict[str, Timing], dict[str, Timing | None]]:
         """What a call of each finalist costs, and the host's own time per call where it counts.
@@ -234,7 +233,7 @@ class LocalRunner:
 
     def _call(self, label: str) -> Callable[[], object]:
         """A user's call of ``label``'s kernel on the first inputs."""
-        if self._problem.layout != "linear":
+        if self._problem.layout != "linear" or self._problem.scaled:  # no front path: the kernel's own call
             return self._bound(label)
         a, b, bias = self._inputs.a, self._inputs.b, self._inputs.bias
         front = front_entry(self._ready[label][0], a, b, bias)

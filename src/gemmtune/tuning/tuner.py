@@ -141,7 +141,8 @@ def compile_batch(problems: list[Problem], device: Device, options: TuneOptions 
             break
         fitting.append(problem)
         operands = verify.make_operands(problem, "cuda", seed=0)
-        kinds.setdefault((problem.dtype, problem.layout, problem.bias, problem.activation), (problem, operands))
+        kind = (problem.dtype, problem.out_dtype, problem.scaling, problem.layout, problem.bias, problem.activation)
+        kinds.setdefault(kind, (problem, operands))
         plan = plans[problem.key()] if plans and problem.key() in plans else _plan(problem, device, options)
         jobs += [(problem, name, config, operands) for name, config in plan]
     # While the compile children work, verification's kernels are loaded (CUDA loads each on its
@@ -384,7 +385,7 @@ def _spaces(problem: Problem, device: Device, options: TuneOptions) -> dict[str,
     """Each available backend's pruned configs for ``problem`` (those of ``options.shortlist``
     alone, where it is given, from the backends a cost model ranks)."""
     spaces = {name: backends.get(name).candidates(problem, device) for name in options.backends or backends.names()
-              if backends.get(name).is_available(device)}
+              if backends.takes(name, problem) and backends.get(name).is_available(device)}
     if options.shortlist is None:
         return spaces
     keep = set(options.shortlist)

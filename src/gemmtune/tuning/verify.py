@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gemmtune import activation
-from gemmtune.problem import Problem, torch_dtypes
+from gemmtune import activation, scaling
+from gemmtune.problem import Problem, scaled_torch_dtypes, torch_dtypes
 
 # Rounding of one value to the output dtype, relative to it: a unit in the last place (twice
 # the round-to-nearest error: Triton's interpreter truncates bfloat16 instead of rounding).
@@ -37,16 +37,21 @@ ROUNDING = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10, "float32": 2.0 ** -20}
 # 2^-8 (bf16) or 2^-11 (fp16) each; TF32 cuts each input to 10 mantissa bits (Triton truncates:
 # about 8e-4 * scale standard deviation, and 1.08x a 2^-8 bound was seen on an H100 at 4096^2
 # outputs); IEEE fp32, about sqrt(K) * 6e-8.
-ACCUMULATION = {"bfloat16": 2.0 ** -6, "float16": 2.0 ** -9, "float32+tf32": 2.0 ** -7, "float32": 2.0 ** -14}
+# fp8 products (their inputs exact in float32, their products too): Hopper's tensor cores may
+# accumulate fp8 dots in fewer bits than float32 unless the kernel promotes its partial sums
+# ("fast accumulation", cuBLASLt's and Triton's default there: about 14 bits kept), which loses
+# about 2^-14 * sqrt(K / 2) of scale (1e-3 at K = 14336) where rounding is unbiased.
+ACCUMULATION = {"bfloat16": 2.0 ** -6, "float16": 2.0 ** -9, "float32+tf32": 2.0 ** -7, "float32": 2.0 ** -14,
+                "float8": 2.0 ** -7}
 # ||out - ref|| / ||ref|| allowed besides: a scale error that stays inside every element's bound
 # (x1.01 in bf16 is under 3 ulps) is still systematic, and the norm sees it. Rounding the output
 # alone costs about 2e-3 in bf16 and 3e-4 in fp16.
-NORM_TOLERANCE = {"bfloat16": 8e-3, "float16": 2e-3, "float32+tf32": 2e-3, "float32": 1e-4}
+NORM_TOLERANCE = {"bfloat16": 8e-3, "float16": 2e-3, "float32+tf32": 2e-3, "float32": 1e-4, "float8": 8e-3}
 # The steepest slope of the fused activations (GELU's, 1.13): an error before the activation
 # is at most this much larger after it.
 LIPSCHITZ = 1.13
 
-TORCH_DTYPES = torch_dtypes()
+TORCH_DTYPES = torch_dtypes() | scaled_torch_dtypes()
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,12 @@ class Inputs:
     bias: torch.Tensor | None
     reference: torch.Tensor  # float64
     bound: torch.Tensor  # float32: each output element's largest allowed error
+    scales: tuple = ()  # an fp8 product's (scale_a, scale_b)
+
+    @property
+    def operands(self) -> tuple:
+        """What a kernel is called with: (a, b, bias), and an fp8 product's scales after them."""
+        return (self.a, self.b, self.bias, *self.scales)
 
 
 @dataclass(frozen=True)
@@ -87,7 +98,7 @@ class Verdict:
 
 
 def tolerance_key(problem: Problem) -> str:
-    return "float32+tf32" if problem.tf32 else problem.dtype
+    return "float8" if problem.scaled else "float32+tf32" if problem.tf32 else problem.dtype
 
 
 def tolerance(problem: Problem) -> float:
@@ -101,37 +112,50 @@ def make_inputs(problem: Problem, device: str, *, seed: int | None = None) -> In
     return inputs_of(problem, *make_operands(problem, device, seed=seed))
 
 
-def inputs_of(problem: Problem, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> Inputs:
-    """``a``, ``b`` and ``bias`` with their float64 product and each element's error bound."""
-    pre, scale = _product(problem, a, b, bias)
+def inputs_of(problem: Problem, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, *scales) -> Inputs:
+    """``a``, ``b`` and ``bias`` (and an fp8 product's scales) with their float64 product and
+    each element's error bound."""
+    pre, scale = _product(problem, a, b, bias, scales)
     ref = activation.apply(pre.clone(), problem.activation)
-    return Inputs(a, b, bias, ref, _bound(problem, pre, scale, bias, ref))
+    return Inputs(a, b, bias, ref, _bound(problem, pre, scale, bias, ref), tuple(scales))
 
 
 def make_operands(problem: Problem, device: str, *, seed: int | None = None) -> tuple:
-    """a, b and bias (or None) for ``problem``: random, contiguous, in the problem's dtype."""
+    """a, b and bias (or None) for ``problem``: random, contiguous, in the problem's dtype (the
+    bias in its output dtype); for an fp8 product, then its scales (``scaling.quantize``)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
-    dtype = TORCH_DTYPES[problem.dtype]
 
     def randn(*shape):
-        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
 
     a = randn(problem.m, problem.k)
     b = randn(problem.n, problem.k) if problem.layout == "linear" else randn(problem.k, problem.n)
-    bias = randn(problem.n) if problem.bias else None
-    return a, b, bias
+    bias = randn(problem.n).to(TORCH_DTYPES[problem.out_dtype]) if problem.bias else None
+    if not problem.scaled:
+        dtype = TORCH_DTYPES[problem.dtype]
+        return a.to(dtype), b.to(dtype), bias
+    # rows of different magnitudes, as activations' tokens and weights' channels are
+    a *= torch.rand(problem.m, 1, generator=gen, device=device).mul_(4).exp2_()
+    b *= torch.rand(problem.n, 1, generator=gen, device=device).mul_(4).exp2_()
+    fp8 = TORCH_DTYPES[problem.dtype]
+    (qa, sa), (qb, sb) = (scaling.quantize(t, fp8, problem.scaling, weight) for t, weight in ((a, False), (b, True)))
+    return qa, qb, bias, sa, sb
 
 
-def reference(problem: Problem, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``act(a @ b + bias)`` in float64."""
-    return activation.apply(_product(problem, a, b, bias, scale=False)[0], problem.activation)
+def reference(problem: Problem, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, *scales) -> torch.Tensor:
+    """``act(a @ b + bias)`` in float64 (an fp8 product's operands dequantized by ``scales``)."""
+    return activation.apply(_product(problem, a, b, bias, scales, scale=False)[0], problem.activation)
 
 
-def _product(problem: Problem, a, b, bias, scale: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _product(problem: Problem, a, b, bias, scales: tuple = (), scale: bool = True):
     """The float64 pre-activation product, and ``scale`` (see the module's docstring)."""
-    a64 = a.double()
-    b64 = b.double().t() if problem.layout == "linear" else b.double()
+    if problem.scaled:
+        a64 = scaling.dequantize(a, scales[0], problem.scaling, False)
+        b64 = scaling.dequantize(b, scales[1], problem.scaling, True).t()
+    else:
+        a64 = a.double()
+        b64 = b.double().t() if problem.layout == "linear" else b.double()
     pre = a64 @ b64
     if bias is not None:
         pre += bias.double()
@@ -139,7 +163,7 @@ def _product(problem: Problem, a, b, bias, scale: bool = True) -> tuple[torch.Te
 
 
 def _bound(problem: Problem, pre: torch.Tensor, scale: torch.Tensor, bias, ref: torch.Tensor) -> torch.Tensor:
-    rounding = ROUNDING[problem.dtype]
+    rounding = ROUNDING[problem.out_dtype]
     bound = scale.mul_(ACCUMULATION[tolerance_key(problem)])
     if bias is not None or problem.activation != "none":  # the dot product may be rounded before them
         bound.add_(pre.abs() if bias is None else (pre - bias.double()).abs_(), alpha=rounding)
@@ -174,17 +198,18 @@ def judge(out: torch.Tensor, problem: Problem, inputs: Inputs) -> Verdict:
                    at(out), at(inputs.reference))
 
 
-def warm_up(problem: Problem, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
+def warm_up(problem: Problem, *operands) -> None:
     """The reference, the bound and the judgement run once on ``problem``'s operands, for the
     kernels they load on first use (cuBLAS's float64 GEMM among them), while something else waits."""
-    inputs = inputs_of(problem, a, b, bias)
-    judge(inputs.reference.to(a.dtype), problem, inputs)
+    inputs = inputs_of(problem, *operands)
+    judge(inputs.reference.to(TORCH_DTYPES[problem.out_dtype]), problem, inputs)
 
 
 def check(kernel, problem: Problem, inputs: Inputs) -> Verdict:
     """Run ``kernel`` once into a NaN-poisoned output and judge it."""
-    out = torch.full((problem.m, problem.n), float("nan"), dtype=inputs.a.dtype, device=inputs.a.device)
-    result = kernel(inputs.a, inputs.b, inputs.bias, out=out)
+    out = torch.full((problem.m, problem.n), float("nan"), dtype=TORCH_DTYPES[problem.out_dtype],
+                     device=inputs.a.device)
+    result = kernel(*inputs.operands, out=out)
     if result.data_ptr() != out.data_ptr():
         raise RuntimeError("kernel ignored its out= argument")
     return judge(out, problem, inputs)

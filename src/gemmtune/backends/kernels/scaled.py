@@ -1,0 +1,156 @@
+"""A tiled fp8 GEMM with scales: C = act(sum_k A[m, k] sa(m, k) * B[n, k] sb(n, k) + bias), in fp32.
+
+A is (M, K) and B is (N, K), nn.Linear's weight, each fp8 (e4m3fn or e5m2) and given by its
+strides; the scales are float32, laid as ``Problem.scaling`` says (``SCALING`` here):
+
+- ``tensor``: one value each; the accumulator is multiplied by sa * sb once, in the epilogue.
+- ``row``: one per row of A and one per row of B (strides ``stride_sam``, ``stride_sbn``); the
+  epilogue multiplies output (m, n) by sa[m] * sb[n].
+- ``block``: sa[m, j] scales A's 1 x 128 block (m, 128j..), sb[i, j] B's 128 x 128 block
+  (128i.., 128j..), each read through its two strides. BLOCK_K divides 128, so a K tile lies in
+  one block j: its product starts from zero, is multiplied by sa[:, j] * sb[n // 128, j] and
+  only then joins the fp32 accumulator. A tile of at most 128 columns needs one sb per K tile.
+
+Accumulation (``FAST_ACC``, for tensor and row scaling): on sm_90 Triton lowers an fp8 ``tl.dot``
+to wgmma, whose accumulator keeps fewer bits than fp32 (about 14), and by default never promotes
+it (``max_num_imprecise_acc`` 2**30 on capability 9.0). FAST_ACC=1 keeps that default: one
+accumulator through the whole K loop, as cuBLAS's fast accumulation. FAST_ACC=0 passes
+``max_num_imprecise_acc=min(BLOCK_K, 128)``: the lowering gives each run of that many K a fresh
+partial accumulator and adds it to the fp32 one with fp32 adds (DeepSeek-V3 promotes every 128),
+at the cost of a second accumulator's registers. Block scaling promotes every K tile already.
+Elsewhere (other GPUs, tiles on mma.sync) fp8 products accumulate in fp32 either way.
+
+Split-K (``SPLIT_K`` > 1, for decode): program (tile, s) covers ``k_tiles`` K tiles from
+s * k_tiles and writes its fp32 partial (block scales applied, the others not) to a workspace
+[SPLIT_K, M, N]; ``scaled_reduce`` then sums the partials in a fixed order and applies the rest
+of the epilogue. Tiles are visited in groups of GROUP_M rows so that neighbours share B in L2;
+edges are masked, so any M, N, K >= 1 run without padding.
+"""
+
+import triton
+import triton.language as tl
+
+from gemmtune.backends.kernels.epilogue import activate
+
+SCALE_BLOCK = tl.constexpr(128)  # gemmtune.problem.SCALE_BLOCK
+PROMOTE_EVERY = tl.constexpr(128)  # K elements a precise (FAST_ACC=0) accumulation lets wgmma sum
+
+
+@triton.jit
+def scaled_epilogue(acc, rm, rn, M, N, c_ptr, bias_ptr, sa_ptr, sb_ptr,
+                    stride_cm, stride_cn, stride_bias, stride_sam, stride_sbn,
+                    SCALING: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+    """A finished fp32 tile (rows ``rm``, columns ``rn``): the tensor or row scales (block scales
+    are applied in the K loop), the bias, the activation, one cast, a masked store. Rows and
+    columns past M and N read wrapped values, which the store drops."""
+    rm_safe = rm % M
+    rn_safe = rn % N
+    if SCALING == "tensor":
+        acc = acc * (tl.load(sa_ptr) * tl.load(sb_ptr))
+    elif SCALING == "row":
+        sa = tl.load(sa_ptr + rm_safe * stride_sam)
+        sb = tl.load(sb_ptr + rn_safe * stride_sbn)
+        acc = acc * (sa[:, None] * sb[None, :])
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn_safe * stride_bias).to(tl.float32)[None, :]
+    acc = activate(acc, ACTIVATION)
+    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def scaled_matmul(
+    a_ptr, b_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr, ws_ptr,
+    M, N, K, k_tiles,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn, stride_bias,
+    stride_sam, stride_sak, stride_sbn, stride_sbk,
+    SCALING: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, EVEN_K: tl.constexpr,
+    FAST_ACC: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Grid (output tiles, SPLIT_K). ``k_tiles``: K tiles per slice (read with SPLIT_K > 1);
+    EVEN_K: BLOCK_K divides K, so no load along K needs a mask; ``ws_ptr``: the [SPLIT_K, M, N]
+    fp32 workspace (read with SPLIT_K > 1)."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * grid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = min(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # Rows and columns past the edge wrap to valid ones, so loads along M and N stay unmasked.
+    rm_safe = rm % M
+    rn_safe = rn % N
+    if SPLIT_K == 1:
+        first = 0
+        last = tl.cdiv(K, BLOCK_K)
+    else:
+        first = tl.program_id(1) * k_tiles
+        last = tl.minimum(first + k_tiles, tl.cdiv(K, BLOCK_K))
+    a_ptrs = a_ptr + rm_safe[:, None] * stride_am + (first * BLOCK_K + rk)[None, :] * stride_ak
+    b_ptrs = b_ptr + (first * BLOCK_K + rk)[:, None] * stride_bk + rn_safe[None, :] * stride_bn
+    # Block scaling: each row's scales, and the columns'. A tile no wider than a scale block lies
+    # in one (BLOCK_N is a power of two): one scale of B per K tile, not a vector (fewer registers).
+    sa_rows = sa_ptr + rm_safe * stride_sam
+    if BLOCK_N <= SCALE_BLOCK:
+        sb_cols = sb_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_sbn
+    else:
+        sb_cols = sb_ptr + (rn_safe // SCALE_BLOCK) * stride_sbn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(first, last):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_in = rk < K - t * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_in[:, None], other=0.0)
+        if SCALING == "block":
+            j = (t * BLOCK_K) // SCALE_BLOCK
+            sa = tl.load(sa_rows + j * stride_sak)
+            sb = tl.load(sb_cols + j * stride_sbk)
+            if BLOCK_N <= SCALE_BLOCK:
+                acc += tl.dot(a, b) * (sa * sb)[:, None]
+            else:
+                acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+        elif FAST_ACC:
+            acc = tl.dot(a, b, acc)
+        else:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=min(BLOCK_K, PROMOTE_EVERY))
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if SPLIT_K == 1:
+        scaled_epilogue(acc, rm, rn, M, N, c_ptr, bias_ptr, sa_ptr, sb_ptr, stride_cm, stride_cn,
+                        stride_bias, stride_sam, stride_sbn, SCALING, HAS_BIAS, ACTIVATION)
+    else:
+        ws_ptrs = ws_ptr + tl.program_id(1) * M * N + rm[:, None] * N + rn[None, :]
+        tl.store(ws_ptrs, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def scaled_reduce(
+    ws_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr,
+    M, N,
+    stride_cm, stride_cn, stride_bias, stride_sam, stride_sbn,
+    SCALING: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (N tiles, M tiles): the sum of ``scaled_matmul``'s SPLIT_K partials of one output
+    tile, in slice order (the result does not depend on which slice finished first), through
+    ``scaled_epilogue``."""
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    offsets = rm[:, None] * N + rn[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(ws_ptr + s * M * N + offsets, mask=mask, other=0.0)
+    scaled_epilogue(acc, rm, rn, M, N, c_ptr, bias_ptr, sa_ptr, sb_ptr, stride_cm, stride_cn,
+                    stride_bias, stride_sam, stride_sbn, SCALING, HAS_BIAS, ACTIVATION)

@@ -1,0 +1,300 @@
+"""``triton_scaled``: gemmtune's tiled Triton GEMM for fp8 (scaled) products, its config, and a
+search space scaled to the device and pruned before anything is compiled.
+
+It serves ``Problem.scaled`` problems alone (fp8 e4m3fn or e5m2 inputs, tensor, row or block
+scales, an output of bfloat16, float16 or float32) and is called as
+``kernel(a, b, bias, scale_a, scale_b, out=None)`` (``ScaledKernel``). How each scaling is
+applied, and what FAST_ACC and SPLIT_K do, is in ``kernels/scaled.py``. In short:
+
+- FAST_ACC=1: Triton's default fp8 ``tl.dot``. On sm_90 that accumulates the whole K loop in
+  wgmma's reduced-precision accumulator (Triton 3.6 sets ``max_num_imprecise_acc_default`` to
+  2**30 for capability 90: ``backends/nvidia/compiler.py``), as cuBLAS's fast accumulation does.
+- FAST_ACC=0: precise: the partial sum is promoted to fp32 every min(BLOCK_K, 128) elements of K
+  (``max_num_imprecise_acc``), paying a second accumulator's registers and fp32 adds.
+
+The two differ only on Hopper's wgmma tiles (BLOCK_M a multiple of 64, four warps or more) with
+tensor or row scaling: block scaling promotes every K tile anyway, and other GPUs and mma.sync
+tiles accumulate in fp32. The space offers FAST_ACC=1 only where it differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from gemmtune.backends import costmodel
+from gemmtune.backends.base import FieldConfig, KernelBase, check_bounds, config_from_mapping, triton_runs
+from gemmtune.device import Device
+from gemmtune.problem import SCALE_BLOCK, Problem, torch_dtypes
+
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+K_BLOCK_SIZES = (32, 64, 128, 256)  # an fp8 tensor-core product takes K in steps of 32
+GROUP_SIZES = (1, 2, 4, 8, 16)
+SPLITS = (1, 2, 4, 8, 16)
+FAST_ACC = (0, 1)
+WARPS = (1, 2, 4, 8)
+STAGES = (1, 2, 3, 4, 5, 6)
+MAX_ACC_REGS = 128  # fp32 accumulator registers per thread above which ptxas spills
+MAX_ELEMENTS = 2**31 - 1  # the kernel indexes in int32
+MAX_SPLIT_M = 32  # K is split for decode shapes only
+# Partials written and read back (8 bytes per fp32 element) may cost at most this fraction of the
+# weight bytes (triton_splitk's rule): more splits trade weight bandwidth for workspace bandwidth.
+MAX_WORKSPACE_TRAFFIC = 0.25
+REDUCE_BLOCK_N = 128  # columns per program of the split-K reduction
+# Estimated, not measured: what FAST_ACC=0's promotions (fp32 adds, a second accumulator) cost,
+# so that each precise config ranks just below its fast twin.
+PRECISE_ACC_COST = 1.05
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps): triton_tiled's shapes with K twice as deep (a K tile
+# of 1-byte inputs holds as many bytes as one of half the depth in 16 bits), from compute-bound
+# tiles down to the thin ones decode needs. Stages are added per device below.
+TILES = (
+    (128, 256, 128, 8), (256, 128, 128, 8), (128, 128, 128, 8), (128, 128, 128, 4), (128, 128, 64, 4),
+    (64, 256, 128, 8), (256, 64, 128, 8), (64, 128, 128, 4), (128, 64, 128, 4), (64, 64, 128, 4),
+    (64, 64, 64, 4), (64, 32, 128, 4), (32, 128, 128, 4), (32, 64, 128, 4), (32, 32, 128, 2),
+    (16, 256, 128, 4), (16, 128, 256, 4), (16, 64, 256, 4), (16, 64, 128, 4), (16, 32, 256, 2),
+    (16, 32, 128, 2),
+)
+STAGE_CHOICES = (3, 4)
+STREAMING_STAGES = (5,)  # the thin and small tiles stream weights: a deeper pipeline (triton_tiled)
+SMALL_TILE = 64 * 32
+INTERPRETER_TILES = ((16, 16, 32, 1), (32, 32, 64, 1))
+INTERPRETER_SPLITS = (1, 2)
+
+
+@dataclass(frozen=True)
+class ScaledConfig(FieldConfig):
+    FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "BLOCK_K": "block_k", "GROUP_M": "group_m",
+              "SPLIT_K": "split_k", "FAST_ACC": "fast_acc", "num_warps": "num_warps",
+              "num_stages": "num_stages"}  # persisted name -> attribute
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    split_k: int = 1
+    fast_acc: int = 0
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        checks = (("BLOCK_M", self.block_m, BLOCK_SIZES), ("BLOCK_N", self.block_n, BLOCK_SIZES),
+                  ("BLOCK_K", self.block_k, K_BLOCK_SIZES), ("GROUP_M", self.group_m, GROUP_SIZES),
+                  ("SPLIT_K", self.split_k, SPLITS), ("FAST_ACC", self.fast_acc, FAST_ACC),
+                  ("num_warps", self.num_warps, WARPS), ("num_stages", self.num_stages, STAGES))
+        check_bounds("triton_scaled", checks)
+
+    def smem_bytes(self) -> int:
+        """Shared memory the software pipeline holds: one A and one B tile of 1-byte inputs per
+        stage."""
+        return self.num_stages * (self.block_m + self.block_n) * self.block_k
+
+    def acc_regs_per_thread(self, scaling: str) -> int:
+        """fp32 accumulator registers per thread: two sets where each K tile's product (block
+        scaling) or each promoted run (FAST_ACC=0) has its own beside the sum."""
+        doubled = scaling == "block" or not self.fast_acc
+        return self.block_m * self.block_n // (32 * self.num_warps) * (2 if doubled else 1)
+
+    def programs(self, problem: Problem) -> int:
+        return -(-problem.m // self.block_m) * -(-problem.n // self.block_n) * self.split_k
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _deep(block_m: int, block_n: int) -> bool:
+    """Whether a tile also gets STREAMING_STAGES: the thin ones and the small ones."""
+    return block_m == 16 or block_m * block_n <= SMALL_TILE
+
+
+def _wgmma(block_m: int, num_warps: int) -> bool:
+    """Whether Triton lowers this tile's product to Hopper's wgmma (M a multiple of 64 over
+    warpgroups), the one instruction whose fp8 accumulation FAST_ACC changes."""
+    return block_m % 64 == 0 and num_warps % 4 == 0
+
+
+def _fast_accs(problem: Problem, device: Device, block_m: int, num_warps: int) -> tuple[int, ...]:
+    """FAST_ACC values that compile to different kernels for this tile: both on Hopper's wgmma
+    tiles with tensor or row scaling, the precise one alone elsewhere."""
+    if device.is_hopper and problem.scaling != "block" and _wgmma(block_m, num_warps):
+        return (1, 0)
+    return (0,)
+
+
+def _splits(problem: Problem, device: Device, tiles: int, block_k: int) -> tuple[int, ...]:
+    """SPLIT_K values worth trying for a grid of ``tiles`` output tiles: more than one for decode
+    shapes (M <= MAX_SPLIT_M) whose tiles leave SMs idle, each slice at least two K tiles, no more
+    programs than two waves, and workspace traffic within MAX_WORKSPACE_TRAFFIC."""
+    if problem.m > MAX_SPLIT_M:
+        return (1,)
+    if device.interpreter:
+        return INTERPRETER_SPLITS
+    if tiles >= device.sm_count:
+        return (1,)
+    k_tiles = -(-problem.k // block_k)
+    weights = problem.n * problem.k * problem.element_size
+    return tuple(s for s in SPLITS if s == 1 or (
+        k_tiles >= 2 * s and tiles * s <= 2 * device.sm_count
+        and 8 * s * problem.m * problem.n <= MAX_WORKSPACE_TRAFFIC * weights))
+
+
+def space(problem: Problem, device: Device) -> list[ScaledConfig]:
+    """Every config this device can run on this scaled problem, before measuring anything.
+
+    Dropped before compiling: tiles larger than the problem, K tiles that do not divide 128 under
+    block scaling (each must lie in one scale block), pipelines needing more shared memory than a
+    block may have, accumulators that would spill, and grids that leave most SMs idle where
+    another fills them. Never empty: a small tile is the fallback.
+    """
+    if device.interpreter:
+        tiles, stages = INTERPRETER_TILES, (1,)
+    else:
+        tiles, stages = TILES, STAGE_CHOICES
+    fit_m, fit_n, fit_k = (max(16, _next_pow2(v)) for v in (problem.m, problem.n, problem.k))
+    configs = []
+    for bm, bn, bk, warps in tiles:
+        if bm > fit_m or bn > fit_n or bk > max(32, fit_k):
+            continue
+        if problem.scaling == "block" and SCALE_BLOCK % bk:
+            continue
+        grid = -(-problem.m // bm) * -(-problem.n // bn)
+        deep = STREAMING_STAGES if _deep(bm, bn) and not device.interpreter else ()
+        for s in stages + deep:
+            for fast in _fast_accs(problem, device, bm, warps):
+                for split in _splits(problem, device, grid, bk):
+                    config = ScaledConfig(bm, bn, bk, 8, split, fast, warps, s)
+                    if (config.smem_bytes() <= device.smem_per_block
+                            and config.acc_regs_per_thread(problem.scaling) <= MAX_ACC_REGS):
+                        configs.append(config)
+    if not configs:  # a tiny device: the smallest tile with the shallowest pipeline
+        configs = [ScaledConfig(16, 16, 32, 8, 1, 0, 2, 2)]
+    occupancy = {c: min(1.0, c.programs(problem) / device.sm_count) for c in configs}
+    best = max(occupancy.values())
+    return [c for c in configs if occupancy[c] >= best / 4]
+
+
+def _strides(t) -> tuple[int, int]:
+    """A scale tensor's first two strides, 0 for dimensions it lacks."""
+    strides = t.stride()
+    return (strides + (0, 0))[:2]
+
+
+class ScaledKernel(KernelBase):
+    """One (problem, config), launched through Triton's JIT (compiled on its first call):
+    ``kernel(a, b, bias, scale_a, scale_b, out=None)`` with a (M, K) and b (N, K) fp8, bias (N,)
+    in the output dtype or None, float32 scales as ``Problem.scaling`` lays them, and out (M, N)
+    in the output dtype (allocated when None). Any strides. With SPLIT_K > 1 each call allocates
+    its fp32 workspace from torch's caching allocator (stream-ordered, capturable)."""
+
+    def __init__(self, problem: Problem, config: ScaledConfig) -> None:
+        from gemmtune.backends.kernels.scaled import scaled_matmul, scaled_reduce  # imports triton
+
+        self._matmul, self._reduce = scaled_matmul, scaled_reduce
+        self._config = config
+        self._scaling = problem.scaling
+        self._out_dtype = torch_dtypes()[problem.out_dtype]
+        base = dict(SCALING=problem.scaling, ACTIVATION=problem.activation, EVEN_K=problem.k % config.block_k == 0,
+                    FAST_ACC=config.fast_acc, SPLIT_K=config.split_k, BLOCK_M=config.block_m,
+                    BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                    num_warps=config.num_warps, num_stages=config.num_stages)
+        self._constexprs = {False: dict(base, HAS_BIAS=False), True: dict(base, HAS_BIAS=True)}
+        reduce = dict(SCALING=problem.scaling, ACTIVATION=problem.activation, SPLIT_K=config.split_k,
+                      BLOCK_M=min(config.block_m, 32), BLOCK_N=REDUCE_BLOCK_N, num_warps=4)
+        self._reduce_constexprs = {False: dict(reduce, HAS_BIAS=False), True: dict(reduce, HAS_BIAS=True)}
+
+    def __call__(self, a, b, bias, scale_a, scale_b, out=None):
+        cfg = self._config
+        (m, k), n = a.shape, b.shape[0]
+        self._check_scales(m, n, k, scale_a, scale_b)
+        if out is None:
+            out = a.new_empty((m, n), dtype=self._out_dtype)
+        has_bias = bias is not None
+        bias_arg, stride_bias = (bias, bias.stride(0)) if has_bias else (out, 0)
+        (sam, sak), (sbn, sbk) = _strides(scale_a), _strides(scale_b)
+        tiles_k = -(-k // cfg.block_k)
+        k_tiles = -(-tiles_k // cfg.split_k)  # per slice
+        ws = out if cfg.split_k == 1 else a.new_empty((cfg.split_k, m, n), dtype=torch.float32)
+        grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), cfg.split_k)
+        self._matmul[grid](a, b, out, bias_arg, scale_a, scale_b, ws, m, n, k, k_tiles,
+                           a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+                           stride_bias, sam, sak, sbn, sbk, **self._constexprs[has_bias])
+        if cfg.split_k > 1:
+            rc = self._reduce_constexprs[has_bias]
+            self._reduce[(-(-n // rc["BLOCK_N"]), -(-m // rc["BLOCK_M"]))](
+                ws, out, bias_arg, scale_a, scale_b, m, n, out.stride(0), out.stride(1), stride_bias,
+                sam, sbn, **rc)
+        return out
+
+    def _check_scales(self, m: int, n: int, k: int, scale_a, scale_b) -> None:
+        """Scales of the shapes ``Problem.scaling`` lays (the kernel reads them unchecked: a
+        smaller tensor would be read past its end), else a ValueError naming the argument."""
+        if self._scaling == "block":
+            blocks_k = -(-k // SCALE_BLOCK)
+            expected = {"scale_a": ((m, blocks_k), scale_a), "scale_b": ((-(-n // SCALE_BLOCK), blocks_k), scale_b)}
+            for name, (shape, scale) in expected.items():
+                if tuple(scale.shape) != shape:
+                    raise ValueError(f"{name} of shape {tuple(scale.shape)} for block scaling of a {m}x{n}x{k} "
+                                     f"product; accepted: {shape}")
+            return
+        for name, scale, count in (("scale_a", scale_a, m), ("scale_b", scale_b, n)):
+            count = 1 if self._scaling == "tensor" else count
+            if scale.numel() != count:
+                raise ValueError(f"{name} has {scale.numel()} elements for {self._scaling} scaling of a "
+                                 f"{m}x{n}x{k} product; accepted: {count}")
+
+
+def _table_size() -> int:
+    """Configs the full table makes before a device and problem prune it: each tile's stages, both
+    FAST_ACC values on wgmma tiles, every split on decode tiles."""
+    return sum((len(STAGE_CHOICES) + len(STREAMING_STAGES) * _deep(bm, bn)) * (2 if _wgmma(bm, warps) else 1)
+               * (len(SPLITS) if bm <= MAX_SPLIT_M else 1) for bm, bn, _, warps in TILES)
+
+
+class TritonScaledBackend:
+    name = "triton_scaled"
+    space_size = _table_size()
+
+    def is_available(self, device: Device) -> bool:
+        """Triton runs there, with fp8 tensor cores (Ada, Hopper and later) on a GPU."""
+        return triton_runs(device) and (device.interpreter or device.capability >= (8, 9))
+
+    def supports(self, problem: Problem) -> bool:
+        sizes = (problem.m * problem.k, problem.k * problem.n, problem.m * problem.n)
+        return problem.scaled and max(sizes) <= MAX_ELEMENTS
+
+    def candidates(self, problem: Problem, device: Device) -> list[ScaledConfig]:
+        return space(problem, device) if self.supports(problem) else []
+
+    def predict_ms(self, problem: Problem, device: Device, config: ScaledConfig) -> float | None:
+        """Decode shapes as a split-K weight stream (the reduction a launch of its own), the others
+        as a tiled roofline; a precise config just behind its fast twin."""
+        c = config
+        if problem.m <= MAX_SPLIT_M:
+            ms = costmodel.splitk_ms(problem, device, c.block_m, c.block_n, c.split_k, c.block_k, c.num_stages,
+                                     num_warps=c.num_warps)
+            ms += costmodel.LAUNCH_MS if c.split_k > 1 else 0.0
+        else:
+            ms = costmodel.tile_gemm_ms(problem, device, c.block_m, c.block_n, c.block_k, c.num_stages)
+        if not c.fast_acc and len(_fast_accs(problem, device, c.block_m, c.num_warps)) > 1:
+            ms *= PRECISE_ACC_COST
+        return ms
+
+    def parse_config(self, data: Mapping) -> ScaledConfig:
+        return config_from_mapping(self.name, data, ScaledConfig)
+
+    def build(self, problem: Problem, config: ScaledConfig, device: Device) -> ScaledKernel:
+        if not problem.scaled:
+            raise ValueError(f"triton_scaled serves fp8 (scaled) problems only, got {problem.describe()}")
+        if problem.scaling == "block" and SCALE_BLOCK % config.block_k:
+            raise ValueError(f"triton_scaled BLOCK_K={config.block_k} does not divide the scale block "
+                             f"({SCALE_BLOCK}) of block scaling; accepted: 32, 64, 128")
+        if config.split_k * problem.m * problem.n > MAX_ELEMENTS:
+            raise ValueError(f"triton_scaled SPLIT_K={config.split_k}: the workspace of {problem.describe()} would "
+                             f"pass the kernel's int32 indexing; accepted: SPLIT_K * M * N <= {MAX_ELEMENTS}")
+        return ScaledKernel(problem, config)
+
+
+BACKEND = TritonScaledBackend()

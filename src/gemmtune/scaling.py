@@ -1,0 +1,58 @@
+"""The math of fp8 (scaled) products: an operand quantized with the scales of a ``Problem.scaling``
+and dequantized back. gemmtune serves weights quantized by their owner; this quantizes the inputs
+of its own checks, and ``gemmtune.nn.ScaledLinear``'s activations on each call, the way serving
+stacks do (each scale the amax of the values it scales over the format's largest value)."""
+
+from __future__ import annotations
+
+import torch
+
+from gemmtune.problem import SCALE_BLOCK
+
+# The largest finite value of each fp8 format.
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def quantize(t: torch.Tensor, dtype: torch.dtype, scaling: str, weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` (rows, K) in fp8 ``dtype`` and its float32 scales, laid out as gemmtune's scaled
+    kernels take them (``Problem.scaling``): one per tensor (shape ()), one per row ((rows, 1)),
+    or one per block: 1 x 128 for activations ((rows, K/128), column-major, as torch._scaled_mm
+    takes them), 128 x 128 for a weight (``weight``: (rows/128, K/128), row-major)."""
+    largest = FP8_MAX[dtype]
+    wide = t.float()
+    if scaling == "tensor":
+        scale = wide.abs().amax().div(largest).clamp_(min=torch.finfo(torch.float32).tiny).reshape(())
+        return (wide / scale).to(dtype), scale
+    if scaling == "row":
+        scale = wide.abs().amax(dim=1, keepdim=True).div_(largest).clamp_(min=torch.finfo(torch.float32).tiny)
+        return (wide / scale).to(dtype), scale
+    rows = SCALE_BLOCK if weight else 1
+    blocks = _block_amax(wide, rows).div_(largest).clamp_(min=torch.finfo(torch.float32).tiny)
+    quantized = (wide / expand_blocks(blocks, t.shape, rows)).to(dtype)
+    if weight:
+        return quantized, blocks
+    count, cols = blocks.shape
+    return quantized, torch.empty_strided((count, cols), (1, count), device=t.device).copy_(blocks)
+
+
+def dequantize(t: torch.Tensor, scale: torch.Tensor, scaling: str, weight: bool) -> torch.Tensor:
+    """An fp8 operand (rows, K) times its scales, in float64."""
+    wide = t.double()
+    if scaling == "block":
+        return wide.mul_(expand_blocks(scale.double(), t.shape, SCALE_BLOCK if weight else 1))
+    return wide.mul_(scale.double().reshape(-1, 1) if scaling == "row" else scale.double().reshape(()))
+
+
+def expand_blocks(scale: torch.Tensor, shape: tuple, rows: int) -> torch.Tensor:
+    """Block scales (one per ``rows`` x SCALE_BLOCK block) as one value per element of ``shape``."""
+    full = scale.repeat_interleave(rows, dim=0).repeat_interleave(SCALE_BLOCK, dim=1)
+    return full[:shape[0], :shape[1]]
+
+
+def _block_amax(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """The amax of each ``rows`` x SCALE_BLOCK block of ``t`` (edge blocks partial)."""
+    r, k = t.shape
+    pad_r, pad_k = -r % rows, -k % SCALE_BLOCK
+    padded = torch.nn.functional.pad(t.abs(), (0, pad_k, 0, pad_r))
+    view = padded.reshape((r + pad_r) // rows, rows, (k + pad_k) // SCALE_BLOCK, SCALE_BLOCK)
+    return view.amax(dim=(1, 3)).contiguous()

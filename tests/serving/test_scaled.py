@@ -1,0 +1,93 @@
+"""``gemmtune.scaled_mm``: its checks, the scaling read from the scales' shapes, torch's fallback,
+the dispatch key of an fp8 product; on the GPU, served calls against float64."""
+
+import pytest
+import torch
+
+import gemmtune
+from gemmtune.problem import Problem
+from gemmtune.serving import scaled
+from gemmtune.serving.dispatch import DispatchKey
+from gemmtune.tuning import verify
+
+E4M3 = torch.float8_e4m3fn
+
+
+def operands(m=5, n=32, k=256, dtype=E4M3):
+    return torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype).t()
+
+
+@pytest.mark.parametrize("sa, sb, expected", [
+    ((), (), "tensor"), ((1,), (1, 1), "tensor"), ((5, 1), (1, 32), "row"), ((5, 2), (2, 1), "block"),
+])
+def test_the_scaling_is_read_from_the_scales_shapes(sa, sb, expected):
+    a, b = operands()
+    assert scaled.scaling_of(a, b, torch.ones(sa), torch.ones(sb)) == expected
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(scale_a=torch.ones(5, 3)), ValueError, "scale_a \\(5, 3\\) and scale_b \\(\\) are no scaling"),
+    (dict(scale_b=torch.ones(1, 32, dtype=torch.float16)), TypeError, "scale_b must be float32"),
+    (dict(out_dtype=E4M3), TypeError, "out_dtype must be one of"),
+    (dict(bias=torch.ones(32)), ValueError, "bias must be a \\(32,\\) tensor of out_dtype torch.bfloat16"),
+    (dict(activation="tanh"), ValueError, "activation 'tanh' is not supported"),
+    (dict(b=torch.randn(256, 32)), TypeError, "a and b must share one fp8 dtype"),
+    (dict(b=torch.randn(32, 128).to(E4M3)), ValueError, "same K"),
+    (dict(a=[1.0]), TypeError, "a must be a torch.Tensor"),
+])
+def test_a_malformed_call_names_its_argument(change, error, message):
+    a, b = operands()
+    call = dict(a=a, b=b, scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0)) | change
+    with pytest.raises(error, match=message):
+        gemmtune.scaled_mm(**call)
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_on_the_cpu_it_is_torch_s_scaled_mm(scaling):
+    a, b = operands()
+    sa, sb = (torch.tensor(0.5), torch.tensor(2.0)) if scaling == "tensor" else (torch.rand(5, 1), torch.rand(1, 32))
+    bias = torch.randn(32).to(torch.bfloat16)
+    got = gemmtune.scaled_mm(a, b, sa, sb, bias=bias, activation="relu")
+    assert torch.equal(got, torch.relu(torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)))
+
+
+def test_a_recorded_call_is_a_shapes_file_entry_that_tunes_it(tmp_path):
+    a, b = operands()
+    with gemmtune.record(tmp_path / "gemms.json") as recording:
+        gemmtune.scaled_mm(a, b, torch.rand(5, 1), torch.rand(1, 32), out_dtype=torch.float32)
+        gemmtune.scaled_mm(a, b, torch.rand(5, 1), torch.rand(1, 32), out_dtype=torch.float32)
+    expected = Problem(5, 32, 256, "float8_e4m3fn", scaling="row", out_dtype="float32")
+    assert recording.problems() == [(expected, 2)]
+    assert [named.problem for named in gemmtune.shapes.load(tmp_path / "gemms.json")] == [expected]
+
+
+def test_an_fp8_key_stands_for_its_problem_and_an_unscaled_key_is_unchanged():
+    p = Problem(16, 4096, 4096, "float8_e5m2", scaling="block", out_dtype="float32", bias=True)
+    assert DispatchKey.of(p, 0).problem() == p
+    plain = Problem(16, 4096, 4096)
+    assert DispatchKey.of(plain, 0) == DispatchKey("linear", 16, 4096, 4096, "bfloat16", False, False, "none", 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+@pytest.mark.parametrize("m, n, k", [(1, 4096, 4096), (16, 1024, 4096), (33, 640, 512), (128, 4096, 1024)])
+def test_on_the_gpu_a_served_call_is_right(fresh_dispatch, scaling, m, n, k):
+    p = Problem(m, n, k, "float8_e4m3fn", scaling=scaling, bias=True)
+    inputs = verify.make_inputs(p, "cuda", seed=7)
+    sa, sb = inputs.scales
+    sb = sb.t() if sb.dim() == 2 else sb  # torch's orientation: (1, N) or (K/128, N/128)
+    out = gemmtune.scaled_mm(inputs.a, inputs.b.t(), sa, sb, bias=inputs.bias)
+    assert verify.judge(out, p, inputs).ok
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+def test_a_tuned_fp8_product_is_served_from_the_store(fresh_dispatch, scaling):
+    # the store path of a served call (the CPU has no fp8 GEMM to serve: forward falls back there)
+    p = Problem(7, 48, 256, "float8_e4m3fn", scaling=scaling, bias=True, activation="silu")
+    (result,) = gemmtune.tune([p])
+    fresh_dispatch.forget()
+    kernel = fresh_dispatch.kernel(DispatchKey.of(p))
+    inputs = verify.make_inputs(p, "cpu", seed=11)
+    assert verify.judge(kernel(*inputs.operands), p, inputs).ok
+    assert fresh_dispatch.store.get(gemmtune.device.current().fingerprint(), p.key()).backend == result.backend
