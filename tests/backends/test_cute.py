@@ -97,6 +97,22 @@ def test_the_interpreter_never_offers_it():
     assert not get("cute").is_available(interpreter_device())
 
 
+def test_a_config_counts_as_compiled_once_its_first_call_left_its_marker(monkeypatch, tmp_path):
+    monkeypatch.setattr(cute.importlib.metadata, "version", lambda name: "1.0")
+    problem = Problem(2048, 4096, 4096, "bfloat16", "linear")
+    configs = cute.space(problem, H100)[:3]
+    assert cute.BACKEND.compiled(problem, configs) == []
+    cute._leave(cute.marker(problem, configs[1]))
+    assert cute.BACKEND.compiled(problem, configs) == [configs[1]]
+    # another shape of the same kind shares the compiled kernel; another kind does not
+    assert cute.BACKEND.compiled(Problem(16, 1024, 512, "bfloat16", "linear"), configs) == [configs[1]]
+    for other in (Problem(2048, 4096, 4096, "float16", "linear"), Problem(2048, 4096, 4096, "bfloat16", "nn"),
+                  Problem(2048, 4096, 4096, "bfloat16", "linear", bias=True)):
+        assert cute.BACKEND.compiled(other, configs) == []
+    monkeypatch.setattr(cute.importlib.metadata, "version", lambda name: "2.0")  # a new package: compiled anew
+    assert cute.BACKEND.compiled(problem, configs) == []
+
+
 def test_the_cost_model_ranks_the_transpose_as_the_tiles_it_walks():
     backend = get("cute")
     decode, tall = Problem(16, 4096, 4096), Problem(4096, 16, 4096)

@@ -220,6 +220,24 @@ def test_a_trial_budget_caps_each_modelled_backend():
     assert per_backend["cublas"] == 1
 
 
+@pytest.mark.interpreter
+def test_a_backend_s_configs_compiled_already_are_all_screened_and_the_strategy_picks_among_the_rest(monkeypatch):
+    # cute's kind of backend (CACHED_COMPILES), played by the tiled kernel: its configs of
+    # 16-row tiles stand for those whose kernels the compile cache holds
+    tiled = backends.get("triton_tiled")
+    problem = Problem(32, 32, 64, "float32", "nn")
+    monkeypatch.setattr(backends, "CACHED_COMPILES", ("triton_tiled",))
+    monkeypatch.setattr(tiled, "compiled", lambda p, configs: [c for c in configs if c.block_m == 16], raising=False)
+    ready = {(c.block_m, c.block_n, c.block_k) for c in tiled.candidates(problem, current()) if c.block_m == 16}
+    result = tune_problem(problem, current(), options=TuneOptions(
+        strategy="topk", budget=search.Budget(trials=1), seed=4, backends=("cublas", "triton_tiled")))
+    tried = [(t.config["BLOCK_M"], t.config["BLOCK_N"], t.config["BLOCK_K"]) for t in result.trials
+             if t.backend == "triton_tiled"]
+    assert ready and ready <= set(tried)  # every compiled one, whatever the cost model says
+    assert len(tried) == len(ready) + 1  # and the budget's one of the others
+    assert all(t.ok for t in result.trials)
+
+
 def test_cublas_runs_at_the_problems_float32_precision():
     import torch
 

@@ -20,6 +20,10 @@ _MODULES = {
 REFERENCE = "cublas"  # the backend every choice must beat beyond noise
 PRECOMPILED = ("cublas", "cublaslt")  # library kernels: nothing to compile ahead
 OWN_JIT = ("cute",)  # compiled by their own JIT (CuTe DSL), not Triton's: nothing for a fork child to take
+# compiled once per dtype and config into a cache that every later process loads in a millisecond:
+# the configs compiled already cost a problem nothing more than a library's algorithms, so they
+# are screened whole, side by side (``compiled(problem, configs)`` names them)
+CACHED_COMPILES = ("cute",)
 SCALED = ("triton_scaled",)  # the backends of fp8 (scaled) products alone; the reference takes both kinds
 
 

@@ -447,7 +447,7 @@ def _plan(problem: Problem, device: Device, options: TuneOptions, spaces: dict[s
     for name, configs in spaces.items():
         if name in backends.PRECOMPILED:
             continue
-        planned = _planned(name, configs, problem, device, options)
+        planned = _planned(name, _compiled_apart(name, configs, problem)[1], problem, device, options)
         if ranked_first is not None and _ranked(name, configs, problem, device):
             planned = planned[:ranked_first]
         plan += [(name, config.as_dict()) for config in planned]
@@ -469,6 +469,15 @@ def _planned(name: str, configs: list, problem: Problem, device: Device, options
                        predict=lambda config: backend.predict_ms(problem, device, config), seed=options.seed or 0)
 
 
+def _compiled_apart(name: str, configs: list, problem: Problem) -> tuple[list, list]:
+    """Backend ``name``'s configs whose kernels its cache holds compiled for ``problem``'s kind
+    (for the CACHED_COMPILES backends; none for the others), and the rest."""
+    if name not in backends.CACHED_COMPILES:
+        return [], configs
+    ready = backends.get(name).compiled(problem, configs)
+    return ready, [c for c in configs if c not in ready]
+
+
 def _label(backend_name: str, config: dict) -> str:
     return Trial(backend_name, config, Status.OK).label()
 
@@ -478,7 +487,13 @@ def _search_backend(name: str, configs: list, problem: Problem, device: Device, 
     """Measure the configs of one backend that its cost model and the strategy pick. Backends
     without a cost model (cuBLAS, the padded path, cuBLASLt's ranked algorithms) are measured
     whole: a library's several algorithms side by side in one measurement (``evaluate_all``), as
-    they compile nothing."""
+    they compile nothing. A backend whose compiled kernels are cached (``CACHED_COMPILES``) has its
+    compiled configs measured so too, and the strategy picks among the others."""
+    ready, configs = _compiled_apart(name, configs, problem)
+    if ready:
+        evaluate_all(name, ready)
+    if not configs:
+        return
     if not _ranked(name, configs, problem, device):
         if name in backends.PRECOMPILED and len(configs) > 1:
             evaluate_all(name, configs)
