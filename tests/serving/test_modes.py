@@ -70,6 +70,25 @@ def test_warming_runs_the_graph_kernel_once_flattening_what_it_cannot_take():
     assert calls == ["graph"]
 
 
+def test_an_fp8_product_s_scales_reach_the_kernel_of_either_mode(capturing):
+    seen = []
+
+    def scaled(name):
+        def run(a, b, bias, scale_a, scale_b, out=None):
+            seen.append((name, float(scale_a), float(scale_b)))
+            return a @ b.t() * scale_a * scale_b
+
+        return function_kernel(run)
+
+    served = ByMode(scaled("eager"), scaled("graph"))
+    a, b = torch.randn(3, 4), torch.randn(5, 4)
+    served(a, b, None, torch.tensor(2.0), torch.tensor(3.0))
+    served.warm(a, b, None, torch.tensor(0.5), torch.tensor(1.0))
+    capturing["on"] = True
+    torch.testing.assert_close(served(a, b, None, torch.tensor(2.0), torch.tensor(3.0)), a @ b.t() * 6)
+    assert seen == [("eager", 2.0, 3.0), ("graph", 0.5, 1.0), ("graph", 2.0, 3.0)]
+
+
 def test_warming_a_matmul_passes_its_operands_as_they_are():
     # layout nn: b is (K, N); a flattening wrapper would shape the result by b's first dimension
     seen = []

@@ -27,8 +27,9 @@ class ByMode(KernelBase):
         self.eager, self.graph = eager, graph
         self.serves_any_rank = eager.serves_any_rank and graph.serves_any_rank
 
-    def __call__(self, a, b, bias, out=None):
-        return (self.graph if _capturing() else self.eager)(a, b, bias, out=out)
+    def __call__(self, a, b, bias, *scales, out=None):
+        """``scales``: an fp8 product's (scale_a, scale_b), passed on."""
+        return (self.graph if _capturing() else self.eager)(a, b, bias, *scales, out=out)
 
     def bind(self, a, b, bias) -> BoundCall | None:
         """The eager kernel's bound launch, and the graph kernel called as it is while a graph is
@@ -54,8 +55,9 @@ class ByMode(KernelBase):
 
         return call
 
-    def warm(self, a, b, bias) -> None:
-        """Run the graph kernel once on a call's operands, outside any capture, so that its first
-        launch (a compile, a module load) is not made while a graph is being captured. A 2-D ``a``
-        goes as it is, in either layout: flattening is for linear's (..., K) inputs alone."""
-        (self.graph if a.dim() == 2 else any_rank(self.graph))(a, b, bias)
+    def warm(self, a, b, bias, *scales) -> None:
+        """Run the graph kernel once on a call's operands (an fp8 product's scales after them),
+        outside any capture, so that its first launch (a compile, a module load) is not made while
+        a graph is being captured. A 2-D ``a`` goes as it is, in either layout: flattening is for
+        linear's (..., K) inputs alone."""
+        (self.graph if a.dim() == 2 else any_rank(self.graph))(a, b, bias, *scales)

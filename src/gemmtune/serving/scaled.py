@@ -15,6 +15,7 @@ from gemmtune import activation as activations
 from gemmtune.problem import ACTIVATIONS, SCALE_BLOCK, scaled_torch_dtypes, torch_dtypes
 from gemmtune.serving import recording as recorder
 from gemmtune.serving.dispatch import DISPATCHER, DispatchKey
+from gemmtune.serving.modes import ByMode
 
 FP8_NAMES = {dtype: name for name, dtype in scaled_torch_dtypes().items()}
 OUT_NAMES = {dtype: name for name, dtype in torch_dtypes().items()}
@@ -82,7 +83,15 @@ def forward(a, b, scale_a, scale_b, bias, out_dtype, scaling: str, act: str) -> 
             DISPATCHER.capture_miss(key)
             return by_torch(a, b, scale_a, scale_b, bias, out_dtype, act)
         kernel = DISPATCHER.kernel(key)
-    return kernel(a, b.t(), bias, scale_a, scale_b.t() if scale_b.dim() == 2 else scale_b)
+        if isinstance(kernel, ByMode):
+            kernel.warm(a, b.t(), bias, scale_a, _weight_oriented(scale_b))
+    return kernel(a, b.t(), bias, scale_a, _weight_oriented(scale_b))
+
+
+def _weight_oriented(scale_b: torch.Tensor) -> torch.Tensor:
+    """torch's scale_b for b (K, N) as gemmtune's scaled kernels take it for the weight b.t():
+    a row-wise (1, N) as (N, 1), a block-wise (K/128, N/128) as (N/128, K/128); views."""
+    return scale_b.t() if scale_b.dim() == 2 else scale_b
 
 
 def by_torch(a, b, scale_a, scale_b, bias, out_dtype, act: str) -> torch.Tensor:
