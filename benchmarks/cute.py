@@ -14,7 +14,8 @@ kernel cache:
    gemmtune's choice, the exhaustive best CuTe DSL config, gemmtune's best CuTe DSL config, and
    QuACK's autotuned call. Ratios to cuBLAS (above 1: faster) and TFLOP/s.
 5. **A second process** builds gemmtune's best CuTe DSL config from the compiled-kernel cache the
-   first one filled: ``second_first_call_s`` is its first call (the goal: at most 50 ms).
+   first one filled: ``second_first_call_s`` is its first call (the goal: at most 50 ms), and
+   ``second_first_call_profile`` where its time goes (cProfile, cumulative seconds).
 
     PYTHONPATH=src:<cute site> python3 benchmarks/cute.py --out cute.json [--only NAME ...]
 
@@ -25,9 +26,11 @@ without a package index).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -131,7 +134,8 @@ def run_shape(shape: dict) -> dict:
            "cute_configs": len(configs), "cute_failed": failed, "quack_tune_s": quack_tune_s, **tuned["row"]}
     row |= side_by_side(problem, a, b, compiled, tuned, quack_call)
     best_cute = tuned["best_cute"] or compiled[row["cute_exhaustive_config"]]["config"]
-    row["second_first_call_s"] = second_first_call(problem, best_cute)
+    second = second_first_call(problem, best_cute)
+    row["second_first_call_s"], row["second_first_call_profile"] = second["seconds"], second["profile"]
     return row
 
 
@@ -231,13 +235,14 @@ def side_by_side(problem, a, b, compiled, tuned, quack_call) -> dict:
                                                 if "cute_gemmtune" in final else None)}
 
 
-def second_first_call(problem, config) -> float:
-    """A fresh process's first call of ``config``, its kernel loaded from the cache this one filled."""
+def second_first_call(problem, config) -> dict:
+    """A fresh process's first call of ``config``, its kernel loaded from the cache this one filled:
+    its ``seconds`` and its ``profile`` (the costliest functions, cumulative seconds)."""
     argv = [sys.executable, __file__, "--first-call", problem.key(), "--config", json.dumps(config.as_dict())]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=dict(os.environ))
     if done.returncode:
         raise RuntimeError(done.stderr[-2000:])
-    return json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def second_process(key: str, config: dict) -> int:
@@ -253,11 +258,22 @@ def second_process(key: str, config: dict) -> int:
     b = torch.randn(problem.n, problem.k, device="cuda", dtype=dtype)
     kernel = backends.build(problem, "cute", config, current())
     torch.cuda.synchronize()
+    profile = cProfile.Profile()
     started = time.perf_counter()
-    kernel(a, b, None)
-    torch.cuda.synchronize()
-    print(json.dumps({"seconds": time.perf_counter() - started}))
+    with profile:
+        kernel(a, b, None)
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    print(json.dumps({"seconds": seconds, "profile": costliest(profile)}))
     return 0
+
+
+def costliest(profile: cProfile.Profile, count: int = 15) -> list:
+    """The functions the profiled call spent most time in (cumulative seconds), where they are."""
+    stats = pstats.Stats(profile).stats
+    rows = sorted(stats.items(), key=lambda item: -item[1][3])[:count]
+    return [[f"{path.rsplit('site-packages/', 1)[-1]}:{line}({name})", round(cumulative, 4)]
+            for (path, line, name), (_, _, _, cumulative, _) in rows]
 
 
 if __name__ == "__main__":
