@@ -11,6 +11,7 @@ _MODULES = {
     "cublas_padded": "gemmtune.backends.cublas_padded",
     "cublaslt": "gemmtune.backends.cublaslt",
     "cute": "gemmtune.backends.cute",
+    "scaled_mm_fast": "gemmtune.backends.scaled_mm_fast",
     "triton_persistent": "gemmtune.backends.triton_persistent",
     "triton_scaled": "gemmtune.backends.triton_scaled",
     "triton_splitk": "gemmtune.backends.triton_splitk",
@@ -18,13 +19,13 @@ _MODULES = {
     "triton_tiled": "gemmtune.backends.triton_tiled",
 }
 REFERENCE = "cublas"  # the backend every choice must beat beyond noise
-PRECOMPILED = ("cublas", "cublaslt")  # library kernels: nothing to compile ahead
+PRECOMPILED = ("cublas", "cublaslt", "scaled_mm_fast")  # library kernels: nothing to compile ahead
 OWN_JIT = ("cute",)  # compiled by their own JIT (CuTe DSL), not Triton's: nothing for a fork child to take
 # compiled once per dtype and config into a cache that every later process loads in a millisecond:
 # the configs compiled already cost a problem nothing more than a library's algorithms, so they
 # are screened whole, side by side (``compiled(problem, configs)`` names them)
 CACHED_COMPILES = ("cute",)
-SCALED = ("triton_scaled",)  # the backends of fp8 (scaled) products alone; the reference takes both kinds
+SCALED = ("scaled_mm_fast", "triton_scaled")  # the backends of fp8 (scaled) products alone; the reference takes both kinds
 
 
 def names() -> tuple[str, ...]:

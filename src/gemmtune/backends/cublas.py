@@ -58,7 +58,7 @@ class CublasBackend:
 
     def build(self, problem: Problem, config: CublasConfig, device: Device) -> Kernel:
         if problem.scaled:
-            return _scaled_mm(problem)
+            return scaled_mm(problem)
         gemm = _linear if problem.layout == "linear" else _mm
         if problem.activation == "none":
             return gemm
@@ -71,17 +71,21 @@ class CublasBackend:
         return function_kernel(gemm_then_activation, serves_any_rank=gemm is _linear)
 
 
-def _scaled_mm(problem: Problem) -> Kernel:
+def scaled_mm(problem: Problem, fast_accum: bool = False) -> Kernel:
     """``torch._scaled_mm`` on gemmtune's scaled-kernel operands (``Problem.scaling``), then
     torch's activation: b is the (N, K) weight, whose transpose is the column-major (K, N) torch
-    takes, and its scales are transposed alike (a row-wise (N, 1) becomes torch's (1, N))."""
+    takes, and its scales are transposed alike (a row-wise (N, 1) becomes torch's (1, N)).
+    ``fast_accum``: torch's ``use_fast_accum`` (fp8 partial sums kept in the tensor cores'
+    narrower accumulator)."""
     dtype, name = getattr(torch, problem.out_dtype), problem.activation
 
     def scaled(a, b, bias, scale_a, scale_b, out=None):
         scale_b = scale_b.t() if scale_b.dim() == 2 else scale_b
         if name == "none":
-            return torch._scaled_mm(a, b.t(), scale_a, scale_b, bias=bias, out_dtype=dtype, out=out)
-        result = activation.apply(torch._scaled_mm(a, b.t(), scale_a, scale_b, bias=bias, out_dtype=dtype), name)
+            return torch._scaled_mm(a, b.t(), scale_a, scale_b, bias=bias, out_dtype=dtype, out=out,
+                                    use_fast_accum=fast_accum)
+        result = torch._scaled_mm(a, b.t(), scale_a, scale_b, bias=bias, out_dtype=dtype, use_fast_accum=fast_accum)
+        result = activation.apply(result, name)
         return result if out is None else out.copy_(result)
 
     return function_kernel(scaled)

@@ -1,0 +1,41 @@
+"""``scaled_mm_fast``: torch._scaled_mm with fast accumulation, a candidate of fp8 products only,
+checked like every candidate (on the CPU, torch's CPU kernel stands in)."""
+
+import pytest
+import torch
+
+from gemmtune import backends
+from gemmtune.device import current
+from gemmtune.problem import Problem
+from gemmtune.tuning import verify
+
+FAST = backends.get("scaled_mm_fast")
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_it_computes_the_product_of_the_dequantized_operands(scaling):
+    p = Problem(33, 130, 256, "float8_e5m2", scaling=scaling, bias=True, activation="relu")
+    inputs = verify.make_inputs(p, "cpu", seed=2)
+    assert verify.check(FAST.build(p, FAST.parse_config({}), current()), p, inputs).ok
+
+
+def test_it_serves_fp8_products_alone():
+    assert FAST.candidates(Problem(8, 8, 8, "bfloat16"), current()) == []
+    assert len(FAST.candidates(Problem(8, 8, 8, "float8_e4m3fn", scaling="row"), current())) == 1
+    assert backends.takes("scaled_mm_fast", Problem(8, 8, 8, "float8_e4m3fn", scaling="row"))
+    assert not backends.takes("scaled_mm_fast", Problem(8, 8, 8, "bfloat16"))
+    with pytest.raises(ValueError, match="fp8 \\(scaled\\) problems only"):
+        FAST.build(Problem(8, 8, 8), FAST.parse_config({}), current())
+    with pytest.raises(ValueError, match="takes no config parameters"):
+        FAST.parse_config({"fast": 1})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+@pytest.mark.parametrize("m, n, k", [(1, 4096, 14336), (16, 6144, 4096), (2048, 4096, 4096)])
+def test_on_the_gpu_fast_accumulation_stays_within_the_fp8_tolerance(scaling, m, n, k):
+    p = Problem(m, n, k, "float8_e4m3fn", scaling=scaling)
+    inputs = verify.make_inputs(p, "cuda", seed=3)
+    verdict = verify.check(FAST.build(p, FAST.parse_config({}), current()), p, inputs)
+    assert verdict.ok, verdict.reason()
