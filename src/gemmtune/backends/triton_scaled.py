@@ -26,6 +26,7 @@ import torch
 
 from gemmtune.backends import costmodel
 from gemmtune.backends.base import FieldConfig, KernelBase, check_bounds, config_from_mapping, triton_runs
+from gemmtune.backends.launch import Launcher
 from gemmtune.device import Device
 from gemmtune.problem import SCALE_BLOCK, Problem, torch_dtypes
 
@@ -183,7 +184,8 @@ def _strides(t) -> tuple[int, int]:
 
 
 class ScaledKernel(KernelBase):
-    """One (problem, config), launched through Triton's JIT (compiled on its first call):
+    """One (problem, config), launched through its compiled binary (``launch.Launcher``: the first
+    call with a guard goes through Triton's JIT, which compiles or loads it):
     ``kernel(a, b, bias, scale_a, scale_b, out=None)`` with a (M, K) and b (N, K) fp8, bias (N,)
     in the output dtype or None, float32 scales as ``Problem.scaling`` lays them, and out (M, N)
     in the output dtype (allocated when None). Any strides. With SPLIT_K > 1 each call allocates
@@ -192,7 +194,7 @@ class ScaledKernel(KernelBase):
     def __init__(self, problem: Problem, config: ScaledConfig) -> None:
         from gemmtune.backends.kernels.scaled import scaled_matmul, scaled_reduce  # imports triton
 
-        self._matmul, self._reduce = scaled_matmul, scaled_reduce
+        self._matmul, self._reduce = Launcher(scaled_matmul), Launcher(scaled_reduce)
         self._config = config
         self._scaling = problem.scaling
         self._out_dtype = torch_dtypes()[problem.out_dtype]
@@ -217,15 +219,22 @@ class ScaledKernel(KernelBase):
         tiles_k = -(-k // cfg.block_k)
         k_tiles = -(-tiles_k // cfg.split_k)  # per slice
         ws = out if cfg.split_k == 1 else a.new_empty((cfg.split_k, m, n), dtype=torch.float32)
-        grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), cfg.split_k)
-        self._matmul[grid](a, b, out, bias_arg, scale_a, scale_b, ws, m, n, k, k_tiles,
-                           a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-                           stride_bias, sam, sak, sbn, sbk, **self._constexprs[has_bias])
+        tensors = (a, b, out, bias_arg, scale_a, scale_b, ws)
+        pointers = tuple(t.data_ptr() for t in tensors)
+        # everything Triton specializes on: the devices, dtypes, shapes and exact strides of every
+        # tensor (the sizes and k_tiles follow) and each address's offset from 16 bytes
+        guard = (a.get_device(), *((t.get_device(), t.dtype, t.shape, t.stride()) for t in tensors),
+                 tuple(p & 15 for p in pointers), has_bias)
+        grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), cfg.split_k, 1)
+        scalars = (m, n, k, k_tiles, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+                   stride_bias, sam, sak, sbn, sbk)
+        self._matmul(grid, guard, tensors, pointers, scalars, self._constexprs[has_bias])
         if cfg.split_k > 1:
             rc = self._reduce_constexprs[has_bias]
-            self._reduce[(-(-n // rc["BLOCK_N"]), -(-m // rc["BLOCK_M"]))](
-                ws, out, bias_arg, scale_a, scale_b, m, n, out.stride(0), out.stride(1), stride_bias,
-                sam, sbn, **rc)
+            reduced = (ws, out, bias_arg, scale_a, scale_b)
+            self._reduce((-(-n // rc["BLOCK_N"]), -(-m // rc["BLOCK_M"]), 1), guard, reduced,
+                         (pointers[6], pointers[2], pointers[3], pointers[4], pointers[5]),
+                         (m, n, out.stride(0), out.stride(1), stride_bias, sam, sbn), rc)
         return out
 
     def _check_scales(self, m: int, n: int, k: int, scale_a, scale_b) -> None:
