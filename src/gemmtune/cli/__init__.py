@@ -191,6 +191,9 @@ def _named_problems(args, device) -> list:
     from gemmtune.problem import Problem, parse_shape
 
     tf32 = args.tf32 if args.tf32 is not None else torch.get_float32_matmul_precision() != "highest"
+    if args.shape and (args.dtype in SCALED_DTYPES) != (args.scaling != "none"):
+        raise ValueError(f"--dtype {args.dtype} with --scaling {args.scaling}: an fp8 --dtype ({', '.join(SCALED_DTYPES)}) "
+                         f"takes --scaling tensor, row or block, the others none")
     named = [shapes.NamedProblem(text, "", Problem(*parse_shape(text), args.dtype, args.layout, args.bias, tf32,
                                                    args.activation, args.scaling, args.out_dtype))
              for text in args.shape]
