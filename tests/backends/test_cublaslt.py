@@ -36,10 +36,14 @@ def test_not_offered_under_the_interpreter_or_where_it_cannot_serve():
 
 
 def test_library_kernels_are_never_compiled_ahead():
-    assert set(backends.PRECOMPILED) == {"cublas", "cublaslt"}
+    assert set(backends.PRECOMPILED) == {"cublas", "cublaslt", "scaled_mm_fast"}
     spaces = {"cublas": [backends.get("cublas").parse_config({})],
               "cublaslt": [backends.get("cublaslt").parse_config(CONFIG)]}
     assert tuner._plan(Problem(64, 64, 64), interpreter_device(), tuner.TuneOptions(), spaces) == []
+    fp8 = Problem(64, 64, 64, "float8_e4m3fn", scaling="row")
+    spaces = {"cublas": [backends.get("cublas").parse_config({})],
+              "scaled_mm_fast": [backends.get("scaled_mm_fast").parse_config({})]}
+    assert tuner._plan(fp8, interpreter_device(), tuner.TuneOptions(), spaces) == []
 
 
 # --- on the GPU ----------------------------------------------------------------------------------
