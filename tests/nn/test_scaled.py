@@ -63,3 +63,11 @@ def test_the_scaling_is_read_from_the_weight_scale():
     layers = [ScaledLinear(w, s) for s in (torch.tensor(1.0), torch.ones(300), torch.ones(300, 1), torch.ones(3, 2))]
     assert [layer.scaling for layer in layers] == ["tensor", "row", "row", "block"]
     assert layers[3].weight_scale.shape == (2, 3)  # (K/128, N/128), as scaled_mm takes it for weight.t()
+
+
+def test_torch_compile_traces_it_whole_into_torch_s_scaled_mm():
+    wq, ws = quantized_weight("row")
+    layer = ScaledLinear(wq, ws, activation="relu")
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(layer, fullgraph=True)(x), layer(x))
