@@ -139,7 +139,7 @@ class Problem:
     @property
     def element_size(self) -> int:
         """Bytes per input element."""
-        return 1 if self.scaled else 4 if self.dtype == "float32" else 2
+        return element_size(self.dtype)
 
     @property
     def out_element_size(self) -> int:
@@ -168,6 +168,11 @@ class Problem:
         precision = "+tf32" if self.tf32 else ""
         scaled = f"->{self.out_dtype} scaled by {self.scaling}" if self.scaled else ""
         return f"{self.m}x{self.n}x{self.k} {self.dtype}{precision}{scaled} {self.layout}{extra}"
+
+
+def element_size(dtype: str) -> int:
+    """Bytes per element of one of DTYPES or SCALED_DTYPES."""
+    return 1 if dtype in SCALED_DTYPES else 4 if dtype == "float32" else 2
 
 
 BUCKETS = ("exact", "pow2", "log2m")

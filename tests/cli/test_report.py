@@ -42,6 +42,15 @@ def test_decode_rows_read_their_weights_against_copy_and_read_bandwidth():
     assert report.decode_bandwidth(dict(SUITE, rows=SUITE["rows"][1:2])) == []
 
 
+def test_an_fp8_decode_row_reads_one_byte_a_weight():
+    row = {"name": "down.m1.fp8-row", "group": "decode", "m": 1, "n": 4096, "k": 14336, "dtype": "float8_e4m3fn",
+           "scaling": "row", "out_dtype": "bfloat16", "cublas_ms": 0.03, "gemmtune_ms": 0.02, "speedup": 1.5,
+           "choice": "triton_scaled", "tune_s": 1.0}
+    lines = report.decode_bandwidth(dict(SUITE, rows=[row]))
+    assert f"| down.m1.fp8-row | {4096 * 14336 / (0.02 * 1e9):.2f} |" in lines[2]
+    assert "down.m1.fp8-row" in report.suite_markdown(dict(SUITE, rows=[row]))
+
+
 def test_the_summary_reads_exhaustive_search_and_warm_tuning():
     rows = [dict(r, tune_s_warm=0.2, exhaustive_ms=r["gemmtune_ms"] * f, exhaustive_in_topk=f == 1.0)
             for r, f in zip(SUITE["rows"], (1.0, 0.9, 1.0))]

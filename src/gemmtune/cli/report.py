@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from rich.table import Table
 
 from gemmtune import kernel_config
-from gemmtune.problem import Problem
+from gemmtune.problem import Problem, element_size
 from gemmtune.results import Trial, TuneResult
 
 
@@ -129,8 +129,7 @@ def decode_bandwidth(doc: dict) -> list[str]:
     lines = ["| decode shape | weights TB/s | " + " | ".join(f"of {n} {v:.2f} TB/s" for n, v in bases) + " |",
              "|---|---:|" + "---:|" * len(bases)]
     for r in rows:
-        element_size = Problem(r["m"], r["n"], r["k"], r["dtype"]).element_size
-        tbps = r["n"] * r["k"] * element_size / (r["gemmtune_ms"] * 1e9)
+        tbps = r["n"] * r["k"] * element_size(r["dtype"]) / (r["gemmtune_ms"] * 1e9)
         lines.append(f"| {r['name']} | {tbps:.2f} | " + " | ".join(f"{100 * tbps / v:.0f}%" for _, v in bases) + " |")
     return lines + [""]
 
