@@ -11,6 +11,7 @@ import triton.language as tl
 
 from gemmtune.backends.kernels.epilogue import activate
 from gemmtune.backends.kernels.mma import mma
+from gemmtune.backends.kernels.order import grouped_tile
 
 
 @triton.jit
@@ -24,13 +25,11 @@ def persistent_matmul(
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    per_group = GROUP_M * grid_n
     for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_PROGRAMS, flatten=True,
                          warp_specialize=WARP_SPECIALIZE):
-        first_m = (tile // per_group) * GROUP_M
-        group_rows = min(grid_m - first_m, GROUP_M)
-        off_m = (first_m + (tile % per_group) % group_rows) * BLOCK_M
-        off_n = ((tile % per_group) // group_rows) * BLOCK_N
+        tile_m, tile_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
+        off_m = tile_m * BLOCK_M
+        off_n = tile_n * BLOCK_N
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):

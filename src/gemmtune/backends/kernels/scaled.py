@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from gemmtune.backends.kernels.epilogue import activate
+from gemmtune.backends.kernels.order import grouped_tile
 
 SCALE_BLOCK = tl.constexpr(128)  # gemmtune.problem.SCALE_BLOCK
 PROMOTE_EVERY = tl.constexpr(128)  # K elements a precise (FAST_ACC=0) accumulation lets wgmma sum
@@ -71,14 +72,7 @@ def scaled_matmul(
     """Grid (output tiles, SPLIT_K). ``k_tiles``: K tiles per slice (read with SPLIT_K > 1);
     EVEN_K: BLOCK_K divides K, so no load along K needs a mask; ``ws_ptr``: the [SPLIT_K, M, N]
     fp32 workspace (read with SPLIT_K > 1)."""
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * grid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from gemmtune.backends.kernels.epilogue import activate
 from gemmtune.backends.kernels.mma import mma
+from gemmtune.backends.kernels.order import grouped_tile
 
 
 @triton.jit
@@ -30,14 +31,7 @@ def tiled_matmul(
     HINT_BK: tl.constexpr = HINTS[4]
     HINT_BN: tl.constexpr = HINTS[5]
     HINT_CM: tl.constexpr = HINTS[6]
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * grid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
