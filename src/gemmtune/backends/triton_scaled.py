@@ -27,18 +27,15 @@ import torch
 from gemmtune.backends import costmodel
 from gemmtune.backends.base import FieldConfig, KernelBase, check_bounds, config_from_mapping, triton_runs
 from gemmtune.backends.launch import Launcher
+# the tiled kernel's tile vocabulary: the same tiles, warps, pipelines and limits, one byte a value
+from gemmtune.backends.triton_tiled import (BLOCK_SIZES, GROUP_SIZES, MAX_ACC_REGS, MAX_ELEMENTS, STAGE_CHOICES,
+                                            STAGES, STREAMING_STAGES, WARPS, deep_tile, next_pow2)
 from gemmtune.device import Device
 from gemmtune.problem import SCALE_BLOCK, Problem, torch_dtypes
 
-BLOCK_SIZES = (16, 32, 64, 128, 256)
 K_BLOCK_SIZES = (32, 64, 128, 256)  # an fp8 tensor-core product takes K in steps of 32
-GROUP_SIZES = (1, 2, 4, 8, 16)
 SPLITS = (1, 2, 4, 8, 16)
 FAST_ACC = (0, 1)
-WARPS = (1, 2, 4, 8)
-STAGES = (1, 2, 3, 4, 5, 6)
-MAX_ACC_REGS = 128  # fp32 accumulator registers per thread above which ptxas spills
-MAX_ELEMENTS = 2**31 - 1  # the kernel indexes in int32
 MAX_SPLIT_M = 32  # K is split for decode shapes only
 # Partials written and read back (8 bytes per fp32 element) may cost at most this fraction of the
 # weight bytes (triton_splitk's rule): more splits trade weight bandwidth for workspace bandwidth.
@@ -58,9 +55,6 @@ TILES = (
     (16, 256, 128, 4), (16, 128, 256, 4), (16, 64, 256, 4), (16, 64, 128, 4), (16, 32, 256, 2),
     (16, 32, 128, 2),
 )
-STAGE_CHOICES = (3, 4)
-STREAMING_STAGES = (5,)  # the thin and small tiles stream weights: a deeper pipeline (triton_tiled)
-SMALL_TILE = 64 * 32
 INTERPRETER_TILES = ((16, 16, 32, 1), (32, 32, 64, 1))
 INTERPRETER_SPLITS = (1, 2)
 
@@ -100,15 +94,6 @@ class ScaledConfig(FieldConfig):
 
     def programs(self, problem: Problem) -> int:
         return -(-problem.m // self.block_m) * -(-problem.n // self.block_n) * self.split_k
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
-def _deep(block_m: int, block_n: int) -> bool:
-    """Whether a tile also gets STREAMING_STAGES: the thin ones and the small ones."""
-    return block_m == 16 or block_m * block_n <= SMALL_TILE
 
 
 def _wgmma(block_m: int, num_warps: int) -> bool:
@@ -154,7 +139,7 @@ def space(problem: Problem, device: Device) -> list[ScaledConfig]:
         tiles, stages = INTERPRETER_TILES, (1,)
     else:
         tiles, stages = TILES, STAGE_CHOICES
-    fit_m, fit_n, fit_k = (max(16, _next_pow2(v)) for v in (problem.m, problem.n, problem.k))
+    fit_m, fit_n, fit_k = (max(16, next_pow2(v)) for v in (problem.m, problem.n, problem.k))
     configs = []
     for bm, bn, bk, warps in tiles:
         if bm > fit_m or bn > fit_n or bk > max(32, fit_k):
@@ -162,7 +147,7 @@ def space(problem: Problem, device: Device) -> list[ScaledConfig]:
         if problem.scaling == "block" and SCALE_BLOCK % bk:
             continue
         grid = -(-problem.m // bm) * -(-problem.n // bn)
-        deep = STREAMING_STAGES if _deep(bm, bn) and not device.interpreter else ()
+        deep = STREAMING_STAGES if deep_tile(bm, bn) and not device.interpreter else ()
         for s in stages + deep:
             for fast in _fast_accs(problem, device, bm, warps):
                 for split in _splits(problem, device, grid, bk):
@@ -258,7 +243,7 @@ class ScaledKernel(KernelBase):
 def _table_size() -> int:
     """Configs the full table makes before a device and problem prune it: each tile's stages, both
     FAST_ACC values on wgmma tiles, every split on decode tiles."""
-    return sum((len(STAGE_CHOICES) + len(STREAMING_STAGES) * _deep(bm, bn)) * (2 if _wgmma(bm, warps) else 1)
+    return sum((len(STAGE_CHOICES) + len(STREAMING_STAGES) * deep_tile(bm, bn)) * (2 if _wgmma(bm, warps) else 1)
                * (len(SPLITS) if bm <= MAX_SPLIT_M else 1) for bm, bn, _, warps in TILES)
 
 

@@ -65,11 +65,11 @@ class TiledConfig(FieldConfig):
 
 
 
-def _next_pow2(x: int) -> int:
+def next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _deep(block_m: int, block_n: int) -> bool:
+def deep_tile(block_m: int, block_n: int) -> bool:
     """Whether a tile also gets STREAMING_STAGES: the thin ones and the small ones."""
     return block_m == 16 or block_m * block_n <= SMALL_TILE
 
@@ -90,12 +90,12 @@ def space(problem: Problem, device: Device) -> list[TiledConfig]:
         tiles, stages = INTERPRETER_TILES, (1,)
     else:
         tiles, stages = TILES, STAGE_CHOICES
-    fit_m, fit_n, fit_k = (max(16, _next_pow2(v)) for v in (problem.m, problem.n, problem.k))
+    fit_m, fit_n, fit_k = (max(16, next_pow2(v)) for v in (problem.m, problem.n, problem.k))
     configs = []
     for bm, bn, bk, warps in tiles:
         if bm > fit_m or bn > fit_n or bk > fit_k:
             continue
-        for s in stages + (STREAMING_STAGES if _deep(bm, bn) and not device.interpreter else ()):
+        for s in stages + (STREAMING_STAGES if deep_tile(bm, bn) and not device.interpreter else ()):
             config = TiledConfig(bm, bn, bk, 8, warps, s)
             if config.smem_bytes(problem.element_size) > device.smem_per_block:
                 continue
@@ -146,7 +146,7 @@ class TiledKernel(KernelBase):
 
 class TritonTiledBackend:
     name = "triton_tiled"
-    space_size = len(TILES) * len(STAGE_CHOICES) + sum(_deep(t[0], t[1]) for t in TILES) * len(STREAMING_STAGES)
+    space_size = len(TILES) * len(STAGE_CHOICES) + sum(deep_tile(t[0], t[1]) for t in TILES) * len(STREAMING_STAGES)
 
     def is_available(self, device: Device) -> bool:
         return triton_runs(device) and (device.interpreter or device.capability >= (7, 0))
