@@ -172,13 +172,18 @@ def require_tensor(name: str, value) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
+def same_device(tensor: torch.Tensor, like: torch.Tensor) -> bool:
+    """Whether two tensors lie on one device: two CUDA tensors told apart by their device indices
+    alone (building two torch.device objects costs more than the rest of a served call's checks),
+    any other pair by their devices whole (a CPU and a meta tensor both have index -1)."""
+    return tensor.get_device() == like.get_device() and (tensor.is_cuda and like.is_cuda
+                                                         or tensor.device == like.device)
+
+
 def require_same(name: str, tensor: torch.Tensor, like: torch.Tensor) -> None:
-    """Same device and dtype as the first operand; a clear error where torch's would be vague.
-    Two CUDA tensors are told apart by their device indices alone: building two torch.device
-    objects costs more than the rest of a served call's checks. Any other pair compares its
-    devices whole: a CPU and a meta tensor both have index -1."""
-    if tensor.get_device() != like.get_device() \
-            or not (tensor.is_cuda and like.is_cuda) and tensor.device != like.device:
+    """Same device (``same_device``) and dtype as the first operand; a clear error where torch's
+    would be vague."""
+    if not same_device(tensor, like):
         raise ValueError(f"{name} is on {tensor.device} but the first operand is on {like.device}; move both to one device")
     if tensor.dtype != like.dtype:
         raise TypeError(f"{name} has dtype {tensor.dtype} but the first operand has {like.dtype}; gemmtune does not mix dtypes")

@@ -14,6 +14,7 @@ import torch
 from gemmtune import activation as activations
 from gemmtune.problem import ACTIVATIONS, SCALE_BLOCK, scaled_torch_dtypes, torch_dtypes
 from gemmtune.serving import recording as recorder
+from gemmtune.serving.calls import same_device
 from gemmtune.serving.dispatch import DISPATCHER, DispatchKey
 from gemmtune.serving.modes import ByMode
 
@@ -34,12 +35,12 @@ def check(a, b, scale_a, scale_b, bias, out_dtype, activation) -> tuple[str, str
     if a.dtype not in FP8_NAMES or b.dtype != a.dtype:
         raise TypeError(f"scaled_mm: a and b must share one fp8 dtype ({accepted}), got {a.dtype} and {b.dtype}")
     for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
-        if scale.dtype != torch.float32 or scale.device != a.device:
+        if scale.dtype != torch.float32 or not same_device(scale, a):
             raise TypeError(f"scaled_mm: {name} must be float32 on {a.device}, got {scale.dtype} on {scale.device}")
     if out_dtype not in OUT_NAMES:
         raise TypeError(f"scaled_mm: out_dtype must be one of {', '.join(map(str, OUT_NAMES))}, got {out_dtype}")
     if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (b.shape[1],)
-                             or bias.dtype != out_dtype or bias.device != a.device):
+                             or bias.dtype != out_dtype or not same_device(bias, a)):
         raise ValueError(f"scaled_mm: bias must be a ({b.shape[1]},) tensor of out_dtype {out_dtype} on {a.device}, "
                          f"got {_described(bias)}")
     act = "none" if activation is None else activation
@@ -72,7 +73,8 @@ def forward(a, b, scale_a, scale_b, bias, out_dtype, scaling: str, act: str) -> 
     (m, k), n = a.shape, b.shape[1]
     recording = recorder.active()
     if recording is not None and m * n * k > 0:
-        recording.add(m, n, k, FP8_NAMES[a.dtype], "linear", bias is not None, False, act, scaling, OUT_NAMES[out_dtype])
+        recording.add(m, n, k, FP8_NAMES[a.dtype], "linear", bias is not None, False, act, scaling,
+                      OUT_NAMES[out_dtype])
     if not a.is_cuda or m * n * k == 0:
         return by_torch(a, b, scale_a, scale_b, bias, out_dtype, act)
     key = DispatchKey("linear", m, n, k, FP8_NAMES[a.dtype], bias is not None, False, act, a.get_device(),
