@@ -99,6 +99,7 @@ def test_the_interpreter_never_offers_it():
 
 def test_a_config_counts_as_compiled_once_its_first_call_left_its_marker(monkeypatch, tmp_path):
     monkeypatch.setattr(cute.importlib.metadata, "version", lambda name: "1.0")
+    cute._versions.cache_clear()
     problem = Problem(2048, 4096, 4096, "bfloat16", "linear")
     configs = cute.space(problem, H100)[:3]
     assert cute.BACKEND.compiled(problem, configs) == []
@@ -110,7 +111,9 @@ def test_a_config_counts_as_compiled_once_its_first_call_left_its_marker(monkeyp
                   Problem(2048, 4096, 4096, "bfloat16", "linear", bias=True)):
         assert cute.BACKEND.compiled(other, configs) == []
     monkeypatch.setattr(cute.importlib.metadata, "version", lambda name: "2.0")  # a new package: compiled anew
+    cute._versions.cache_clear()
     assert cute.BACKEND.compiled(problem, configs) == []
+    cute._versions.cache_clear()
 
 
 def test_the_cost_model_ranks_the_transpose_as_the_tiles_it_walks():

@@ -196,9 +196,15 @@ def _quack():
 def marker(problem: Problem, config: CuteConfig) -> Path:
     """The file whose presence says that ``config``'s kernel for problems of ``problem``'s kind
     (dtype, layout, bias) is compiled in QuACK's cache, for these package versions."""
-    versions = [importlib.metadata.version(name) for name in ("quack-kernels", "nvidia-cutlass-dsl")]
-    kind = [problem.dtype, problem.layout, str(problem.bias), config.key(), *versions]
+    kind = [problem.dtype, problem.layout, str(problem.bias), config.key(), *_versions()]
     return cache_dir() / "cute-compiled" / hashlib.sha256("|".join(kind).encode()).hexdigest()[:24]
+
+
+@functools.cache
+def _versions() -> tuple[str, ...]:
+    """QuACK's and CuTe DSL's versions, read once a process (each read scans the installed
+    packages' metadata; the tuner asks for every config of every problem)."""
+    return tuple(importlib.metadata.version(name) for name in ("quack-kernels", "nvidia-cutlass-dsl"))
 
 
 def _leave(path: Path) -> None:
