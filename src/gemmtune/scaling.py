@@ -18,16 +18,19 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, scaling: str, weight: bool) ->
     kernels take them (``Problem.scaling``): one per tensor (shape ()), one per row ((rows, 1)),
     or one per block: 1 x 128 for activations ((rows, K/128), column-major, as torch._scaled_mm
     takes them), 128 x 128 for a weight (``weight``: (rows/128, K/128), row-major)."""
-    largest = FP8_MAX[dtype]
     wide = t.float()
+
+    def scale_of(amax: torch.Tensor) -> torch.Tensor:  # an all-zero block keeps a finite scale
+        return amax.div(FP8_MAX[dtype]).clamp_(min=torch.finfo(torch.float32).tiny)
+
     if scaling == "tensor":
-        scale = wide.abs().amax().div(largest).clamp_(min=torch.finfo(torch.float32).tiny).reshape(())
+        scale = scale_of(wide.abs().amax()).reshape(())
         return (wide / scale).to(dtype), scale
     if scaling == "row":
-        scale = wide.abs().amax(dim=1, keepdim=True).div_(largest).clamp_(min=torch.finfo(torch.float32).tiny)
+        scale = scale_of(wide.abs().amax(dim=1, keepdim=True))
         return (wide / scale).to(dtype), scale
     rows = SCALE_BLOCK if weight else 1
-    blocks = _block_amax(wide, rows).div_(largest).clamp_(min=torch.finfo(torch.float32).tiny)
+    blocks = scale_of(_block_amax(wide, rows))
     quantized = (wide / expand_blocks(blocks, t.shape, rows)).to(dtype)
     if weight:
         return quantized, blocks
