@@ -100,7 +100,10 @@ def run_shape(named, args, runner) -> dict:
     inputs = verify.make_inputs(p, "cuda")
     cublas_fn, gemmtune_fn = operands(named, inputs)
     out = gemmtune_fn()
-    fns = {"cublas": cublas_fn, "gemmtune": gemmtune_fn}
+    fns = {"gemmtune": gemmtune_fn}
+    refused = bench.refusal(cublas_fn)
+    if refused is None:
+        fns["cublas"] = cublas_fn
     if p.scaled:  # the bf16 GEMM the fp8 one replaces (issue 32's decode goals are against it)
         fns["unscaled"] = bench.unscaled_call(p, inputs)
     exhaustive = None
@@ -123,9 +126,11 @@ def run_shape(named, args, runner) -> dict:
         "name": named.name, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype, "tf32": p.tf32,
         "layout": p.layout, "group": named.group, "scaling": p.scaling, "out_dtype": p.out_dtype,
         "unscaled_ms": timings["unscaled"].median if p.scaled else None,
-        "cublas_ms": timings["cublas"].median, "gemmtune_ms": timings["gemmtune"].median,
-        "speedup": timings["cublas"].median / timings["gemmtune"].median,
-        "cublas_spread": timings["cublas"].spread, "gemmtune_spread": timings["gemmtune"].spread,
+        "cublas_ms": timings["cublas"].median if refused is None else None, "cublas_refused": refused,
+        "gemmtune_ms": timings["gemmtune"].median,
+        "speedup": timings["cublas"].median / timings["gemmtune"].median if refused is None else None,
+        "cublas_spread": timings["cublas"].spread if refused is None else None,
+        "gemmtune_spread": timings["gemmtune"].spread,
         "choice": result.label(), "rel_err": rel, "verified": verdict.ok,
         "tune_s": result.tune_s, "tune_wall_s": tune_wall, "tune_s_warm": warm,
         "exhaustive_ms": timings["exhaustive"].median if exhaustive else None,

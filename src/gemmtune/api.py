@@ -117,12 +117,13 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
     (N,) of ``out_dtype``; ``activation`` one of relu, gelu, gelu_tanh, silu, fused into the
     kernel's epilogue. gemmtune quantizes nothing: the operands and scales are the caller's.
     Inference only (no autograd); tensors not on a CUDA device, empty products and calls that
-    torch.compile traces (the compiler chooses their GEMM) run ``torch._scaled_mm``."""
+    torch.compile traces (the compiler chooses their GEMM) run ``torch._scaled_mm`` (or, where
+    torch has no kernel for the scaling, the dequantized product in float32: ``serving.scaled``)."""
     from gemmtune.serving import scaled
 
     scaling, act = scaled.check(a, b, scale_a, scale_b, bias, out_dtype, activation)
     if torch.compiler.is_compiling():
-        return scaled.by_torch(a, b, scale_a, scale_b, bias, out_dtype, act)
+        return scaled.by_torch(a, b, scale_a, scale_b, bias, out_dtype, scaling, act)
     return scaled.forward(a, b, scale_a, scale_b, bias, out_dtype, scaling, act)
 
 

@@ -59,3 +59,11 @@ def test_a_result_of_another_problem_is_refused(tuned):
     other = NamedProblem("other", "", Problem(8, 24, 40, "float32"))
     with pytest.raises(ValueError, match="not v"):
         bench.measure(other, result, current())
+
+
+def test_a_torch_call_that_raises_is_a_refusal_with_its_first_line():
+    def refused():
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasLtMatmulAlgoGetHeuristic`\nmore")
+
+    assert bench.refusal(refused) == "CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasLtMatmulAlgoGetHeuristic`"
+    assert bench.refusal(lambda: torch.ones(1)) is None

@@ -51,6 +51,20 @@ def test_an_fp8_decode_row_reads_one_byte_a_weight():
     assert "down.m1.fp8-row" in report.suite_markdown(dict(SUITE, rows=[row]))
 
 
+def test_fp8_rows_are_summed_up_by_scaling_against_scaled_mm_and_the_unscaled_gemm():
+    base = {"group": "decode", "m": 1, "n": 4096, "k": 4096, "dtype": "float8_e4m3fn", "out_dtype": "bfloat16",
+            "choice": "triton_scaled", "tune_s": 1.0}
+    rows = [dict(base, name="a", scaling="row", cublas_ms=0.03, gemmtune_ms=0.02, speedup=1.5, unscaled_ms=0.04),
+            dict(base, name="b", scaling="row", cublas_ms=0.02, gemmtune_ms=0.02, speedup=1.0, unscaled_ms=0.02),
+            dict(base, name="c", scaling="block", cublas_ms=None, cublas_refused="CUBLAS_STATUS_NOT_SUPPORTED",
+                 gemmtune_ms=0.02, speedup=None, unscaled_ms=0.036),
+            dict(base, name="d", dtype="bfloat16", scaling="none", cublas_ms=0.02, gemmtune_ms=0.02, speedup=1.0)]
+    lines = report.fp8_summary(rows)
+    assert lines[2] == f"| decode | row | 2 | {1.5 ** 0.5:.3f}x | 1.000x | 0 | {2 ** 0.5:.3f}x | 1.000x |"
+    assert lines[3] == "| decode | block | 1 | - | - | 1 | 1.800x | 1.800x |"
+    assert len(lines) == 5 and "| decode | block | 1 |" in report.suite_markdown(dict(SUITE, rows=rows))
+
+
 def test_the_summary_reads_exhaustive_search_and_warm_tuning():
     rows = [dict(r, tune_s_warm=0.2, exhaustive_ms=r["gemmtune_ms"] * f, exhaustive_in_topk=f == 1.0)
             for r, f in zip(SUITE["rows"], (1.0, 0.9, 1.0))]

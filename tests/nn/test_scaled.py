@@ -16,7 +16,7 @@ def quantized_weight(how, n=64, k=256):
     return scaling.quantize(torch.randn(n, k), E4M3, how, weight=True)
 
 
-@pytest.mark.parametrize("how", ["tensor", "row"])  # torch's CPU _scaled_mm has no block scaling
+@pytest.mark.parametrize("how", ["tensor", "row", "block"])
 @pytest.mark.parametrize("shape", [(5, 256), (2, 3, 256), (1, 256)])
 def test_its_output_is_the_product_of_the_quantized_input_and_weight(how, shape):
     wq, ws = quantized_weight(how)
@@ -66,7 +66,8 @@ def test_the_scaling_is_read_from_the_weight_scale():
 
 
 def test_torch_compile_traces_it_whole_into_torch_s_scaled_mm():
-    wq, ws = quantized_weight("row")
+    # per tensor: the scaling torch's CPU _scaled_mm takes (torch 2.11)
+    wq, ws = quantized_weight("tensor")
     layer = ScaledLinear(wq, ws, activation="relu")
     x = torch.randn(4, 256, dtype=torch.bfloat16)
     torch._dynamo.reset()

@@ -42,13 +42,30 @@ def test_a_malformed_call_names_its_argument(change, error, message):
         gemmtune.scaled_mm(**call)
 
 
-@pytest.mark.parametrize("scaling", ["tensor", "row"])
-def test_on_the_cpu_it_is_torch_s_scaled_mm(scaling):
+def test_on_the_cpu_a_per_tensor_product_is_torch_s_scaled_mm():
     a, b = operands()
-    sa, sb = (torch.tensor(0.5), torch.tensor(2.0)) if scaling == "tensor" else (torch.rand(5, 1), torch.rand(1, 32))
+    sa, sb = torch.tensor(0.5), torch.tensor(2.0)
     bias = torch.randn(32).to(torch.bfloat16)
     got = gemmtune.scaled_mm(a, b, sa, sb, bias=bias, activation="relu")
     assert torch.equal(got, torch.relu(torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)))
+
+
+@pytest.mark.parametrize("scaling", ["row", "block"])
+def test_on_the_cpu_other_scalings_are_the_dequantized_product(scaling):
+    # torch's CPU _scaled_mm scales per tensor only (torch 2.11): the fallback dequantizes
+    a, b = operands(k=300)  # K not a multiple of the 128-wide scale blocks
+    if scaling == "row":
+        sa, sb = torch.rand(5, 1) + 0.5, torch.rand(1, 32) + 0.5
+        wide_a, wide_b = a.double() * sa.double(), b.double() * sb.double()
+    else:
+        sa, sb = torch.rand(5, 3) + 0.5, torch.rand(3, 1) + 0.5
+        wide_a = a.double() * sa.double().repeat_interleave(128, dim=1)[:, :300]
+        wide_b = b.double() * sb.double().repeat_interleave(128, dim=0)[:300]
+    bias = torch.randn(32)
+    got = gemmtune.scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.float32, activation="relu")
+    expected = torch.relu(wide_a @ wide_b + bias.double())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_a_recorded_call_is_a_shapes_file_entry_that_tunes_it(tmp_path):
@@ -88,6 +105,6 @@ def test_a_tuned_fp8_product_is_served_from_the_store(fresh_dispatch, scaling):
     (result,) = gemmtune.tune([p])
     fresh_dispatch.forget()
     kernel = fresh_dispatch.kernel(DispatchKey.of(p))
-    inputs = verify.make_inputs(p, "cpu", seed=11)
+    inputs = verify.make_inputs(p, "cuda" if torch.cuda.is_available() else "cpu", seed=11)
     assert verify.judge(kernel(*inputs.operands), p, inputs).ok
     assert fresh_dispatch.store.get(gemmtune.device.current().fingerprint(), p.key()).backend == result.backend

@@ -38,6 +38,17 @@ def torch_call(named: NamedProblem, inputs: verify.Inputs) -> Callable[[], torch
                                     inplace=False)
 
 
+def refusal(fn: Callable[[], torch.Tensor]) -> str | None:
+    """Why torch's call raises on this problem, or None where it runs: cuBLASLt refuses some fp8
+    block-scaled shapes (CUBLAS_STATUS_NOT_SUPPORTED at M = 1 on an H100, torch 2.11). Such a
+    row has no cuBLAS time, and gemmtune's kernel is the only GPU kernel for it."""
+    try:
+        fn()
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0][:200]
+    return None
+
+
 def unscaled_call(p, inputs: verify.Inputs) -> Callable[[], torch.Tensor]:
     """cuBLAS's ``F.linear`` on the fp8 product's dequantized operands in its output dtype (bf16,
     say): the call an fp8 kernel replaces."""
@@ -80,23 +91,24 @@ def _measure(named: NamedProblem, result: TuneResult, device: Device, *, inducto
     kernel = backends.build(p, result.backend, result.config, device)
     verdict = verify.judge(kernel(*inputs.operands), p, inputs)
     theirs = torch_call(named, inputs)
-    fns = {"cublas": theirs, "gemmtune": lambda: kernel(*inputs.operands)}
+    refused = refusal(theirs)
+    fns = {"gemmtune": lambda: kernel(*inputs.operands)} | ({} if refused else {"cublas": theirs})
     if p.scaled:  # what the fp8 product is measured against besides: the same GEMM in its output dtype
         fns["unscaled"] = unscaled_call(p, inputs)
     timings = timing.measure(fns, device, budget_ms=budget_ms, min_rounds=rounds)
-    mine, ref = timings["gemmtune"], timings["cublas"]
+    mine, ref = timings["gemmtune"], timings.get("cublas")
     row = {
         "name": named.name, "group": named.group, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype, "tf32": p.tf32,
-        "layout": p.layout, "bias": p.bias, "activation": p.activation,
-        "cublas_ms": ref.median, "gemmtune_ms": mine.median, "speedup": ref.median / mine.median,
-        "noise": mine.spread_against(ref), "cublas_spread": ref.spread, "gemmtune_spread": mine.spread,
+        "layout": p.layout, "bias": p.bias, "activation": p.activation, "cublas_refused": refused,
+        "cublas_ms": ref and ref.median, "gemmtune_ms": mine.median, "speedup": ref and ref.median / mine.median,
+        "noise": ref and mine.spread_against(ref), "cublas_spread": ref and ref.spread, "gemmtune_spread": mine.spread,
         "choice": result.label(), "rel_err": verdict.rel_err, "verified": verdict.ok,
         "tflops": p.flops / (mine.median * 1e-3) / 1e12, "tbps": p.min_bytes / (mine.median * 1e-3) / 1e12,
         "inductor_ms": None, "inductor_tune_s": None, "inductor_cublas_ms": None,
     }
     if p.scaled:
         row |= {"scaling": p.scaling, "out_dtype": p.out_dtype, "unscaled_ms": timings["unscaled"].median}
-    if inductor and not device.interpreter:
+    if inductor and not device.interpreter and not refused:
         fast, seconds = compiled(theirs)
         paired = timing.measure({"cublas": theirs, "inductor": fast}, device, budget_ms=budget_ms / 2,
                                min_rounds=max(rounds // 2, 1))

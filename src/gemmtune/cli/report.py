@@ -116,7 +116,32 @@ def suite_markdown(doc: dict) -> str:
     lines += ["", "| group | shapes | geomean speedup | min speedup |", "|---|---:|---:|---:|"]
     for group, speedups in _by_group(doc["rows"]).items():
         lines.append(f"| {group} | {len(speedups)} | {_geomean(speedups):.3f}x | {min(speedups):.3f}x |")
-    return "\n".join(lines + ["", *decode_bandwidth(doc), *tuning_summary(doc["rows"])]) + "\n"
+    return "\n".join(lines + ["", *fp8_summary(doc["rows"]), *decode_bandwidth(doc), *tuning_summary(doc["rows"])]) + "\n"
+
+
+def fp8_summary(rows) -> list[str]:
+    """fp8 (scaled) rows by group and scaling: gemmtune against torch._scaled_mm (cuBLASLt; rows
+    where it refuses the shape are counted apart) and against the bf16 (unscaled) cuBLAS GEMM it
+    replaces, each a ratio of times from the same rounds."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("scaling", "none") != "none" and r.get("gemmtune_ms"):
+            groups.setdefault((r.get("group") or "-", r["scaling"]), []).append(r)
+    if not groups:
+        return []
+    lines = ["| fp8 group | scaling | shapes | vs _scaled_mm geomean | min | _scaled_mm refused | "
+             "vs unscaled cuBLAS geomean | min |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for (group, scaling), members in groups.items():
+        scaled = [r["speedup"] for r in members if r.get("speedup")]
+        unscaled = [r["unscaled_ms"] / r["gemmtune_ms"] for r in members if r.get("unscaled_ms")]
+        refused = sum(bool(r.get("cublas_refused")) for r in members)
+        lines.append(f"| {group} | {scaling} | {len(members)} | {_stat(scaled, _geomean)} | {_stat(scaled, min)} | "
+                     f"{refused} | {_stat(unscaled, _geomean)} | {_stat(unscaled, min)} |")
+    return lines + [""]
+
+
+def _stat(values, how) -> str:
+    return f"{how(values):.3f}x" if values else "-"
 
 
 def decode_bandwidth(doc: dict) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from gemmtune import activation as activations
+from gemmtune import scaling as scaling_math
 from gemmtune.problem import ACTIVATIONS, SCALE_BLOCK, scaled_torch_dtypes, torch_dtypes
 from gemmtune.serving import recording as recorder
 from gemmtune.serving.calls import same_device
@@ -76,14 +77,14 @@ def forward(a, b, scale_a, scale_b, bias, out_dtype, scaling: str, act: str) -> 
         recording.add(m, n, k, FP8_NAMES[a.dtype], "linear", bias is not None, False, act, scaling,
                       OUT_NAMES[out_dtype])
     if not a.is_cuda or m * n * k == 0:
-        return by_torch(a, b, scale_a, scale_b, bias, out_dtype, act)
+        return by_torch(a, b, scale_a, scale_b, bias, out_dtype, scaling, act)
     key = DispatchKey("linear", m, n, k, FP8_NAMES[a.dtype], bias is not None, False, act, a.get_device(),
                       scaling, OUT_NAMES[out_dtype])
     kernel = DISPATCHER.kernels.get(key)
     if kernel is None:
         if torch.cuda.is_current_stream_capturing():  # nothing is tuned or built inside a capture
             DISPATCHER.capture_miss(key)
-            return by_torch(a, b, scale_a, scale_b, bias, out_dtype, act)
+            return by_torch(a, b, scale_a, scale_b, bias, out_dtype, scaling, act)
         kernel = DISPATCHER.kernel(key)
         if isinstance(kernel, ByMode):
             kernel.warm(a, b.t(), bias, scale_a, _weight_oriented(scale_b))
@@ -96,9 +97,32 @@ def _weight_oriented(scale_b: torch.Tensor) -> torch.Tensor:
     return scale_b.t() if scale_b.dim() == 2 else scale_b
 
 
-def by_torch(a, b, scale_a, scale_b, bias, out_dtype, act: str) -> torch.Tensor:
-    """The call as torch computes it: ``torch._scaled_mm``, then the activation."""
-    return activations.apply(torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype), act)
+def by_torch(a, b, scale_a, scale_b, bias, out_dtype, scaling: str, act: str) -> torch.Tensor:
+    """The call as torch computes it: ``torch._scaled_mm``, then the activation. Where torch has
+    no such kernel, the product of the dequantized operands in float32 instead (slower, as exact):
+    torch's CPU ``_scaled_mm`` scales per tensor only (torch 2.11), and cuBLAS refuses block
+    scaling on some shapes (M = 1 on an H100, torch 2.11 + CUDA 13)."""
+    if a.is_cuda or scaling == "tensor":
+        try:
+            return activations.apply(torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype), act)
+        except RuntimeError:
+            if scaling == "tensor" or torch.compiler.is_compiling():
+                raise
+    return activations.apply(dequantized_product(a, b, scale_a, scale_b, bias, scaling).to(out_dtype), act)
+
+
+def dequantized_product(a, b, scale_a, scale_b, bias, scaling: str) -> torch.Tensor:
+    """a @ b on torch's operands (b (K, N), its scales in that orientation), each operand times
+    its scales in float32 first, the bias added: a float32 (M, N)."""
+    (m, k), n = a.shape, b.shape[1]
+    wide_a, wide_b = a.float(), b.float()
+    if scaling == "block":
+        wide_a = wide_a * scaling_math.expand_blocks(scale_a.float(), (m, k), 1)
+        wide_b = wide_b * scaling_math.expand_blocks(scale_b.float().t(), (n, k), SCALE_BLOCK).t()
+    else:  # per tensor or per row: (M, 1) and (1, N) broadcast as they stand
+        wide_a, wide_b = wide_a * scale_a, wide_b * scale_b
+    product = wide_a @ wide_b
+    return product if bias is None else product + bias.float()
 
 
 def _described(value) -> str:
