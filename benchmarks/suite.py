@@ -249,8 +249,9 @@ def main() -> int:
         ex = f" exhaustive {row['exhaustive_ms']:.4f} ({row['exhaustive_tune_s']:.1f} s)" if row["exhaustive_ms"] else ""
         if row["unscaled_ms"]:
             ex += f" vs {row['out_dtype']} x{row['unscaled_ms'] / row['gemmtune_ms']:.3f}"
-        print(f"{item.name:24s} cublas {row['cublas_ms']:.4f} gemmtune {row['gemmtune_ms']:.4f} "
-              f"x{row['speedup']:.3f} tune {row['tune_s']:.1f}s{warm} {row['choice']} err {row['rel_err']:.1e}"
+        theirs = f"cublas {row['cublas_ms']:.4f}" if row["cublas_ms"] else "cublas refused"
+        ratio = f"x{row['speedup']:.3f}" if row["speedup"] else "x-"
+        print(f"{item.name:24s} {theirs} gemmtune {row['gemmtune_ms']:.4f} {ratio} tune {row['tune_s']:.1f}s{warm} {row['choice']} err {row['rel_err']:.1e}"
               f"{ex}{ind}", flush=True)
     runner.close()
     return 0
