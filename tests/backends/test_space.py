@@ -82,7 +82,7 @@ def test_cublas_takes_no_config():
 
 
 def test_unknown_backend():
-    with pytest.raises(ValueError, match="known: cublas, cublas_padded, cublaslt, cute, scaled_mm_fast, triton_persistent, triton_scaled, triton_splitk, triton_stream, triton_tiled"):
+    with pytest.raises(ValueError, match="known: cublas, cublas_padded, cublaslt, cute, scaled_mm_fast, triton_persistent, triton_scaled, triton_scaled_stream, triton_splitk, triton_stream, triton_tiled"):
         get("cutlass")
 
 

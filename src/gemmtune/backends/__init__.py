@@ -14,6 +14,7 @@ _MODULES = {
     "scaled_mm_fast": "gemmtune.backends.scaled_mm_fast",
     "triton_persistent": "gemmtune.backends.triton_persistent",
     "triton_scaled": "gemmtune.backends.triton_scaled",
+    "triton_scaled_stream": "gemmtune.backends.triton_scaled_stream",
     "triton_splitk": "gemmtune.backends.triton_splitk",
     "triton_stream": "gemmtune.backends.triton_stream",
     "triton_tiled": "gemmtune.backends.triton_tiled",
@@ -25,7 +26,8 @@ OWN_JIT = ("cute",)  # compiled by their own JIT (CuTe DSL), not Triton's: nothi
 # the configs compiled already cost a problem nothing more than a library's algorithms, so they
 # are screened whole, side by side (``compiled(problem, configs)`` names them)
 CACHED_COMPILES = ("cute",)
-SCALED = ("scaled_mm_fast", "triton_scaled")  # the backends of fp8 (scaled) products alone; the reference takes both kinds
+# the backends of fp8 (scaled) products alone; the reference takes both kinds
+SCALED = ("scaled_mm_fast", "triton_scaled", "triton_scaled_stream")
 
 
 def names() -> tuple[str, ...]:

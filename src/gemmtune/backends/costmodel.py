@@ -101,9 +101,32 @@ def splitk_ms(problem: Problem, device: Device, block_m: int, block_n: int, spli
     fill = min(1.0, programs / device.sm_count)
     in_flight = min(programs, resident * device.sm_count) * tile
     streaming = min(dram_bytes_per_s(device) * fill, in_flight / LATENCY_S)
+    return _weight_stream_ms(problem, device, split_k, streaming, -(-problem.n // block_n))
+
+
+def gemv_ms(problem: Problem, device: Device, block_n: int, split_k: int) -> float:
+    """A GEMV grid (one row of A a program, BLOCK_N weight rows, no tensor cores): the weights
+    streamed at the DRAM rate of the SMs its programs fill, with no cap on the bytes in flight,
+    and A's row read from L2 once per SM (later programs there find it in L1).
+
+    ``splitk_ms``'s cap, fitted on pipelined and tensor-core tiles, is pessimistic for GEMV
+    programs: bf16 GEMV tiles it predicts at 37-40 us on qkv.m1 ran 19-20 (docs/performance.md,
+    decode), while it predicts fp8 tiled decode (qkv.m1 at 20 us on the H100, 1.3 TB/s) at
+    14 us. So where both forms serve a problem (triton_scaled at M = 1) the GEMV, ranked by
+    bandwidth alone, comes first; its tiles that fill the SMs tie, and keep their table's order.
+    """
+    programs = -(-problem.n // block_n) * split_k * problem.m
+    streaming = dram_bytes_per_s(device) * min(1.0, programs / device.sm_count)
+    return _weight_stream_ms(problem, device, split_k, streaming, min(programs, device.sm_count))
+
+
+def _weight_stream_ms(problem: Problem, device: Device, split_k: int, streaming: float, a_reads: int) -> float:
+    """A decode GEMM's time in ms with the weights (and split-K partials) read at ``streaming``
+    bytes/s, A read ``a_reads`` times from L2, and the serial reduction tail of each extra split."""
+    es = problem.element_size
     weights = problem.n * problem.k * es
     workspace = 8 * split_k * problem.m * problem.n if split_k > 1 else 0
-    activations = problem.m * problem.k * es * -(-problem.n // block_n)
+    activations = problem.m * problem.k * es * a_reads
     memory_s = (weights + workspace) / streaming + activations / (dram_bytes_per_s(device) * L2_OVER_DRAM)
     tail_s = SPLIT_TAIL_S * split_k if split_k > 1 else 0.0
     return (memory_s + tail_s) * 1e3 + LAUNCH_MS

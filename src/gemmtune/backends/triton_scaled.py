@@ -1,5 +1,5 @@
-"""``triton_scaled``: gemmtune's tiled Triton GEMM for fp8 (scaled) products, its config, and a
-search space scaled to the device and pruned before anything is compiled.
+"""``triton_scaled``: gemmtune's Triton GEMM for fp8 (scaled) products, its config, and a search
+space scaled to the device and pruned before anything is compiled.
 
 It serves ``Problem.scaled`` problems alone (fp8 e4m3fn or e5m2 inputs, tensor, row or block
 scales, an output of bfloat16, float16 or float32) and is called as
@@ -14,7 +14,13 @@ applied, and what FAST_ACC and SPLIT_K do, is in ``kernels/scaled.py``. In short
 
 The two differ only on Hopper's wgmma tiles (BLOCK_M a multiple of 64, four warps or more) with
 tensor or row scaling: block scaling promotes every K tile anyway, and other GPUs and mma.sync
-tiles accumulate in fp32. The space offers FAST_ACC=1 only where it differs.
+tiles accumulate in fp32. The space offers FAST_ACC=1 only where it differs. Fast accumulation
+can exceed the fp8 tolerance at large K (measured: K = 14336 on an H100); verification
+(``gemmtune.tuning.verify``) then rejects the config as a failed trial.
+
+At M = 1 the space adds the GEMV form (BLOCK_M = 1, ``GEMV_TILES``): the product is memory
+bound, the weights read once, and tensor-core tiles read them at about 1.3 TB/s on an H100
+where triton_splitk's bf16 GEMV reads 2.2-2.8; the GEMV form reads fp8 weights the same way.
 """
 
 from __future__ import annotations
@@ -41,9 +47,11 @@ MAX_SPLIT_M = 32  # K is split for decode shapes only
 # weight bytes (triton_splitk's rule): more splits trade weight bandwidth for workspace bandwidth.
 MAX_WORKSPACE_TRAFFIC = 0.25
 REDUCE_BLOCK_N = 128  # columns per program of the split-K reduction
-# Estimated, not measured: what FAST_ACC=0's promotions (fp32 adds, a second accumulator) cost,
-# so that each precise config ranks just below its fast twin.
-PRECISE_ACC_COST = 1.05
+# How far behind its precise twin a FAST_ACC=1 config is ranked. Measured on an H100 (torch
+# 2.11, triton 3.6): on every prefill shape of the fp8 suite (M >= 2048, K >= 4096) each fast
+# config's result was beyond the fp8 tolerance (1.16-1.2x at its worst element), so a top-k that
+# ranked the fast twins first screened six failures and no precise config at all.
+FAST_ACC_RISK = 1.05
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps): triton_tiled's shapes with K twice as deep (a K tile
 # of 1-byte inputs holds as many bytes as one of half the depth in 16 bits), from compute-bound
@@ -56,6 +64,16 @@ TILES = (
     (16, 32, 128, 2),
 )
 INTERPRETER_TILES = ((16, 16, 32, 1), (32, 32, 64, 1))
+# M = 1 alone, BLOCK_M = 1: the GEMV form's (BLOCK_N, BLOCK_K, num_warps, num_stages), triton_splitk's
+# GEMV_TILES with K twice as deep for 1-byte weights, so that each thread still loads one 16-byte
+# vector per weight row per K step: register-direct tiles (stage 1) of one to four weight rows,
+# which led the bf16 GEMV at 132 SMs, and two pipelined ones for GPUs with few SMs, where each
+# SM must keep more bytes in flight. BLOCK_K is a multiple of the scale block (block scaling
+# folds the tile into 128-wide chunks), BLOCK_N divides it (a tile lies in one block of B's rows).
+GEMV_TILES = ((1, 4096, 8, 1), (1, 2048, 4, 1), (2, 4096, 4, 1), (4, 2048, 4, 1), (8, 1024, 4, 4), (16, 512, 4, 4))
+INTERPRETER_GEMV_TILES = ((1, 256, 1, 1), (4, 128, 1, 1))
+GEMV_BLOCK_N = (1, 2, 4, 8, 16)
+GEMV_BLOCK_K = (128, 256, 512, 1024, 2048, 4096)
 INTERPRETER_SPLITS = (1, 2)
 
 
@@ -75,11 +93,23 @@ class ScaledConfig(FieldConfig):
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        checks = (("BLOCK_M", self.block_m, BLOCK_SIZES), ("BLOCK_N", self.block_n, BLOCK_SIZES),
-                  ("BLOCK_K", self.block_k, K_BLOCK_SIZES), ("GROUP_M", self.group_m, GROUP_SIZES),
-                  ("SPLIT_K", self.split_k, SPLITS), ("FAST_ACC", self.fast_acc, FAST_ACC),
-                  ("num_warps", self.num_warps, WARPS), ("num_stages", self.num_stages, STAGES))
-        check_bounds("triton_scaled", checks)
+        """BLOCK_M = 1 is the GEMV form: its own tile sizes, and FAST_ACC=0 alone (no tensor cores)."""
+        check_bounds("triton_scaled", (("BLOCK_M", self.block_m, (1, *BLOCK_SIZES)),))
+        if self.gemv:
+            where = " with BLOCK_M=1"
+            tile = (("BLOCK_N", self.block_n, GEMV_BLOCK_N, where), ("BLOCK_K", self.block_k, GEMV_BLOCK_K, where),
+                    ("FAST_ACC", self.fast_acc, (0,), where))
+        else:
+            tile = (("BLOCK_N", self.block_n, BLOCK_SIZES), ("BLOCK_K", self.block_k, K_BLOCK_SIZES),
+                    ("FAST_ACC", self.fast_acc, FAST_ACC))
+        check_bounds("triton_scaled", tile + (
+            ("GROUP_M", self.group_m, GROUP_SIZES), ("SPLIT_K", self.split_k, SPLITS),
+            ("num_warps", self.num_warps, WARPS), ("num_stages", self.num_stages, STAGES)))
+
+    @property
+    def gemv(self) -> bool:
+        """Whether this is the GEMV form (one row of A per program, no tensor cores)."""
+        return self.block_m == 1
 
     def smem_bytes(self) -> int:
         """Shared memory the software pipeline holds: one A and one B tile of 1-byte inputs per
@@ -88,7 +118,10 @@ class ScaledConfig(FieldConfig):
 
     def acc_regs_per_thread(self, scaling: str) -> int:
         """fp32 accumulator registers per thread: two sets where each K tile's product (block
-        scaling) or each promoted run (FAST_ACC=0) has its own beside the sum."""
+        scaling) or each promoted run (FAST_ACC=0) has its own beside the sum; the GEMV form's one
+        per weight element of a K step."""
+        if self.gemv:
+            return self.block_n * self.block_k // (32 * self.num_warps)
         doubled = scaling == "block" or not self.fast_acc
         return self.block_m * self.block_n // (32 * self.num_warps) * (2 if doubled else 1)
 
@@ -128,21 +161,46 @@ def _splits(problem: Problem, device: Device, tiles: int, block_k: int) -> tuple
 
 
 def space(problem: Problem, device: Device) -> list[ScaledConfig]:
-    """Every config this device can run on this scaled problem, before measuring anything.
+    """Every config this device can run on this scaled problem, before measuring anything: the
+    tiled form's, and at M = 1 the GEMV form's too (the cost model ranks them, the tuner measures).
 
     Dropped before compiling: tiles larger than the problem, K tiles that do not divide 128 under
     block scaling (each must lie in one scale block), pipelines needing more shared memory than a
     block may have, accumulators that would spill, and grids that leave most SMs idle where
     another fills them. Never empty: a small tile is the fallback.
     """
+    configs = _tiled(problem, device) + (_gemvs(problem, device) if problem.m == 1 else [])
+    configs = [c for c in configs if c.smem_bytes() <= device.smem_per_block
+               and c.acc_regs_per_thread(problem.scaling) <= MAX_ACC_REGS]
+    if not configs:  # a tiny device: the smallest tile with the shallowest pipeline
+        configs = [ScaledConfig(16, 16, 32, 8, 1, 0, 2, 2)]
+    occupancy = {c: min(1.0, c.programs(problem) / device.sm_count) for c in configs}
+    best = max(occupancy.values())
+    return [c for c in configs if occupancy[c] >= best / 4]
+
+
+def _fits(problem: Problem, block_n: int, block_k: int) -> bool:
+    """Whether a tile is no larger than the problem's N and K (each rounded up to a power of two)."""
+    return block_n <= max(16, next_pow2(problem.n)) and block_k <= max(32, next_pow2(problem.k))
+
+
+def _gemvs(problem: Problem, device: Device) -> list[ScaledConfig]:
+    """The GEMV form's configs: its tiles, each split that ``_splits`` allows."""
+    tiles = INTERPRETER_GEMV_TILES if device.interpreter else GEMV_TILES
+    return [ScaledConfig(1, bn, bk, 8, split, 0, warps, stages)
+            for bn, bk, warps, stages in tiles if _fits(problem, bn, bk)
+            for split in _splits(problem, device, -(-problem.n // bn), bk)]
+
+
+def _tiled(problem: Problem, device: Device) -> list[ScaledConfig]:
+    """The tiled form's configs: each tile that fits, its stages, FAST_ACC values and splits."""
     if device.interpreter:
         tiles, stages = INTERPRETER_TILES, (1,)
     else:
         tiles, stages = TILES, STAGE_CHOICES
-    fit_m, fit_n, fit_k = (max(16, next_pow2(v)) for v in (problem.m, problem.n, problem.k))
     configs = []
     for bm, bn, bk, warps in tiles:
-        if bm > fit_m or bn > fit_n or bk > max(32, fit_k):
+        if bm > max(16, next_pow2(problem.m)) or not _fits(problem, bn, bk):
             continue
         if problem.scaling == "block" and SCALE_BLOCK % bk:
             continue
@@ -150,16 +208,9 @@ def space(problem: Problem, device: Device) -> list[ScaledConfig]:
         deep = STREAMING_STAGES if deep_tile(bm, bn) and not device.interpreter else ()
         for s in stages + deep:
             for fast in _fast_accs(problem, device, bm, warps):
-                for split in _splits(problem, device, grid, bk):
-                    config = ScaledConfig(bm, bn, bk, 8, split, fast, warps, s)
-                    if (config.smem_bytes() <= device.smem_per_block
-                            and config.acc_regs_per_thread(problem.scaling) <= MAX_ACC_REGS):
-                        configs.append(config)
-    if not configs:  # a tiny device: the smallest tile with the shallowest pipeline
-        configs = [ScaledConfig(16, 16, 32, 8, 1, 0, 2, 2)]
-    occupancy = {c: min(1.0, c.programs(problem) / device.sm_count) for c in configs}
-    best = max(occupancy.values())
-    return [c for c in configs if occupancy[c] >= best / 4]
+                configs += [ScaledConfig(bm, bn, bk, 8, split, fast, warps, s)
+                            for split in _splits(problem, device, grid, bk)]
+    return configs
 
 
 def _strides(t) -> tuple[int, int]:
@@ -184,8 +235,8 @@ class ScaledKernel(KernelBase):
         self._scaling = problem.scaling
         self._out_dtype = torch_dtypes()[problem.out_dtype]
         base = dict(SCALING=problem.scaling, ACTIVATION=problem.activation, EVEN_K=problem.k % config.block_k == 0,
-                    FAST_ACC=config.fast_acc, SPLIT_K=config.split_k, BLOCK_M=config.block_m,
-                    BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                    EVEN_N=problem.n % config.block_n == 0, FAST_ACC=config.fast_acc, SPLIT_K=config.split_k,
+                    BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
                     num_warps=config.num_warps, num_stages=config.num_stages)
         self._constexprs = {False: dict(base, HAS_BIAS=False), True: dict(base, HAS_BIAS=True)}
         reduce = dict(SCALING=problem.scaling, ACTIVATION=problem.activation, SPLIT_K=config.split_k,
@@ -242,9 +293,10 @@ class ScaledKernel(KernelBase):
 
 def _table_size() -> int:
     """Configs the full table makes before a device and problem prune it: each tile's stages, both
-    FAST_ACC values on wgmma tiles, every split on decode tiles."""
-    return sum((len(STAGE_CHOICES) + len(STREAMING_STAGES) * deep_tile(bm, bn)) * (2 if _wgmma(bm, warps) else 1)
-               * (len(SPLITS) if bm <= MAX_SPLIT_M else 1) for bm, bn, _, warps in TILES)
+    FAST_ACC values on wgmma tiles, every split on decode tiles; each GEMV tile's splits."""
+    tiled = sum((len(STAGE_CHOICES) + len(STREAMING_STAGES) * deep_tile(bm, bn)) * (2 if _wgmma(bm, warps) else 1)
+                * (len(SPLITS) if bm <= MAX_SPLIT_M else 1) for bm, bn, _, warps in TILES)
+    return tiled + len(GEMV_TILES) * len(SPLITS)
 
 
 class TritonScaledBackend:
@@ -263,17 +315,21 @@ class TritonScaledBackend:
         return space(problem, device) if self.supports(problem) else []
 
     def predict_ms(self, problem: Problem, device: Device, config: ScaledConfig) -> float | None:
-        """Decode shapes as a split-K weight stream (the reduction a launch of its own), the others
-        as a tiled roofline; a precise config just behind its fast twin."""
+        """Decode shapes as a split-K weight stream (the reduction a launch of its own): the GEMV
+        form bound by bandwidth alone (``costmodel.gemv_ms``, which ranks it ahead of the tiles),
+        the tiled one by the bytes its pipelines keep in flight; the others as a tiled roofline;
+        a fast config just behind its precise twin (``FAST_ACC_RISK``)."""
         c = config
-        if problem.m <= MAX_SPLIT_M:
+        if c.gemv:
+            ms = costmodel.gemv_ms(problem, device, c.block_n, c.split_k)
+        elif problem.m <= MAX_SPLIT_M:
             ms = costmodel.splitk_ms(problem, device, c.block_m, c.block_n, c.split_k, c.block_k, c.num_stages,
                                      num_warps=c.num_warps)
-            ms += costmodel.LAUNCH_MS if c.split_k > 1 else 0.0
         else:
             ms = costmodel.tile_gemm_ms(problem, device, c.block_m, c.block_n, c.block_k, c.num_stages)
-        if not c.fast_acc and len(_fast_accs(problem, device, c.block_m, c.num_warps)) > 1:
-            ms *= PRECISE_ACC_COST
+        ms += costmodel.LAUNCH_MS if c.split_k > 1 else 0.0
+        if c.fast_acc:
+            ms *= FAST_ACC_RISK
         return ms
 
     def parse_config(self, data: Mapping) -> ScaledConfig:
@@ -282,7 +338,7 @@ class TritonScaledBackend:
     def build(self, problem: Problem, config: ScaledConfig, device: Device) -> ScaledKernel:
         if not problem.scaled:
             raise ValueError(f"triton_scaled serves fp8 (scaled) problems only, got {problem.describe()}")
-        if problem.scaling == "block" and SCALE_BLOCK % config.block_k:
+        if problem.scaling == "block" and not config.gemv and SCALE_BLOCK % config.block_k:
             raise ValueError(f"triton_scaled BLOCK_K={config.block_k} does not divide the scale block "
                              f"({SCALE_BLOCK}) of block scaling; accepted: 32, 64, 128")
         if config.split_k * problem.m * problem.n > MAX_ELEMENTS:

@@ -1,0 +1,166 @@
+"""``triton_scaled_stream``: the fp8 (scaled) twin of ``triton_stream``, the Hopper decode GEMM
+whose weights arrive by TMA (kernels/scaled_stream.py).
+
+Decode products (M <= 64) are bound by the weight bytes, and fp8 weights are half of bf16's; the
+tiled fp8 kernel (``triton_scaled``, pointer loads) reached about 1.5x bf16 cuBLAS at M = 16 on
+an H100. This one streams the weights as ``triton_stream`` does: persistent programs, their K
+loops flattened into one pipeline, the weight tile on the warpgroup MMA's wide side. It serves
+``Problem.scaled`` problems whose rows are 16-byte aligned (K % 16 == 0; N may be anything) and
+is called as ``triton_scaled``'s kernels are: ``kernel(a, b, bias, scale_a, scale_b, out=None)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gemmtune.backends import costmodel
+from gemmtune.backends.base import KernelBase, check_bounds, config_from_mapping, triton_runs
+from gemmtune.backends.launch import Launcher
+from gemmtune.backends.triton_persistent import tma_ready
+from gemmtune.backends.triton_scaled import FAST_ACC, FAST_ACC_RISK, K_BLOCK_SIZES, ScaledKernel, _strides
+from gemmtune.backends.triton_stream import BLOCK_M, BLOCK_N, MAX_M, STAGES, WARPS, StreamConfig, _block_m
+from gemmtune.device import Device
+from gemmtune.problem import SCALE_BLOCK, Problem, torch_dtypes
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages), not yet measured: triton_stream's winners on the
+# H200 (64x256 on 4 stages, 128x128 on 3) as the same bytes in flight of 1-byte weights (K twice
+# as deep, or twice the stages), and 128-deep K tiles, the only ones block scaling takes.
+TILES = ((64, 256, 4, 8), (128, 256, 4, 3), (64, 128, 4, 8), (128, 128, 4, 6))
+INTERPRETER_TILES = ((16, 32, 1, 1), (16, 64, 1, 1))
+ROW_ALIGN = 16  # fp8 values in 16 bytes: a TMA descriptor's rows start on 16-byte boundaries
+
+
+@dataclass(frozen=True)
+class ScaledStreamConfig(StreamConfig):
+    """``StreamConfig`` with FAST_ACC (kernels/scaled.py): K tiles of 32 and more, as an fp8
+    tensor-core product takes K in steps of 32."""
+
+    FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "BLOCK_K": "block_k", "FAST_ACC": "fast_acc",
+              "num_warps": "num_warps", "num_stages": "num_stages"}  # persisted name -> attribute
+
+    fast_acc: int = 0
+
+    def __post_init__(self) -> None:
+        check_bounds("triton_scaled_stream", (
+            ("BLOCK_M", self.block_m, BLOCK_M), ("BLOCK_N", self.block_n, BLOCK_N),
+            ("BLOCK_K", self.block_k, K_BLOCK_SIZES), ("FAST_ACC", self.fast_acc, FAST_ACC),
+            ("num_warps", self.num_warps, WARPS), ("num_stages", self.num_stages, STAGES)))
+
+
+def _served(problem: Problem) -> bool:
+    """An fp8 product of at most MAX_M rows whose rows a descriptor can address."""
+    return problem.scaled and problem.m <= MAX_M and problem.k % ROW_ALIGN == 0
+
+
+def _fast_accs(problem: Problem, device: Device) -> tuple[int, ...]:
+    """Both FAST_ACC values where they compile differently (every tile here is a wgmma tile on
+    Hopper; block scaling promotes every K tile anyway), the precise one alone elsewhere."""
+    return (1, 0) if device.is_hopper and problem.scaling != "block" else (0,)
+
+
+def space(problem: Problem, device: Device) -> list[ScaledStreamConfig]:
+    """The tiles for this problem on this device: Hopper (or the interpreter), served problems
+    only, K tiles inside one scale block under block scaling, pipelines no deeper than K has
+    steps and cut to what shared memory holds."""
+    if not _served(problem):
+        return []
+    block_m = _block_m(problem.m)
+    if device.interpreter:
+        return [ScaledStreamConfig(block_m, bn, bk, warps, stages) for bn, bk, warps, stages in INTERPRETER_TILES]
+    if not device.is_hopper:
+        return []
+    configs = []
+    for bn, bk, warps, stages in TILES:
+        if problem.scaling == "block" and SCALE_BLOCK % bk:
+            continue
+        fit = device.smem_per_block // ((block_m + bn) * bk * problem.element_size)
+        stages = min(stages, max(2, -(-problem.k // bk)), fit)
+        if stages >= 2:
+            configs += [ScaledStreamConfig(block_m, bn, bk, warps, stages, fast)
+                        for fast in _fast_accs(problem, device)]
+    return configs
+
+
+class ScaledStreamKernel(KernelBase):
+    """``kernel(a, b, bias, scale_a, scale_b, out=None)`` as ``ScaledKernel``'s: a (M, K) and b
+    (N, K) fp8 (copied where a descriptor cannot address them: ``tma_ready``), float32 scales as
+    ``Problem.scaling`` lays them, any strides, bias (N,) and out (M, N) of the output dtype.
+    Launched through ``launch.Launcher``; each call builds its two descriptors."""
+
+    _check_scales = ScaledKernel._check_scales  # the same layouts, read unchecked by the kernel
+
+    def __init__(self, problem: Problem, config: ScaledStreamConfig, device: Device) -> None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        from gemmtune.backends.kernels.scaled_stream import scaled_stream_matmul  # imports triton
+
+        self._launch = Launcher(scaled_stream_matmul)
+        self._descriptor = TensorDescriptor
+        self._config = config
+        self._scaling = problem.scaling
+        self._out_dtype = torch_dtypes()[problem.out_dtype]
+        self._slots = config.slots(problem.element_size, device)
+        base = dict(SCALING=problem.scaling, ACTIVATION=problem.activation, FAST_ACC=config.fast_acc,
+                    BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                    num_warps=config.num_warps, num_stages=config.num_stages)
+        self._constexprs = {bias: dict(base, HAS_BIAS=bias) for bias in (False, True)}
+
+    def __call__(self, a, b, bias, scale_a, scale_b, out=None):
+        c = self._config
+        (m, k), n = a.shape, b.shape[0]
+        self._check_scales(m, n, k, scale_a, scale_b)
+        a, b = tma_ready(a), tma_ready(b)
+        if out is None:
+            out = a.new_empty((m, n), dtype=self._out_dtype)
+        bias_arg, stride_bias = (bias, bias.stride(0)) if bias is not None else (out, 0)
+        tensors = (a, b, out, bias_arg, scale_a, scale_b)
+        pointers = tuple(t.data_ptr() for t in tensors)
+        # everything Triton specializes on: devices, dtypes, shapes and exact strides of every
+        # tensor (the descriptors' shapes, strides and the sizes follow), 16-byte offsets
+        guard = (a.get_device(), *((t.get_device(), t.dtype, t.shape, t.stride()) for t in tensors),
+                 tuple(p & 15 for p in pointers), bias is not None)
+        a_desc = self._descriptor(a, [m, k], [a.stride(0), 1], [c.block_m, c.block_k])
+        b_desc = self._descriptor(b, [n, k], [b.stride(0), 1], [c.block_n, c.block_k])
+        programs = min(self._slots, -(-n // c.block_n) * -(-m // c.block_m))  # persistent: no more than tiles
+        (sam, sak), (sbn, sbk) = _strides(scale_a), _strides(scale_b)
+        scalars = (m, n, k, out.stride(0), out.stride(1), stride_bias, sam, sak, sbn, sbk, programs)
+        self._launch((programs, 1, 1), guard, (a_desc, b_desc, *tensors[2:]), (a_desc, b_desc, *pointers[2:]),
+                     scalars, self._constexprs[bias is not None])
+        return out
+
+
+class TritonScaledStreamBackend:
+    name = "triton_scaled_stream"
+    space_size = len(TILES) * len(FAST_ACC)
+
+    def is_available(self, device: Device) -> bool:
+        return triton_runs(device) and (device.interpreter or device.is_hopper)
+
+    def candidates(self, problem: Problem, device: Device) -> list[ScaledStreamConfig]:
+        return space(problem, device)
+
+    def predict_ms(self, problem: Problem, device: Device, config: ScaledStreamConfig) -> float | None:
+        """The weights streamed once (``costmodel.splitk_ms``: one split); a fast config just
+        behind its precise twin (``FAST_ACC_RISK``)."""
+        c = config
+        ms = costmodel.splitk_ms(problem, device, c.block_m, c.block_n, 1, c.block_k, c.num_stages,
+                                 use_dot=True, num_warps=c.num_warps)
+        return ms * FAST_ACC_RISK if c.fast_acc else ms
+
+    def parse_config(self, data: Mapping) -> ScaledStreamConfig:
+        return config_from_mapping(self.name, data, ScaledStreamConfig)
+
+    def build(self, problem: Problem, config: ScaledStreamConfig, device: Device) -> ScaledStreamKernel:
+        if not problem.scaled:
+            raise ValueError(f"triton_scaled_stream serves fp8 (scaled) problems only, got {problem.describe()}")
+        if problem.k % ROW_ALIGN:
+            raise ValueError(f"triton_scaled_stream reads 16-byte rows by TMA: K={problem.k}; accepted: "
+                             f"K % {ROW_ALIGN} == 0")
+        if problem.scaling == "block" and SCALE_BLOCK % config.block_k:
+            raise ValueError(f"triton_scaled_stream BLOCK_K={config.block_k} does not divide the scale block "
+                             f"({SCALE_BLOCK}) of block scaling; accepted: 32, 64, 128")
+        return ScaledStreamKernel(problem, config, device)
+
+
+BACKEND = TritonScaledStreamBackend()
