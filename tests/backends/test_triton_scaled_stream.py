@@ -27,12 +27,12 @@ pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not ON_HOPPER, reason="TMA 
 
 def _configs(problem: Problem) -> list[ScaledStreamConfig]:
     """The space here (the H100's on a GPU), and tiles beyond the interpreter's: the GPU's K
-    depths, the other FAST_ACC, BLOCK_N past 16, and several M tiles of 16 rows."""
+    depths, K split in four, BLOCK_N past 16, and several M tiles of 16 rows."""
     configs = space(problem, current() if DEVICE == "cpu" else H100)
     block_m = configs[0].block_m
-    extra = [ScaledStreamConfig(block_m, 64, 128, 4, 2, 1), ScaledStreamConfig(16, 64, 64, 4, 2, 0)]
+    extra = [ScaledStreamConfig(block_m, 64, 128, 4, 2, 4), ScaledStreamConfig(16, 64, 64, 4, 2, 2)]
     if problem.scaling != "block":
-        extra.append(ScaledStreamConfig(block_m, 128, 256, 4, 2, 0))
+        extra.append(ScaledStreamConfig(block_m, 128, 256, 4, 2, 1))
     return configs + [c for c in extra if c not in configs]
 
 
@@ -126,8 +126,7 @@ def test_scales_of_the_wrong_shape_are_refused(scaling, which, shape, message):
 def test_space_serves_fp8_decode_on_hopper_only():
     decode = Problem(16, 4096, 4096, "float8_e4m3fn", scaling="row")
     configs = space(decode, H100)
-    assert {(c.block_n, c.block_k, c.fast_acc) for c in configs} == {(bn, bk, f) for bn, bk, _, _ in TILES
-                                                                     for f in (0, 1)}
+    assert {(c.block_n, c.block_k) for c in configs} == {(bn, bk) for bn, bk, _, _ in TILES}
     assert all(c.block_m == 16 and c.smem_bytes(1) <= H100.smem_per_block for c in configs)
     assert space(Problem(1, 4096, 4096, "float8_e4m3fn", scaling="tensor"), H100)
     assert space(Problem(65, 4096, 4096, "float8_e4m3fn", scaling="row"), H100) == []
@@ -138,9 +137,20 @@ def test_space_serves_fp8_decode_on_hopper_only():
     assert not BACKEND.is_available(A100) and not BACKEND.is_available(L4) and BACKEND.is_available(H100)
 
 
-def test_block_scaling_takes_k_tiles_inside_a_scale_block_and_no_fast_accumulation():
+def test_block_scaling_takes_k_tiles_inside_a_scale_block():
     configs = space(Problem(16, 4096, 4096, "float8_e4m3fn", scaling="block"), H100)
-    assert configs and all(SCALE_BLOCK % c.block_k == 0 and not c.fast_acc for c in configs)
+    assert configs and all(SCALE_BLOCK % c.block_k == 0 for c in configs)
+
+
+def test_k_is_split_where_the_tiles_leave_sms_idle():
+    """6144 weight rows are 96 tiles of 64 for 132 SMs: split; 28672 rows fill them: not; each
+    split's reduction launch is counted in its prediction."""
+    few = space(Problem(16, 6144, 4096, "float8_e4m3fn", scaling="row"), H100)
+    assert {c.split_k for c in few if c.block_n == 64} == {1, 2}
+    assert {c.split_k for c in space(Problem(16, 28672, 4096, "float8_e4m3fn", scaling="row"), H100)} == {1}
+    problem = Problem(16, 6144, 4096, "float8_e4m3fn", scaling="row")
+    one, two = (next(c for c in few if c.block_n == 64 and c.block_k == 256 and c.split_k == s) for s in (1, 2))
+    assert BACKEND.predict_ms(problem, H100, two) > 0 and BACKEND.predict_ms(problem, H100, one) > 0
 
 
 def test_pipelines_fit_shared_memory_and_k():
@@ -150,17 +160,6 @@ def test_pipelines_fit_shared_memory_and_k():
     assert {c.num_stages for c in wide if (c.block_n, c.block_k) == (64, 256)} == {7}
     shallow = space(Problem(16, 4096, 256, "float8_e4m3fn", scaling="row"), H100)
     assert all(c.num_stages == 2 for c in shallow)
-
-
-def test_the_fast_twin_ranks_just_behind_the_precise_one():
-    problem = Problem(16, 4096, 4096, "float8_e4m3fn", scaling="tensor")
-    predicted = {c: BACKEND.predict_ms(problem, H100, c) for c in space(problem, H100)}
-    assert all(ms > 0 for ms in predicted.values())
-    for config, ms in predicted.items():
-        if not config.fast_acc:
-            fast = ScaledStreamConfig(config.block_m, config.block_n, config.block_k, config.num_warps,
-                                      config.num_stages, 1)
-            assert ms < predicted[fast]
 
 
 def test_it_is_asked_for_fp8_products_alone():
@@ -181,8 +180,8 @@ def test_build_refuses_what_the_kernel_cannot_compute():
         BACKEND.build(Problem(16, 256, 512), ScaledStreamConfig(16, 64, 128), current())
 
 
-@pytest.mark.parametrize("field, value", [("BLOCK_M", 8), ("BLOCK_N", 32), ("BLOCK_K", 16), ("FAST_ACC", 2),
-                                          ("FAST_ACC", True), ("num_warps", 8), ("num_stages", 9),
+@pytest.mark.parametrize("field, value", [("BLOCK_M", 8), ("BLOCK_N", 32), ("BLOCK_K", 16), ("SPLIT_K", 3),
+                                          ("SPLIT_K", True), ("num_warps", 8), ("num_stages", 9),
                                           ("num_stages", "3")])
 def test_out_of_bounds_configs_are_refused(field, value):
     data = dict(ScaledStreamConfig(16, 64, 256, 4, 8).as_dict(), **{field: value})
@@ -192,7 +191,7 @@ def test_out_of_bounds_configs_are_refused(field, value):
 
 FIELDS = ScaledStreamConfig.FIELDS
 # what a config may hold: every value some space yields, on some device or the interpreter
-ACCEPTED = {"BLOCK_M": (16, 32, 64), "BLOCK_N": (16, 64, 128), "BLOCK_K": (32, 64, 128, 256), "FAST_ACC": (0, 1),
+ACCEPTED = {"BLOCK_M": (16, 32, 64), "BLOCK_N": (16, 64, 128), "BLOCK_K": (32, 64, 128, 256), "SPLIT_K": (1, 2, 4, 8, 16),
             "num_warps": (1, 4), "num_stages": STAGES}
 VALUES = st.one_of(st.sampled_from((0, 1, 2, 4, 8, 16, 32, 64, 128, 256)), st.integers(-1, 300), st.booleans(),
                    st.none(), st.just("16"))
@@ -218,7 +217,7 @@ def test_every_config_of_the_space_round_trips():
             for config in space(Problem(m, 14336, 4096, "float8_e4m3fn", scaling=scaling), H100):
                 assert BACKEND.parse_config(config.as_dict()) == config
     with pytest.raises(ValueError, match="exactly the keys"):
-        BACKEND.parse_config({k: v for k, v in ScaledStreamConfig(16, 64, 256).as_dict().items() if k != "FAST_ACC"})
+        BACKEND.parse_config({k: v for k, v in ScaledStreamConfig(16, 64, 256).as_dict().items() if k != "SPLIT_K"})
 
 
 SM90_PROBE = """
@@ -228,8 +227,8 @@ from triton.compiler import ASTSource
 from gemmtune.backends.kernels.scaled_stream import scaled_stream_matmul
 
 fp8 = {"float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}
-for scaling, dtype, fast, bm, bn, bk, stages in json.loads(sys.argv[1]):
-    constexprs = dict(SCALING=scaling, HAS_BIAS=True, ACTIVATION="silu", FAST_ACC=fast, BLOCK_M=bm, BLOCK_N=bn,
+for scaling, dtype, split, bm, bn, bk, stages in json.loads(sys.argv[1]):
+    constexprs = dict(SCALING=scaling, HAS_BIAS=True, ACTIVATION="silu", SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn,
                       BLOCK_K=bk, stride_cn=1, stride_bias=1, stride_sam=1, stride_sbn=1)
     signature, fixed, attrs = {}, {}, {}
     for i, name in enumerate(scaled_stream_matmul.arg_names):
@@ -252,7 +251,7 @@ for scaling, dtype, fast, bm, bn, bk, stages in json.loads(sys.argv[1]):
 
 
 def _sm90(*kernels: tuple) -> list:
-    """Each (scaling, dtype, FAST_ACC, BLOCK_M, BLOCK_N, BLOCK_K, stages) compiled for an H100:
+    """Each (scaling, dtype, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, stages) compiled for an H100:
     (its wgmma instructions, their count, add.f32 count, TMA loads, shared memory bytes)."""
     import json
 
@@ -261,27 +260,27 @@ def _sm90(*kernels: tuple) -> list:
     return [json.loads(line) for line in outside_interpreter(SM90_PROBE, json.dumps(kernels)).splitlines()]
 
 
-def test_on_sm90_the_weights_are_the_fp8_wgmma_side_and_precise_runs_are_promoted():
+def test_on_sm90_the_weights_are_the_fp8_wgmma_side_and_partial_sums_are_promoted():
     """Compiled for sm_90 (no GPU needed): the weight tile (64 rows) on fp8 wgmma's M side and the
-    16 rows of A as its N, both operands K-major straight from the TMA tiles; FAST_ACC=0 adds a
-    partial accumulator into the fp32 one every 128 K: per K tile of 256, two adds for each of
-    the 64 x 16 / 128 accumulator registers a thread holds, FAST_ACC=1 none of them."""
-    fast, precise, e5m2 = _sm90(("row", "float8_e4m3fn", 1, 16, 64, 256, 8),
-                                ("row", "float8_e4m3fn", 0, 16, 64, 256, 8),
-                                ("tensor", "float8_e5m2", 0, 16, 64, 256, 8))
-    assert fast[0] == precise[0] == ["wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3"]
+    16 rows of A as its N, both operands K-major straight from the TMA tiles; a partial
+    accumulator joins the fp32 one every 128 K: per K tile of 256, at least two adds for each of
+    the 64 x 16 / 128 accumulator registers a thread holds; a split adds no MMA."""
+    whole, split, e5m2 = _sm90(("row", "float8_e4m3fn", 1, 16, 64, 256, 8),
+                               ("row", "float8_e4m3fn", 2, 16, 64, 256, 8),
+                               ("tensor", "float8_e5m2", 1, 16, 64, 256, 8))
+    assert whole[0] == split[0] == ["wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3"]
     assert e5m2[0] == ["wgmma.mma_async.sync.aligned.m64n16k32.f32.e5m2.e5m2"]
-    assert fast[1] == precise[1] == 8  # one k32 instruction per 32 of the K tile
-    assert precise[2] - fast[2] == 2 * 64 * 16 // 128
-    assert fast[3] > 0  # the operands arrive by TMA
+    assert whole[1] == split[1] == 8  # one k32 instruction per 32 of the K tile
+    assert whole[2] >= 2 * 64 * 16 // 128
+    assert whole[3] > 0  # the operands arrive by TMA
 
 
 def test_on_sm90_each_tile_of_the_space_compiles_within_shared_memory():
     """The H100 space's tiles at M of 16 and 64, as Triton allocates them: within the 227 KB a
     block may opt in to, where the space's estimate counts the operand pipeline alone."""
-    kernels = [(scaling, "float8_e4m3fn", c.fast_acc, c.block_m, c.block_n, c.block_k, c.num_stages)
+    kernels = [(scaling, "float8_e4m3fn", c.split_k, c.block_m, c.block_n, c.block_k, c.num_stages)
                for scaling in ("row", "block") for m in (16, 64)
-               for c in space(Problem(m, 4096, 4096, "float8_e4m3fn", scaling=scaling), H100) if not c.fast_acc]
+               for c in space(Problem(m, 4096, 4096, "float8_e4m3fn", scaling=scaling), H100)]
     for kernel, (wgmma, _, _, tma, shared) in zip(kernels, _sm90(*kernels)):
         assert wgmma and tma and shared <= H100.smem_per_block, (kernel, shared)
 

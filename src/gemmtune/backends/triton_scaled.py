@@ -143,7 +143,7 @@ def _fast_accs(problem: Problem, device: Device, block_m: int, num_warps: int) -
     return (0,)
 
 
-def _splits(problem: Problem, device: Device, tiles: int, block_k: int) -> tuple[int, ...]:
+def splits(problem: Problem, device: Device, tiles: int, block_k: int) -> tuple[int, ...]:
     """SPLIT_K values worth trying for a grid of ``tiles`` output tiles: more than one for decode
     shapes (M <= MAX_SPLIT_M) whose tiles leave SMs idle, each slice at least two K tiles, no more
     programs than two waves, and workspace traffic within MAX_WORKSPACE_TRAFFIC."""
@@ -185,11 +185,11 @@ def _fits(problem: Problem, block_n: int, block_k: int) -> bool:
 
 
 def _gemvs(problem: Problem, device: Device) -> list[ScaledConfig]:
-    """The GEMV form's configs: its tiles, each split that ``_splits`` allows."""
+    """The GEMV form's configs: its tiles, each split that ``splits`` allows."""
     tiles = INTERPRETER_GEMV_TILES if device.interpreter else GEMV_TILES
     return [ScaledConfig(1, bn, bk, 8, split, 0, warps, stages)
             for bn, bk, warps, stages in tiles if _fits(problem, bn, bk)
-            for split in _splits(problem, device, -(-problem.n // bn), bk)]
+            for split in splits(problem, device, -(-problem.n // bn), bk)]
 
 
 def _tiled(problem: Problem, device: Device) -> list[ScaledConfig]:
@@ -209,11 +209,11 @@ def _tiled(problem: Problem, device: Device) -> list[ScaledConfig]:
         for s in stages + deep:
             for fast in _fast_accs(problem, device, bm, warps):
                 configs += [ScaledConfig(bm, bn, bk, 8, split, fast, warps, s)
-                            for split in _splits(problem, device, grid, bk)]
+                            for split in splits(problem, device, grid, bk)]
     return configs
 
 
-def _strides(t) -> tuple[int, int]:
+def scale_strides(t) -> tuple[int, int]:
     """A scale tensor's first two strides, 0 for dimensions it lacks."""
     strides = t.stride()
     return (strides + (0, 0))[:2]
@@ -228,9 +228,10 @@ class ScaledKernel(KernelBase):
     its fp32 workspace from torch's caching allocator (stream-ordered, capturable)."""
 
     def __init__(self, problem: Problem, config: ScaledConfig) -> None:
-        from gemmtune.backends.kernels.scaled import scaled_matmul, scaled_reduce  # imports triton
+        from gemmtune.backends.kernels.scaled import scaled_matmul  # imports triton
 
-        self._matmul, self._reduce = Launcher(scaled_matmul), Launcher(scaled_reduce)
+        self._matmul = Launcher(scaled_matmul)
+        self._reduce = SplitReduce(problem, config.split_k, config.block_m) if config.split_k > 1 else None
         self._config = config
         self._scaling = problem.scaling
         self._out_dtype = torch_dtypes()[problem.out_dtype]
@@ -239,19 +240,16 @@ class ScaledKernel(KernelBase):
                     BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
                     num_warps=config.num_warps, num_stages=config.num_stages)
         self._constexprs = {False: dict(base, HAS_BIAS=False), True: dict(base, HAS_BIAS=True)}
-        reduce = dict(SCALING=problem.scaling, ACTIVATION=problem.activation, SPLIT_K=config.split_k,
-                      BLOCK_M=min(config.block_m, 32), BLOCK_N=REDUCE_BLOCK_N, num_warps=4)
-        self._reduce_constexprs = {False: dict(reduce, HAS_BIAS=False), True: dict(reduce, HAS_BIAS=True)}
 
     def __call__(self, a, b, bias, scale_a, scale_b, out=None):
         cfg = self._config
         (m, k), n = a.shape, b.shape[0]
-        self._check_scales(m, n, k, scale_a, scale_b)
+        check_scales(self._scaling, m, n, k, scale_a, scale_b)
         if out is None:
             out = a.new_empty((m, n), dtype=self._out_dtype)
         has_bias = bias is not None
         bias_arg, stride_bias = (bias, bias.stride(0)) if has_bias else (out, 0)
-        (sam, sak), (sbn, sbk) = _strides(scale_a), _strides(scale_b)
+        (sam, sak), (sbn, sbk) = scale_strides(scale_a), scale_strides(scale_b)
         tiles_k = -(-k // cfg.block_k)
         k_tiles = -(-tiles_k // cfg.split_k)  # per slice
         ws = out if cfg.split_k == 1 else a.new_empty((cfg.split_k, m, n), dtype=torch.float32)
@@ -265,30 +263,50 @@ class ScaledKernel(KernelBase):
         scalars = (m, n, k, k_tiles, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
                    stride_bias, sam, sak, sbn, sbk)
         self._matmul(grid, guard, tensors, pointers, scalars, self._constexprs[has_bias])
-        if cfg.split_k > 1:
-            rc = self._reduce_constexprs[has_bias]
-            reduced = (ws, out, bias_arg, scale_a, scale_b)
-            self._reduce((-(-n // rc["BLOCK_N"]), -(-m // rc["BLOCK_M"]), 1), guard, reduced,
-                         (pointers[6], pointers[2], pointers[3], pointers[4], pointers[5]),
-                         (m, n, out.stride(0), out.stride(1), stride_bias, sam, sbn), rc)
+        if self._reduce is not None:
+            self._reduce(guard, ws, out, bias, scale_a, scale_b)
         return out
 
-    def _check_scales(self, m: int, n: int, k: int, scale_a, scale_b) -> None:
-        """Scales of the shapes ``Problem.scaling`` lays (the kernel reads them unchecked: a
-        smaller tensor would be read past its end), else a ValueError naming the argument."""
-        if self._scaling == "block":
-            blocks_k = -(-k // SCALE_BLOCK)
-            expected = {"scale_a": ((m, blocks_k), scale_a), "scale_b": ((-(-n // SCALE_BLOCK), blocks_k), scale_b)}
-            for name, (shape, scale) in expected.items():
-                if tuple(scale.shape) != shape:
-                    raise ValueError(f"{name} of shape {tuple(scale.shape)} for block scaling of a {m}x{n}x{k} "
-                                     f"product; accepted: {shape}")
-            return
-        for name, scale, count in (("scale_a", scale_a, m), ("scale_b", scale_b, n)):
-            count = 1 if self._scaling == "tensor" else count
-            if scale.numel() != count:
-                raise ValueError(f"{name} has {scale.numel()} elements for {self._scaling} scaling of a "
-                                 f"{m}x{n}x{k} product; accepted: {count}")
+
+def check_scales(scaling: str, m: int, n: int, k: int, scale_a, scale_b) -> None:
+    """Scales of the shapes ``Problem.scaling`` lays (the kernels read them unchecked: a smaller
+    tensor would be read past its end), else a ValueError naming the argument."""
+    if scaling == "block":
+        blocks_k = -(-k // SCALE_BLOCK)
+        expected = {"scale_a": ((m, blocks_k), scale_a), "scale_b": ((-(-n // SCALE_BLOCK), blocks_k), scale_b)}
+        for name, (shape, scale) in expected.items():
+            if tuple(scale.shape) != shape:
+                raise ValueError(f"{name} of shape {tuple(scale.shape)} for block scaling of a {m}x{n}x{k} "
+                                 f"product; accepted: {shape}")
+        return
+    for name, scale, count in (("scale_a", scale_a, m), ("scale_b", scale_b, n)):
+        count = 1 if scaling == "tensor" else count
+        if scale.numel() != count:
+            raise ValueError(f"{name} has {scale.numel()} elements for {scaling} scaling of a "
+                             f"{m}x{n}x{k} product; accepted: {count}")
+
+
+class SplitReduce:
+    """``scaled_reduce`` for one problem and split: the sum of a [SPLIT_K, M, N] fp32 workspace of
+    partials in slice order, through the epilogue (tensor or row scales, bias, activation, cast)."""
+
+    def __init__(self, problem: Problem, split_k: int, block_m: int) -> None:
+        from gemmtune.backends.kernels.scaled import scaled_reduce  # imports triton
+
+        self._launch = Launcher(scaled_reduce)
+        base = dict(SCALING=problem.scaling, ACTIVATION=problem.activation, SPLIT_K=split_k,
+                    BLOCK_M=min(block_m, 32), BLOCK_N=REDUCE_BLOCK_N, num_warps=4)
+        self._constexprs = {bias: dict(base, HAS_BIAS=bias) for bias in (False, True)}
+
+    def __call__(self, guard: tuple, ws, out, bias, scale_a, scale_b) -> None:
+        """``guard``: the product's (it covers the workspace's); ``bias`` None or (N,)."""
+        (m, n), rc = out.shape, self._constexprs[bias is not None]
+        bias_arg, stride_bias = (bias, bias.stride(0)) if bias is not None else (out, 0)
+        tensors = (ws, out, bias_arg, scale_a, scale_b)
+        grid = (-(-n // rc["BLOCK_N"]), -(-m // rc["BLOCK_M"]), 1)
+        scalars = (m, n, out.stride(0), out.stride(1), stride_bias, scale_strides(scale_a)[0],
+                   scale_strides(scale_b)[0])
+        self._launch(grid, guard, tensors, tuple(t.data_ptr() for t in tensors), scalars, rc)
 
 
 def _table_size() -> int:

@@ -14,11 +14,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
+
 from gemmtune.backends import costmodel
 from gemmtune.backends.base import KernelBase, check_bounds, config_from_mapping, triton_runs
 from gemmtune.backends.launch import Launcher
 from gemmtune.backends.triton_persistent import tma_ready
-from gemmtune.backends.triton_scaled import FAST_ACC, FAST_ACC_RISK, K_BLOCK_SIZES, ScaledKernel, _strides
+from gemmtune.backends.triton_scaled import (INTERPRETER_SPLITS, K_BLOCK_SIZES, SPLITS, SplitReduce, check_scales,
+                                             scale_strides, splits)
 from gemmtune.backends.triton_stream import BLOCK_M, BLOCK_N, MAX_M, STAGES, WARPS, StreamConfig, _block_m
 from gemmtune.device import Device
 from gemmtune.problem import SCALE_BLOCK, Problem, torch_dtypes
@@ -33,18 +36,18 @@ ROW_ALIGN = 16  # fp8 values in 16 bytes: a TMA descriptor's rows start on 16-by
 
 @dataclass(frozen=True)
 class ScaledStreamConfig(StreamConfig):
-    """``StreamConfig`` with FAST_ACC (kernels/scaled.py): K tiles of 32 and more, as an fp8
-    tensor-core product takes K in steps of 32."""
+    """``StreamConfig`` with K tiles of 32 and more (an fp8 tensor-core product takes K in steps of
+    32) and SPLIT_K (kernels/scaled_stream.py)."""
 
-    FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "BLOCK_K": "block_k", "FAST_ACC": "fast_acc",
+    FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "BLOCK_K": "block_k", "SPLIT_K": "split_k",
               "num_warps": "num_warps", "num_stages": "num_stages"}  # persisted name -> attribute
 
-    fast_acc: int = 0
+    split_k: int = 1
 
     def __post_init__(self) -> None:
         check_bounds("triton_scaled_stream", (
             ("BLOCK_M", self.block_m, BLOCK_M), ("BLOCK_N", self.block_n, BLOCK_N),
-            ("BLOCK_K", self.block_k, K_BLOCK_SIZES), ("FAST_ACC", self.fast_acc, FAST_ACC),
+            ("BLOCK_K", self.block_k, K_BLOCK_SIZES), ("SPLIT_K", self.split_k, SPLITS),
             ("num_warps", self.num_warps, WARPS), ("num_stages", self.num_stages, STAGES)))
 
 
@@ -53,21 +56,17 @@ def _served(problem: Problem) -> bool:
     return problem.scaled and problem.m <= MAX_M and problem.k % ROW_ALIGN == 0
 
 
-def _fast_accs(problem: Problem, device: Device) -> tuple[int, ...]:
-    """Both FAST_ACC values where they compile differently (every tile here is a wgmma tile on
-    Hopper; block scaling promotes every K tile anyway), the precise one alone elsewhere."""
-    return (1, 0) if device.is_hopper and problem.scaling != "block" else (0,)
-
-
 def space(problem: Problem, device: Device) -> list[ScaledStreamConfig]:
     """The tiles for this problem on this device: Hopper (or the interpreter), served problems
     only, K tiles inside one scale block under block scaling, pipelines no deeper than K has
-    steps and cut to what shared memory holds."""
+    steps and cut to what shared memory holds, each with the K splits ``triton_scaled.splits``
+    allows its tiles (more than one where they leave SMs idle)."""
     if not _served(problem):
         return []
     block_m = _block_m(problem.m)
     if device.interpreter:
-        return [ScaledStreamConfig(block_m, bn, bk, warps, stages) for bn, bk, warps, stages in INTERPRETER_TILES]
+        return [ScaledStreamConfig(block_m, bn, bk, warps, stages, split) for bn, bk, warps, stages in INTERPRETER_TILES
+                for split in INTERPRETER_SPLITS]
     if not device.is_hopper:
         return []
     configs = []
@@ -77,8 +76,9 @@ def space(problem: Problem, device: Device) -> list[ScaledStreamConfig]:
         fit = device.smem_per_block // ((block_m + bn) * bk * problem.element_size)
         stages = min(stages, max(2, -(-problem.k // bk)), fit)
         if stages >= 2:
-            configs += [ScaledStreamConfig(block_m, bn, bk, warps, stages, fast)
-                        for fast in _fast_accs(problem, device)]
+            tiles = -(-problem.n // bn) * -(-problem.m // block_m)
+            configs += [ScaledStreamConfig(block_m, bn, bk, warps, stages, split)
+                        for split in splits(problem, device, tiles, bk)]
     return configs
 
 
@@ -87,8 +87,6 @@ class ScaledStreamKernel(KernelBase):
     (N, K) fp8 (copied where a descriptor cannot address them: ``tma_ready``), float32 scales as
     ``Problem.scaling`` lays them, any strides, bias (N,) and out (M, N) of the output dtype.
     Launched through ``launch.Launcher``; each call builds its two descriptors."""
-
-    _check_scales = ScaledKernel._check_scales  # the same layouts, read unchecked by the kernel
 
     def __init__(self, problem: Problem, config: ScaledStreamConfig, device: Device) -> None:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -101,7 +99,8 @@ class ScaledStreamKernel(KernelBase):
         self._scaling = problem.scaling
         self._out_dtype = torch_dtypes()[problem.out_dtype]
         self._slots = config.slots(problem.element_size, device)
-        base = dict(SCALING=problem.scaling, ACTIVATION=problem.activation, FAST_ACC=config.fast_acc,
+        self._reduce = SplitReduce(problem, config.split_k, config.block_m) if config.split_k > 1 else None
+        base = dict(SCALING=problem.scaling, ACTIVATION=problem.activation, SPLIT_K=config.split_k,
                     BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                     num_warps=config.num_warps, num_stages=config.num_stages)
         self._constexprs = {bias: dict(base, HAS_BIAS=bias) for bias in (False, True)}
@@ -109,12 +108,13 @@ class ScaledStreamKernel(KernelBase):
     def __call__(self, a, b, bias, scale_a, scale_b, out=None):
         c = self._config
         (m, k), n = a.shape, b.shape[0]
-        self._check_scales(m, n, k, scale_a, scale_b)
+        check_scales(self._scaling, m, n, k, scale_a, scale_b)
         a, b = tma_ready(a), tma_ready(b)
         if out is None:
             out = a.new_empty((m, n), dtype=self._out_dtype)
         bias_arg, stride_bias = (bias, bias.stride(0)) if bias is not None else (out, 0)
-        tensors = (a, b, out, bias_arg, scale_a, scale_b)
+        ws = out if c.split_k == 1 else a.new_empty((c.split_k, m, n), dtype=torch.float32)
+        tensors = (a, b, out, bias_arg, scale_a, scale_b, ws)
         pointers = tuple(t.data_ptr() for t in tensors)
         # everything Triton specializes on: devices, dtypes, shapes and exact strides of every
         # tensor (the descriptors' shapes, strides and the sizes follow), 16-byte offsets
@@ -122,17 +122,21 @@ class ScaledStreamKernel(KernelBase):
                  tuple(p & 15 for p in pointers), bias is not None)
         a_desc = self._descriptor(a, [m, k], [a.stride(0), 1], [c.block_m, c.block_k])
         b_desc = self._descriptor(b, [n, k], [b.stride(0), 1], [c.block_n, c.block_k])
-        programs = min(self._slots, -(-n // c.block_n) * -(-m // c.block_m))  # persistent: no more than tiles
-        (sam, sak), (sbn, sbk) = _strides(scale_a), _strides(scale_b)
-        scalars = (m, n, k, out.stride(0), out.stride(1), stride_bias, sam, sak, sbn, sbk, programs)
+        units = -(-n // c.block_n) * -(-m // c.block_m) * c.split_k
+        programs = min(self._slots, units)  # persistent: no more than work units
+        k_tiles = -(-(-(-k // c.block_k)) // c.split_k)  # K tiles per slice
+        (sam, sak), (sbn, sbk) = scale_strides(scale_a), scale_strides(scale_b)
+        scalars = (m, n, k, k_tiles, out.stride(0), out.stride(1), stride_bias, sam, sak, sbn, sbk, programs)
         self._launch((programs, 1, 1), guard, (a_desc, b_desc, *tensors[2:]), (a_desc, b_desc, *pointers[2:]),
                      scalars, self._constexprs[bias is not None])
+        if self._reduce is not None:
+            self._reduce(guard, ws, out, bias, scale_a, scale_b)
         return out
 
 
 class TritonScaledStreamBackend:
     name = "triton_scaled_stream"
-    space_size = len(TILES) * len(FAST_ACC)
+    space_size = len(TILES) * len(SPLITS)
 
     def is_available(self, device: Device) -> bool:
         return triton_runs(device) and (device.interpreter or device.is_hopper)
@@ -141,12 +145,11 @@ class TritonScaledStreamBackend:
         return space(problem, device)
 
     def predict_ms(self, problem: Problem, device: Device, config: ScaledStreamConfig) -> float | None:
-        """The weights streamed once (``costmodel.splitk_ms``: one split); a fast config just
-        behind its precise twin (``FAST_ACC_RISK``)."""
+        """The weights streamed once (``costmodel.splitk_ms``), a split's reduction launch added."""
         c = config
-        ms = costmodel.splitk_ms(problem, device, c.block_m, c.block_n, 1, c.block_k, c.num_stages,
+        ms = costmodel.splitk_ms(problem, device, c.block_m, c.block_n, c.split_k, c.block_k, c.num_stages,
                                  use_dot=True, num_warps=c.num_warps)
-        return ms * FAST_ACC_RISK if c.fast_acc else ms
+        return ms + (costmodel.LAUNCH_MS if c.split_k > 1 else 0.0)
 
     def parse_config(self, data: Mapping) -> ScaledStreamConfig:
         return config_from_mapping(self.name, data, ScaledStreamConfig)
