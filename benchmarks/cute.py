@@ -15,7 +15,10 @@ kernel cache:
    QuACK's autotuned call. Ratios to cuBLAS (above 1: faster) and TFLOP/s.
 5. **A second process** builds gemmtune's best CuTe DSL config from the compiled-kernel cache the
    first one filled: ``second_first_call_s`` is its first call (the goal: at most 50 ms), and
-   ``second_first_call_profile`` where its time goes (cProfile, cumulative seconds).
+   ``second_first_call_profile`` where its time goes (cProfile, cumulative seconds). A third
+   process makes QuACK's once-a-process query of how many clusters fit the GPU first
+   (``occupancy_query_s``) and then times the same first call (``second_first_call_after_query_s``):
+   what each further kernel of a process pays.
 
     PYTHONPATH=src:<cute site> python3 benchmarks/cute.py --out cute.json [--only NAME ...]
 
@@ -79,7 +82,8 @@ def summary(row: dict) -> str:
     speedup = row["vs_cublas"]
     return (f"{row['name']:24s} exhaustive cute x{speedup['cute_exhaustive']:.3f}  gemmtune x{speedup['gemmtune']:.3f} "
             f"({row['choice']})  quack x{speedup['quack']:.3f}  tune {row['tune_s']:.1f} s  "
-            f"second first call {row['second_first_call_s'] * 1e3:.0f} ms")
+            f"second first call {row['second_first_call_s'] * 1e3:.0f} ms "
+            f"({row['second_first_call_after_query_s'] * 1e3:.0f} ms after a {row['occupancy_query_s'] * 1e3:.0f} ms query)")
 
 
 def header() -> dict:
@@ -129,13 +133,16 @@ def run_shape(shape: dict) -> dict:
     if not compiled:
         raise RuntimeError(f"every one of the {len(configs)} configs failed: {next(iter(failed.values()), '')}")
     tuned = tune(problem)
-    quack_call, quack_tune_s = quack_autotuned(a, b)
+    quack_call, quack_tune_s = quack_autotuned(a, b, problem.layout)
     row = {"name": shape["name"], "m": problem.m, "n": problem.n, "k": problem.k, "dtype": problem.dtype,
            "cute_configs": len(configs), "cute_failed": failed, "quack_tune_s": quack_tune_s, **tuned["row"]}
     row |= side_by_side(problem, a, b, compiled, tuned, quack_call)
     best_cute = tuned["best_cute"] or compiled[row["cute_exhaustive_config"]]["config"]
     second = second_first_call(problem, best_cute)
     row["second_first_call_s"], row["second_first_call_profile"] = second["seconds"], second["profile"]
+    # the same first call in a third process, after QuACK's once-a-process occupancy query
+    row["second_first_call_after_query_s"] = second["after_query_s"]
+    row["occupancy_query_s"] = second["occupancy_query_s"]
     return row
 
 
@@ -190,14 +197,14 @@ def tune(problem) -> dict:
                                    for name, t in best.items()}}}
 
 
-def quack_autotuned(a, b):
+def quack_autotuned(a, b, layout: str):
     """QuACK's own autotuned GEMM as its users call it, and how long its first call (which times
-    its configs) took."""
+    its configs) took. ``b``: a weight (N, K) for layout linear, else (K, N)."""
     import torch
     from quack.gemm_interface import gemm_tuned
 
-    b_kn = b.t()
-    out = torch.empty(a.shape[0], b.shape[0], dtype=a.dtype, device=a.device)
+    b_kn = b.t() if layout == "linear" else b
+    out = torch.empty(a.shape[0], b_kn.shape[1], dtype=a.dtype, device=a.device)
     torch.cuda.synchronize()
     started = time.perf_counter()
     gemm_tuned(a, b_kn, out)
@@ -207,13 +214,14 @@ def quack_autotuned(a, b):
 
 def side_by_side(problem, a, b, compiled, tuned, quack_call) -> dict:
     """The exhaustive rounds over every compiled config beside cuBLAS, then the contenders'."""
+    import torch
     import torch.nn.functional as F
 
     from gemmtune.device import current
     from gemmtune.tuning import measure
 
     device = current()
-    cublas = lambda: F.linear(a, b)  # noqa: E731
+    cublas = (lambda: F.linear(a, b)) if problem.layout == "linear" else (lambda: torch.mm(a, b))  # noqa: E731
     everything = {"cublas": cublas, **{label: (lambda k=entry["kernel"]: k(a, b, None))
                                        for label, entry in compiled.items()}}
     rounds = measure.measure(everything, device, budget_ms=EXHAUSTIVE_MS)
@@ -239,10 +247,14 @@ def second_first_call(problem, config) -> dict:
     """A fresh process's first call of ``config``, its kernel loaded from the cache this one filled:
     its ``seconds`` and its ``profile`` (the costliest functions, cumulative seconds)."""
     argv = [sys.executable, __file__, "--first-call", problem.key(), "--config", json.dumps(config.as_dict())]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=dict(os.environ))
-    if done.returncode:
-        raise RuntimeError(done.stderr[-2000:])
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    runs = {}
+    for name, env in (("whole", {}), ("after_query", {"CUTE_BENCH_QUERY_FIRST": "1"})):
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=dict(os.environ, **env))
+        if done.returncode:
+            raise RuntimeError(done.stderr[-2000:])
+        runs[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    return runs["whole"] | {"after_query_s": runs["after_query"]["seconds"],
+                            "occupancy_query_s": runs["after_query"]["occupancy_query_s"]}
 
 
 def second_process(key: str, config: dict) -> int:
@@ -255,17 +267,32 @@ def second_process(key: str, config: dict) -> int:
     problem = Problem.from_key(key)
     dtype = getattr(torch, problem.dtype)
     a = torch.randn(problem.m, problem.k, device="cuda", dtype=dtype)
-    b = torch.randn(problem.n, problem.k, device="cuda", dtype=dtype)
+    b = torch.randn(*((problem.n, problem.k) if problem.layout == "linear" else (problem.k, problem.n)),
+                    device="cuda", dtype=dtype)
     kernel = backends.build(problem, "cute", config, current())
     torch.cuda.synchronize()
+    occupancy_s = occupancy_query(config) if os.environ.get("CUTE_BENCH_QUERY_FIRST") else None
     profile = cProfile.Profile()
     started = time.perf_counter()
     with profile:
         kernel(a, b, None)
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
-    print(json.dumps({"seconds": seconds, "profile": costliest(profile)}))
+    print(json.dumps({"seconds": seconds, "occupancy_query_s": occupancy_s, "profile": costliest(profile)}))
     return 0
+
+
+def occupancy_query(config: dict) -> float:
+    """Seconds of QuACK's query of how many clusters of the config's size fit the GPU at once,
+    made as its GEMM makes it (CuTe DSL compiles a kernel to ask; QuACK keeps the answer for the
+    process), so that the first call timed after it is the kernel's own."""
+    import torch
+    from quack.cute_dsl_utils import get_max_active_clusters
+
+    started = time.perf_counter()
+    get_max_active_clusters(config["cluster_m"] * config["cluster_n"],
+                            device_capacity=torch.cuda.get_device_capability())
+    return time.perf_counter() - started
 
 
 def costliest(profile: cProfile.Profile, count: int = 15) -> list:
