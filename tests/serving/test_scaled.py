@@ -108,3 +108,20 @@ def test_a_tuned_fp8_product_is_served_from_the_store(fresh_dispatch, scaling):
     inputs = verify.make_inputs(p, "cuda" if torch.cuda.is_available() else "cpu", seed=11)
     assert verify.judge(kernel(*inputs.operands), p, inputs).ok
     assert fresh_dispatch.store.get(gemmtune.device.current().fingerprint(), p.key()).backend == result.backend
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_the_gpu_what_torch_refuses_is_still_served_right(fresh_dispatch):
+    # torch 2.11's _scaled_mm raises for two e5m2 operands and for a bias with a float32 output:
+    # gemmtune's kernels serve both, and its fallback (a capture's miss) dequantizes
+    for p in (Problem(16, 256, 512, "float8_e5m2", scaling="row", bias=True),
+              Problem(16, 256, 512, "float8_e4m3fn", scaling="tensor", bias=True, out_dtype="float32")):
+        inputs = verify.make_inputs(p, "cuda", seed=3)
+        sa, sb = inputs.scales
+        sb = sb.t() if sb.dim() == 2 else sb
+        out_dtype = verify.TORCH_DTYPES[p.out_dtype]
+        served = gemmtune.scaled_mm(inputs.a, inputs.b.t(), sa, sb, bias=inputs.bias, out_dtype=out_dtype)
+        assert verify.judge(served, p, inputs).ok
+        fallback = scaled.by_torch(inputs.a, inputs.b.t(), sa, sb, inputs.bias, out_dtype, p.scaling, "none")
+        assert verify.judge(fallback, p, inputs).ok

@@ -39,12 +39,13 @@ def torch_call(named: NamedProblem, inputs: verify.Inputs) -> Callable[[], torch
 
 
 def refusal(fn: Callable[[], torch.Tensor]) -> str | None:
-    """Why torch's call raises on this problem, or None where it runs: cuBLASLt refuses some fp8
-    block-scaled shapes (CUBLAS_STATUS_NOT_SUPPORTED at M = 1 on an H100, torch 2.11). Such a
-    row has no cuBLAS time, and gemmtune's kernel is the only GPU kernel for it."""
+    """Why torch's call raises on this problem, or None where it runs: torch's ``_scaled_mm``
+    refuses some fp8 products (block scaling at M = 1, two e5m2 operands, a bias with a float32
+    output, on an H100 with torch 2.11). Such a row has no cuBLAS time, and gemmtune's kernel is
+    the only GPU kernel for it."""
     try:
         fn()
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:
         return str(exc).splitlines()[0][:200]
     return None
 

@@ -100,12 +100,14 @@ def _weight_oriented(scale_b: torch.Tensor) -> torch.Tensor:
 def by_torch(a, b, scale_a, scale_b, bias, out_dtype, scaling: str, act: str) -> torch.Tensor:
     """The call as torch computes it: ``torch._scaled_mm``, then the activation. Where torch has
     no such kernel, the product of the dequantized operands in float32 instead (slower, as exact):
-    torch's CPU ``_scaled_mm`` scales per tensor only (torch 2.11), and cuBLASLt refuses some
-    shapes (block scaling at M = 1, any N not a multiple of 16; H100, torch 2.11 + CUDA 13)."""
+    torch's CPU ``_scaled_mm`` scales per tensor only (torch 2.11), and on a GPU it refuses
+    block scaling at M = 1, an N not a multiple of 16, a bias with a float32 output and two e5m2
+    operands (H100, torch 2.11 + CUDA 13). The call was checked already (``check``): what torch
+    raises here is a kernel it lacks."""
     if a.is_cuda or scaling == "tensor":
         try:
             return activations.apply(torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype), act)
-        except RuntimeError:
+        except (RuntimeError, ValueError):
             if torch.compiler.is_compiling():
                 raise
     return activations.apply(dequantized_product(a, b, scale_a, scale_b, bias, scaling).to(out_dtype), act)
