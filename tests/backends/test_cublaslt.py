@@ -230,3 +230,50 @@ def test_layers_of_one_shape_share_the_kernel_each_with_its_own_bias():
     graph.replay()
     for out, (w, b) in zip(outs, layers):
         assert verify.rel_err(out, F.linear(x.double(), w.double(), b.double())) < 2e-2
+
+
+# fp8 products scaled per tensor (LtScaledKernel): the heuristic's algorithms after torch's
+
+
+def test_it_is_asked_for_both_kinds_and_serves_the_fp8_products_cublas_takes():
+    e4m3 = Problem(16, 4096, 4096, "float8_e4m3fn", scaling="tensor", bias=True)
+    assert backends.takes("cublaslt", e4m3) and backends.takes("cublaslt", Problem(16, 4096, 4096))
+    assert lt.serves_scaled(e4m3)
+    refused = [Problem(16, 4096, 4096, "float8_e4m3fn", scaling="row"),  # row scales: torch's own kernel
+               Problem(16, 4096, 4096, "float8_e5m2", scaling="tensor"),  # two e5m2 operands
+               Problem(16, 4096, 4096, "float8_e4m3fn", scaling="tensor", bias=True, out_dtype="float32"),
+               Problem(16, 4104, 4096, "float8_e4m3fn", scaling="tensor")]  # N % 16
+    for p in refused:
+        assert not lt.serves_scaled(p), p
+        assert backends.get("cublaslt").candidates(p, current()) == []
+        with pytest.raises(ValueError, match="cublaslt serves fp8 products scaled per tensor"):
+            backends.get("cublaslt").build(p, backends.get("cublaslt").parse_config(CONFIG), current())
+    assert backends.get("cublaslt").candidates(e4m3, interpreter_device()) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype,bias,activation", [("bfloat16", True, "none"), ("bfloat16", False, "relu"),
+                                                       ("float16", True, "gelu_tanh"), ("float32", False, "silu")])
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (33, 1024, 512), (2048, 6144, 4096)])
+def test_every_ranked_fp8_algorithm_matches_float64(m, n, k, out_dtype, bias, activation):
+    p = Problem(m, n, k, "float8_e4m3fn", scaling="tensor", out_dtype=out_dtype, bias=bias, activation=activation)
+    inputs = verify.make_inputs(p, "cuda", seed=m + n)
+    backend = backends.get("cublaslt")
+    configs = backend.candidates(p, current())
+    for config in configs:
+        verdict = verify.check(backend.build(p, config, current()), p, inputs)
+        assert verdict.ok, (config, verdict.reason())
+
+
+@pytest.mark.gpu
+def test_fp8_operands_or_scales_it_was_not_checked_for_go_to_torch():
+    p = Problem(64, 1024, 512, "float8_e4m3fn", scaling="tensor", bias=True)
+    backend = backends.get("cublaslt")
+    kernel = backend.build(p, backend.candidates(p, current())[0], current())
+    inputs = verify.make_inputs(p, "cuda", seed=9)
+    a, b, bias, sa, sb = inputs.operands
+    wide = torch.empty(64, 1024, dtype=a.dtype, device="cuda")
+    wide[:, :512] = a
+    assert verify.judge(kernel(wide[:, :512], b, bias, sa, sb), p, inputs).ok  # a strided view: torch's call
+    out = torch.empty(64, 2048, dtype=torch.bfloat16, device="cuda")[:, ::2]  # a strided out: written through
+    assert kernel(a, b, bias, sa, sb, out=out) is out and verify.judge(out, p, inputs).ok

@@ -28,6 +28,8 @@ OWN_JIT = ("cute",)  # compiled by their own JIT (CuTe DSL), not Triton's: nothi
 CACHED_COMPILES = ("cute",)
 # the backends of fp8 (scaled) products alone; the reference takes both kinds
 SCALED = ("scaled_mm_fast", "triton_scaled", "triton_scaled_stream")
+# backends asked for both kinds, whose kernels take scales where the problem has them
+EITHER = ("cublaslt",)
 
 
 def names() -> tuple[str, ...]:
@@ -35,10 +37,10 @@ def names() -> tuple[str, ...]:
 
 
 def takes(name: str, problem) -> bool:
-    """Whether backend ``name`` is asked for ``problem``'s candidates: the reference always, the
-    SCALED backends for fp8 products alone, the others for the rest (their kernels' call takes
-    no scales)."""
-    return name == REFERENCE or (name in SCALED) == problem.scaled
+    """Whether backend ``name`` is asked for ``problem``'s candidates: the reference and the
+    EITHER backends always, the SCALED backends for fp8 products alone, the others for the rest
+    (their kernels' call takes no scales)."""
+    return name == REFERENCE or name in EITHER or (name in SCALED) == problem.scaled
 
 
 def get(name: str) -> Backend:

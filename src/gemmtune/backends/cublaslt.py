@@ -10,6 +10,11 @@ algorithm was not checked for (other strides, dtypes or devices, pointers off th
 alignment every algorithm may assume, a bias where the problem has none or none where it has
 one) goes to torch's own call: never a wrong result. Another M, or another GPU, is checked by
 cuBLAS on first use and kept.
+
+fp8 products scaled per tensor are served too (``LtScaledKernel``: called as ``triton_scaled``'s
+kernels are, its scales read from their pointers): the heuristic's algorithms after the first,
+which is ``torch._scaled_mm``'s; where torch 2.11 raised for a product on an H100 (two e5m2
+operands, a bias with a float32 output) none are offered (``serves_scaled``).
 """
 
 from __future__ import annotations
@@ -69,8 +74,12 @@ def _range(ctype) -> range:
 @functools.lru_cache(maxsize=256)
 def _ranked(problem: Problem, device_index: int) -> tuple[LtConfig, ...]:
     ranked = cublaslt_binding.Matmul(problem, device_index).heuristics(HEURISTICS)
-    # the first is torch's call, unless cuBLAS's epilogue does more (torch may add the bias apart)
-    first = 0 if cublaslt_binding.epilogue(problem) != cublaslt_binding.EPILOGUE_DEFAULT else 1
+    # the first is torch's call, unless cuBLAS's epilogue does more (torch may add the bias apart;
+    # torch's _scaled_mm hands cuBLAS its bias, never an activation)
+    if problem.scaled:
+        first = 0 if cublaslt_binding.fused_activation(problem) else 1
+    else:
+        first = 0 if cublaslt_binding.epilogue(problem) != cublaslt_binding.EPILOGUE_DEFAULT else 1
     return tuple(LtConfig(**config) for config in ranked[first:])
 
 
@@ -80,7 +89,7 @@ class LtKernel(KernelBase):
     def __init__(self, problem: Problem, config: LtConfig, device: Device) -> None:
         self._problem = problem
         self._config = config.as_dict()
-        self._dtype = getattr(torch, problem.dtype)
+        self._dtype, self._out_dtype = getattr(torch, problem.dtype), getattr(torch, problem.out_dtype)
         self._activation = "none" if cublaslt_binding.fused_activation(problem) else problem.activation
         linear = problem.layout == "linear"
         self._b_shape = (problem.n, problem.k) if linear else (problem.k, problem.n)
@@ -124,7 +133,7 @@ class LtKernel(KernelBase):
         else (N,) of unit stride, of a's dtype and device, 256-byte aligned."""
         if bias is None or not self._problem.bias:
             return (bias is None) == (not self._problem.bias)
-        return (tuple(bias.shape) == (self._problem.n,) and bias.stride() == (1,) and bias.dtype == self._dtype
+        return (tuple(bias.shape) == (self._problem.n,) and bias.stride() == (1,) and bias.dtype == self._out_dtype
                 and bias.device == a.device and bias.data_ptr() % cublaslt_binding.ALIGNMENT == 0)
 
     def __call__(self, a, b, bias, out=None):
@@ -134,9 +143,9 @@ class LtKernel(KernelBase):
         launch, workspace_bytes, _ = plan
         m, n = a.shape[0], self._problem.n
         result = out
-        if out is None or out.shape != (m, n) or out.stride() != (n, 1) or out.dtype != self._dtype \
+        if out is None or out.shape != (m, n) or out.stride() != (n, 1) or out.dtype != self._out_dtype \
                 or out.device != a.device or out.data_ptr() % cublaslt_binding.ALIGNMENT:
-            result = torch.empty((m, n), dtype=self._dtype, device=a.device)
+            result = torch.empty((m, n), dtype=self._out_dtype, device=a.device)
         # the workspace from the caching allocator, on this stream: safe beside other streams and in graphs
         workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=a.device) if workspace_bytes else None
         launch(b.data_ptr(), a.data_ptr(), result.data_ptr(), 0 if workspace is None else workspace.data_ptr(),
@@ -170,6 +179,48 @@ class LtKernel(KernelBase):
         return call
 
 
+class LtScaledKernel(LtKernel):
+    """An fp8 product scaled per tensor: ``kernel(a, b, bias, scale_a, scale_b, out=None)`` as
+    ``triton_scaled``'s kernels are called, each scale a float32 of one element on a's GPU. Other
+    operands (or scales) than the algorithm was checked for go to ``torch._scaled_mm``."""
+
+    def __call__(self, a, b, bias, scale_a, scale_b, out=None):
+        plan = self._usable(a, b, bias)
+        if plan is None or not all(_one_scale(s, a) for s in (scale_a, scale_b)):
+            return self._fallback(a, b, bias, scale_a, scale_b, out)
+        launch, workspace_bytes, _ = plan
+        m, n = a.shape[0], self._problem.n
+        result = out
+        if out is None or out.shape != (m, n) or out.stride() != (n, 1) or out.dtype != self._out_dtype \
+                or out.device != a.device or out.data_ptr() % cublaslt_binding.ALIGNMENT:
+            result = torch.empty((m, n), dtype=self._out_dtype, device=a.device)
+        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=a.device) if workspace_bytes else None
+        launch(b.data_ptr(), a.data_ptr(), result.data_ptr(), 0 if workspace is None else workspace.data_ptr(),
+               workspace_bytes, torch._C._cuda_getCurrentRawStream(a.device.index),
+               0 if bias is None else bias.data_ptr(), scale_b.data_ptr(), scale_a.data_ptr())
+        result = activation.apply(result, self._activation)
+        if out is not None and result is not out:
+            return out.copy_(result)
+        return result
+
+    def bind(self, a, b, bias) -> BoundCall | None:
+        return None  # fp8 calls are served through serving.scaled, which binds nothing
+
+
+def _one_scale(scale, a) -> bool:
+    """A per-tensor scale cuBLAS reads from its pointer: one float32 on a's GPU."""
+    return isinstance(scale, torch.Tensor) and scale.numel() == 1 and scale.dtype == torch.float32 \
+        and scale.device == a.device
+
+
+def serves_scaled(problem: Problem) -> bool:
+    """The fp8 products cuBLASLt's per-tensor kernels take (what torch 2.11's _scaled_mm raised
+    for on an H100 is left out): scaled per tensor, 16-byte rows, not two e5m2 operands, no bias
+    with a float32 output."""
+    return (problem.scaling == "tensor" and problem.rows_aligned and problem.dtype != "float8_e5m2"
+            and not (problem.bias and problem.out_dtype == "float32"))
+
+
 class CublasLtBackend:
     name = "cublaslt"
     space_size = HEURISTICS - 1
@@ -185,7 +236,7 @@ class CublasLtBackend:
         return True
 
     def candidates(self, problem: Problem, device: Device) -> list[LtConfig]:
-        if device.interpreter or not problem.rows_aligned:
+        if device.interpreter or not problem.rows_aligned or (problem.scaled and not serves_scaled(problem)):
             return []
         try:
             return list(_ranked(problem, torch.cuda.current_device()))
@@ -200,6 +251,11 @@ class CublasLtBackend:
         return config_from_mapping(self.name, data, LtConfig)
 
     def build(self, problem: Problem, config: LtConfig, device: Device) -> LtKernel:
+        if problem.scaled:
+            if not serves_scaled(problem):
+                raise ValueError(f"cublaslt serves fp8 products scaled per tensor with 16-byte rows, one e4m3 "
+                                 f"operand at least and no bias with a float32 output; got {problem.describe()}")
+            return LtScaledKernel(problem, config, device)
         return LtKernel(problem, config, device)
 
 

@@ -8,6 +8,11 @@ what cuBLAS's heuristic cannot do, since it never times anything.
 
 Row-major operands are cuBLAS's column-major transposes, so the product is computed as
 C^T = op(B^T) A^T: cuBLAS's first operand is gemmtune's B (the weight), its second gemmtune's A.
+
+fp8 products scaled per tensor are cuBLASLt's too (``torch._scaled_mm`` runs the heuristic's
+first): fp8 operands, an output of the problem's ``out_dtype``, the two scales read from device
+pointers set per launch (cuBLAS's A scale is the weight's), and precise accumulation (fast
+accumulation failed gemmtune's fp8 tolerance on an H100: docs/performance.md, fp8 products).
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from collections.abc import Mapping
 from gemmtune.errors import CublasLtError
 from gemmtune.problem import Problem
 
-CUDA_TYPES = {"float16": 2, "bfloat16": 14, "float32": 0}  # cudaDataType_t
+CUDA_TYPES = {"float16": 2, "bfloat16": 14, "float32": 0, "float8_e4m3fn": 28, "float8_e5m2": 29}  # cudaDataType_t
 COMPUTE_32F, COMPUTE_32F_FAST_TF32 = 68, 77  # cublasComputeType_t
 SCALE_32F = 0
 DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8  # cublasLtMatmulDescAttributes_t
+DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_FAST_ACCUM = 17, 18, 25  # the fp8 ones (per-tensor scales)
 # cublasLtEpilogue_t: what cuBLAS itself applies to the product (its GELU is the tanh approximation,
 # so an exact GELU is torch's, after the product). BIAS is a value of its own, not a flag over
 # DEFAULT: DEFAULT | BIAS (5) is no epilogue cuBLAS knows, and its algorithms wrote wrong outputs
@@ -139,20 +145,24 @@ class Matmul:
         self._handle = handle(device_index)
         linear = problem.layout == "linear"
         m, n, k = problem.m, problem.n, problem.k
-        dtype = CUDA_TYPES[problem.dtype]
-        self._types = (COMPUTE_32F_FAST_TF32 if problem.tf32 else COMPUTE_32F, SCALE_32F, dtype, dtype, dtype, dtype)
+        dtype, out = CUDA_TYPES[problem.dtype], CUDA_TYPES[problem.out_dtype]
+        self._types = (COMPUTE_32F_FAST_TF32 if problem.tf32 else COMPUTE_32F, SCALE_32F, dtype, dtype, out, out)
         self.desc = ctypes.c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), self._types[0], SCALE_32F), "MatmulDescCreate")
         for attribute, op in ((DESC_TRANSA, OP_T if linear else OP_N), (DESC_TRANSB, OP_N),
                               (DESC_EPILOGUE, epilogue(problem))):
             value = ctypes.c_int32(op)
             _check(lib.cublasLtMatmulDescSetAttribute(self.desc, attribute, ctypes.byref(value), 4), "DescSetAttribute")
+        if problem.scaled:
+            precise = ctypes.c_int8(0)
+            _check(lib.cublasLtMatmulDescSetAttribute(self.desc, DESC_FAST_ACCUM, ctypes.byref(precise), 1),
+                   "DescSetAttribute(FAST_ACCUM)")
         # column-major: the weight (k x n, or n x k for nn), the activations (k x m), the output (n x m)
-        shapes = ((k, n, k) if linear else (n, k, n), (k, m, k), (n, m, n))
+        shapes = ((k, n, k, dtype) if linear else (n, k, n, dtype), (k, m, k, dtype), (n, m, n, out))
         self.layouts = []
-        for rows, cols, ld in shapes:
+        for rows, cols, ld, kind in shapes:
             layout = ctypes.c_void_p()
-            _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld), "MatrixLayoutCreate")
+            _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), kind, rows, cols, ld), "MatrixLayoutCreate")
             self.layouts.append(layout)
         weakref.finalize(self, _destroy, lib, self.desc, tuple(self.layouts))
 
@@ -205,29 +215,34 @@ class Matmul:
     def launcher(self, algo: Algo):
         """``launch(weight_ptr, activation_ptr, out_ptr, workspace_ptr, workspace_bytes, stream,
         bias_ptr)`` of ``algo``: the product (and its epilogue, reading the bias at ``bias_ptr``
-        where the problem has one) into ``out_ptr``; raises CublasLtError on a failed status."""
+        where the problem has one) into ``out_ptr``; raises CublasLtError on a failed status.
+        An fp8 product's launch takes its scales' pointers last: ``weight_scale_ptr,
+        activation_scale_ptr``."""
         lib, handle_, desc = self._lib, self._handle, self.desc
         matmul, set_attribute = lib.cublasLtMatmul, lib.cublasLtMatmulDescSetAttribute
         a, b, c = self.layouts
         alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         algo_ref, alpha_ref, beta_ref = ctypes.byref(algo), ctypes.byref(alpha), ctypes.byref(beta)
-        bias = ctypes.c_void_p(0)
-        bias_ref, bias_size = ctypes.byref(bias), ctypes.sizeof(bias)
-        # The bias pointer is an attribute of the descriptor, which calls of every layer of this
-        # shape share: set and read under one lock, so that a thread's launch reads its own bias.
+        bias, scale_w, scale_x = ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_void_p(0)
+        size = ctypes.sizeof(bias)
+        bias_ref, scale_w_ref, scale_x_ref = ctypes.byref(bias), ctypes.byref(scale_w), ctypes.byref(scale_x)
+        # The bias and scale pointers are attributes of the descriptor, which calls of every layer of
+        # this shape share: set and read under one lock, so that a thread's launch reads its own.
         lock = threading.Lock()
         # The launch reads these by address, and this object's descriptors, which its finalizer
         # destroys: a launch kept after its Matmul (a bound call outliving its kernel) keeps it too.
-        keep = (algo, alpha, beta, bias, self)
+        keep = (algo, alpha, beta, bias, scale_w, scale_x, self)
 
         def launch(weight: int, activations: int, out: int, workspace: int, workspace_bytes: int, stream: int,
-                   bias_ptr: int = 0) -> None:
-            if bias_ptr:
+                   bias_ptr: int = 0, weight_scale_ptr: int = 0, activation_scale_ptr: int = 0) -> None:
+            if bias_ptr or weight_scale_ptr:
                 with lock:
-                    bias.value = bias_ptr
-                    status = set_attribute(desc, DESC_BIAS_POINTER, bias_ref, bias_size) or matmul(
-                        handle_, desc, alpha_ref, weight, a, activations, b, beta_ref, out, c, out, c, algo_ref,
-                        workspace, workspace_bytes, stream)
+                    bias.value, scale_w.value, scale_x.value = bias_ptr, weight_scale_ptr, activation_scale_ptr
+                    status = (bias_ptr and set_attribute(desc, DESC_BIAS_POINTER, bias_ref, size)) or (
+                        weight_scale_ptr and (set_attribute(desc, DESC_A_SCALE_POINTER, scale_w_ref, size)
+                                              or set_attribute(desc, DESC_B_SCALE_POINTER, scale_x_ref, size))
+                    ) or matmul(handle_, desc, alpha_ref, weight, a, activations, b, beta_ref, out, c, out, c,
+                                algo_ref, workspace, workspace_bytes, stream)
             else:
                 status = matmul(handle_, desc, alpha_ref, weight, a, activations, b, beta_ref, out, c, out, c, algo_ref,
                                 workspace, workspace_bytes, stream)
