@@ -140,6 +140,11 @@ class LtKernel(KernelBase):
         plan = self._usable(a, b, bias)
         if plan is None:
             return self._fallback(a, b, bias, out)
+        return self._run(plan, a, b, bias, out)
+
+    def _run(self, plan: tuple, a, b, bias, out, *scales: int):
+        """The product by ``plan``'s algorithm into ``out`` (through a buffer of its own where
+        ``out`` is not one it can write), ``scales`` the fp8 scales' pointers (weight, then a)."""
         launch, workspace_bytes, _ = plan
         m, n = a.shape[0], self._problem.n
         result = out
@@ -149,7 +154,8 @@ class LtKernel(KernelBase):
         # the workspace from the caching allocator, on this stream: safe beside other streams and in graphs
         workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=a.device) if workspace_bytes else None
         launch(b.data_ptr(), a.data_ptr(), result.data_ptr(), 0 if workspace is None else workspace.data_ptr(),
-               workspace_bytes, torch._C._cuda_getCurrentRawStream(a.device.index), 0 if bias is None else bias.data_ptr())
+               workspace_bytes, torch._C._cuda_getCurrentRawStream(a.device.index), 0 if bias is None else bias.data_ptr(),
+               *scales)
         result = activation.apply(result, self._activation)
         if out is not None and result is not out:
             return out.copy_(result)
@@ -188,20 +194,7 @@ class LtScaledKernel(LtKernel):
         plan = self._usable(a, b, bias)
         if plan is None or not all(_one_scale(s, a) for s in (scale_a, scale_b)):
             return self._fallback(a, b, bias, scale_a, scale_b, out)
-        launch, workspace_bytes, _ = plan
-        m, n = a.shape[0], self._problem.n
-        result = out
-        if out is None or out.shape != (m, n) or out.stride() != (n, 1) or out.dtype != self._out_dtype \
-                or out.device != a.device or out.data_ptr() % cublaslt_binding.ALIGNMENT:
-            result = torch.empty((m, n), dtype=self._out_dtype, device=a.device)
-        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=a.device) if workspace_bytes else None
-        launch(b.data_ptr(), a.data_ptr(), result.data_ptr(), 0 if workspace is None else workspace.data_ptr(),
-               workspace_bytes, torch._C._cuda_getCurrentRawStream(a.device.index),
-               0 if bias is None else bias.data_ptr(), scale_b.data_ptr(), scale_a.data_ptr())
-        result = activation.apply(result, self._activation)
-        if out is not None and result is not out:
-            return out.copy_(result)
-        return result
+        return self._run(plan, a, b, bias, out, scale_b.data_ptr(), scale_a.data_ptr())
 
     def bind(self, a, b, bias) -> BoundCall | None:
         return None  # fp8 calls are served through serving.scaled, which binds nothing
