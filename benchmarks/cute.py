@@ -6,8 +6,9 @@ kernel cache:
    first call, cold), checked against float64, then all of them timed side by side with cuBLAS;
    the best is the exhaustive choice.
 2. **gemmtune**, the whole default space (cute's kernels now compiled, as the goal's "once
-   compiled" asks): its choice and ``tune_s``; the best verified trial of each backend as a
-   ratio to cuBLAS (``by_backend``).
+   compiled" asks): its choice and ``tune_s``, where those seconds went (``tune_profile``:
+   cProfile, cumulative) and how many trials each backend had (``trials_by_backend``); the best
+   verified trial of each backend as a ratio to cuBLAS (``by_backend``).
 3. **QuACK's own autotuner** (``gemm_tuned`` called without a config: it times its configs on
    the first call, ``quack_tune_s``).
 4. **Side by side**, in one measurement of interleaved rounds with L2 flushed: cuBLAS,
@@ -182,7 +183,9 @@ def tune(problem) -> dict:
     from gemmtune.device import current
     from gemmtune.tuning.tuner import tune_problem
 
-    result = tune_problem(problem, current())
+    profile = cProfile.Profile()
+    with profile:  # where the tuning's seconds go (the goal: 2 s once compiled)
+        result = tune_problem(problem, current())
     best: dict[str, object] = {}
     for trial in result.trials:
         if trial.ok and trial.vs_reference is not None and \
@@ -192,7 +195,9 @@ def tune(problem) -> dict:
     return {"result": result,
             "kernel": backends.build(problem, result.backend, result.config, current()),
             "best_cute": backends.get("cute").parse_config(cute_trial.config) if cute_trial else None,
-            "row": {"choice": result.label(), "tune_s": result.tune_s,
+            "row": {"choice": result.label(), "tune_s": result.tune_s, "tune_profile": costliest(profile, 25),
+                    "trials_by_backend": {name: sum(t.backend == name for t in result.trials)
+                                          for name in dict.fromkeys(t.backend for t in result.trials)},
                     "by_backend": {name: {"config": t.label(), "vs_cublas": 1.0 / t.vs_reference}
                                    for name, t in best.items()}}}
 
