@@ -3,6 +3,8 @@ the dispatch key of an fp8 product; on the GPU, served calls against float64."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gemmtune
 from gemmtune.problem import Problem
@@ -11,6 +13,7 @@ from gemmtune.serving.dispatch import DispatchKey
 from gemmtune.tuning import verify
 
 E4M3 = torch.float8_e4m3fn
+SCALINGS = ["tensor", "row", "block"]
 
 
 def operands(m=5, n=32, k=256, dtype=E4M3):
@@ -125,3 +128,19 @@ def test_on_the_gpu_what_torch_refuses_is_still_served_right(fresh_dispatch):
         assert verify.judge(served, p, inputs).ok
         fallback = scaled.by_torch(inputs.a, inputs.b.t(), sa, sb, inputs.bias, out_dtype, p.scaling, "none")
         assert verify.judge(fallback, p, inputs).ok
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(m=st.integers(1, 40), n=st.integers(1, 300), k=st.integers(1, 300), scaling=st.sampled_from(SCALINGS),
+       fp8=st.sampled_from(["float8_e4m3fn", "float8_e5m2"]), out=st.sampled_from(["bfloat16", "float16", "float32"]),
+       bias=st.booleans(), act=st.sampled_from(["none", "relu", "gelu", "silu"]), seed=st.integers(0, 2**16))
+def test_torch_s_fallback_is_within_the_fp8_bound_at_any_size(m, n, k, scaling, fp8, out, bias, act, seed):
+    # the fallback's dequantized product (or torch's CPU kernel, per tensor), on fresh operands of
+    # awkward sizes, every scaling, format and output dtype, against the float64 reference
+    p = Problem(m, n, k, fp8, scaling=scaling, out_dtype=out, bias=bias, activation=act)
+    inputs = verify.make_inputs(p, "cpu", seed=seed)
+    a, b, bias_t, sa, sb = inputs.operands
+    got = scaled.by_torch(a, b.t(), sa, sb.t() if sb.dim() == 2 else sb, bias_t, verify.TORCH_DTYPES[out], scaling,
+                          act)
+    verdict = verify.judge(got, p, inputs)
+    assert verdict.ok, verdict.reason()
