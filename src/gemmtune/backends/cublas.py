@@ -71,6 +71,17 @@ class CublasBackend:
         return function_kernel(gemm_then_activation, serves_any_rank=gemm is _linear)
 
 
+def scaled_mm_takes(problem: Problem, fast_accum: bool = False) -> bool:
+    """Whether ``torch._scaled_mm`` on a GPU has a kernel for this fp8 product, as far as its shape
+    says: what torch 2.11 raised for on an H100 is left out (rows not 16-byte aligned, two e5m2
+    operands, a bias with a float32 output, fast accumulation with block scales). cuBLASLt also
+    refused block scaling at M = 1; that depends on the call's rows, and torch's fallback
+    (``serving.scaled.by_torch``) meets it."""
+    return (problem.rows_aligned and problem.dtype != "float8_e5m2"
+            and not (problem.bias and problem.out_dtype == "float32")
+            and not (fast_accum and problem.scaling == "block"))
+
+
 def scaled_mm(problem: Problem, fast_accum: bool = False) -> Kernel:
     """``torch._scaled_mm`` on gemmtune's scaled-kernel operands (``Problem.scaling``), then
     torch's activation: b is the (N, K) weight, whose transpose is the column-major (K, N) torch

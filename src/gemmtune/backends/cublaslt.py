@@ -207,11 +207,9 @@ def _one_scale(scale, a) -> bool:
 
 
 def serves_scaled(problem: Problem) -> bool:
-    """The fp8 products cuBLASLt's per-tensor kernels take (what torch 2.11's _scaled_mm raised
-    for on an H100 is left out): scaled per tensor, 16-byte rows, not two e5m2 operands, no bias
-    with a float32 output."""
-    return (problem.scaling == "tensor" and problem.rows_aligned and problem.dtype != "float8_e5m2"
-            and not (problem.bias and problem.out_dtype == "float32"))
+    """The fp8 products cuBLASLt's per-tensor kernels take: scaled per tensor, and what torch's
+    ``_scaled_mm`` (cuBLASLt's first algorithm) takes (``cublas.scaled_mm_takes``)."""
+    return problem.scaling == "tensor" and cublas.scaled_mm_takes(problem)
 
 
 class CublasLtBackend:

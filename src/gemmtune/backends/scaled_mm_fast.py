@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gemmtune.backends.base import FieldConfig, Kernel
-from gemmtune.backends.cublas import scaled_mm
+from gemmtune.backends.cublas import scaled_mm, scaled_mm_takes
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -30,7 +30,8 @@ class ScaledMmFastBackend:
         return device.interpreter or device.capability >= (8, 9)
 
     def candidates(self, problem: Problem, device: Device) -> list[FastConfig]:
-        return [FastConfig()] if problem.scaled else []
+        """One, where torch has a fast-accumulating kernel for the product (``scaled_mm_takes``)."""
+        return [FastConfig()] if problem.scaled and scaled_mm_takes(problem, fast_accum=True) else []
 
     def predict_ms(self, problem: Problem, device: Device, config) -> float | None:
         return None

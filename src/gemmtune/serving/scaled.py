@@ -32,9 +32,9 @@ def check(a, b, scale_a, scale_b, bias, out_dtype, activation) -> tuple[str, str
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"scaled_mm: a (M, K) and b (K, N) must be 2-D with the same K, got a {tuple(a.shape)} "
                          f"and b {tuple(b.shape)}")
-    accepted = ", ".join(FP8_NAMES.values())
     if a.dtype not in FP8_NAMES or b.dtype != a.dtype:
-        raise TypeError(f"scaled_mm: a and b must share one fp8 dtype ({accepted}), got {a.dtype} and {b.dtype}")
+        raise TypeError(f"scaled_mm: a and b must share one fp8 dtype ({', '.join(FP8_NAMES.values())}), "
+                        f"got {a.dtype} and {b.dtype}")
     for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
         if scale.dtype != torch.float32 or not same_device(scale, a):
             raise TypeError(f"scaled_mm: {name} must be float32 on {a.device}, got {scale.dtype} on {scale.device}")

@@ -37,10 +37,10 @@ ROUNDING = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10, "float32": 2.0 ** -20}
 # 2^-8 (bf16) or 2^-11 (fp16) each; TF32 cuts each input to 10 mantissa bits (Triton truncates:
 # about 8e-4 * scale standard deviation, and 1.08x a 2^-8 bound was seen on an H100 at 4096^2
 # outputs); IEEE fp32, about sqrt(K) * 6e-8.
-# fp8 products (their inputs exact in float32, their products too): Hopper's tensor cores may
-# accumulate fp8 dots in fewer bits than float32 unless the kernel promotes its partial sums
-# ("fast accumulation", cuBLASLt's and Triton's default there: about 14 bits kept), which loses
-# about 2^-14 * sqrt(K / 2) of scale (1e-3 at K = 14336) where rounding is unbiased.
+# fp8 products (their inputs exact in float32, their products too): accumulation in float32, as
+# torch._scaled_mm's default and kernels promoting their partial sums every 128 of K give it.
+# Hopper's fast accumulation (about 14 bits kept) read 1.06-1.9x this bound at its worst element
+# on an H100 (K = 4096-14336) and fails it, as a wrong result does (docs/verification.md).
 ACCUMULATION = {"bfloat16": 2.0 ** -6, "float16": 2.0 ** -9, "float32+tf32": 2.0 ** -7, "float32": 2.0 ** -14,
                 "float8": 2.0 ** -7}
 # ||out - ref|| / ||ref|| allowed besides: a scale error that stays inside every element's bound
