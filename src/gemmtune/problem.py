@@ -22,7 +22,7 @@ KEY_VERSION = "v2"
 
 _KEY_RE = re.compile(
     rf"^v2/(?P<layout>linear|nn)/(?P<dtype>{'|'.join(DTYPES + SCALED_DTYPES)})(?P<tf32>\+tf32)?"
-    rf"(?:>(?P<out>{'|'.join(DTYPES)})@(?P<scaling>tensor|row|block))?"
+    rf"(?:>(?P<out>{'|'.join(DTYPES)})@(?P<scaling>{'|'.join(SCALINGS[1:])}))?"
     r"/(?P<m>[1-9]\d*)x(?P<n>[1-9]\d*)x(?P<k>[1-9]\d*)/bias=(?P<bias>[01])"
     r"/act=(?P<act>none|relu|gelu|gelu_tanh|silu)$"
 )

@@ -22,7 +22,7 @@ from gemmtune.backends.launch import Launcher
 from gemmtune.backends.triton_persistent import tma_ready
 from gemmtune.backends.triton_scaled import (INTERPRETER_SPLITS, K_BLOCK_SIZES, SPLITS, SplitReduce, check_scales,
                                              scale_strides, splits)
-from gemmtune.backends.triton_stream import BLOCK_M, BLOCK_N, MAX_M, STAGES, WARPS, StreamConfig, _block_m
+from gemmtune.backends.triton_stream import BLOCK_M, BLOCK_N, MAX_M, STAGES, WARPS, StreamConfig, narrow_block
 from gemmtune.device import Device
 from gemmtune.problem import SCALE_BLOCK, Problem, torch_dtypes
 
@@ -63,7 +63,7 @@ def space(problem: Problem, device: Device) -> list[ScaledStreamConfig]:
     allows its tiles (more than one where they leave SMs idle)."""
     if not _served(problem):
         return []
-    block_m = _block_m(problem.m)
+    block_m = narrow_block(problem.m)
     if device.interpreter:
         return [ScaledStreamConfig(block_m, bn, bk, warps, stages, split) for bn, bk, warps, stages in INTERPRETER_TILES
                 for split in INTERPRETER_SPLITS]

@@ -61,7 +61,9 @@ class StreamConfig(FieldConfig):
         return resident * device.sm_count
 
 
-def _block_m(m: int) -> int:
+def narrow_block(m: int) -> int:
+    """The A rows a tile takes as the warpgroup MMA's narrow side: M up to a power of two, 16 at
+    least."""
     return max(16, 1 << max(0, (m - 1).bit_length()))
 
 
@@ -71,13 +73,13 @@ def space(problem: Problem, device: Device) -> list[StreamConfig]:
     if not MIN_M <= problem.m <= MAX_M:
         return []
     if device.interpreter:
-        return [StreamConfig(_block_m(problem.m), bn, bk, warps, stages) for bn, bk, warps, stages in INTERPRETER_TILES]
+        return [StreamConfig(narrow_block(problem.m), bn, bk, warps, stages) for bn, bk, warps, stages in INTERPRETER_TILES]
     if not device.is_hopper:
         return []
     configs = []
     for bn, bk, warps, stages in TILES:
         stages = max(2, min(stages, -(-problem.k // bk)))
-        config = StreamConfig(_block_m(problem.m), bn, bk, warps, stages)
+        config = StreamConfig(narrow_block(problem.m), bn, bk, warps, stages)
         if config.smem_bytes(problem.element_size) <= device.smem_per_block and config not in configs:
             configs.append(config)
     return configs
