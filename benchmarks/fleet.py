@@ -18,7 +18,8 @@ and the file says:
   reads as ``*_s - work_s / gpus``;
 - ``agreement``: the share of problems whose choice under ``--gpus all`` is the plain run's, and
   ``repeat``: the same between the two one-GPU runs (``plain`` and ``gpus_1``, on the same GPU:
-  how far two tunings agree at all). Each difference is then crosschecked: its two choices timed
+  how far two tunings agree at all); ``graph_same``: the same for the kernel each stored choice
+  runs in a CUDA graph (``tuner.graph_choice``). Each difference is then crosschecked: its two choices timed
   side by side with cuBLAS on GPU 0, in rounds like the tuner's final ones; ``kernel`` and
   ``cost`` are the other choice's over plain's (medians of per-round ratios, with their noise),
   and ``within_noise`` counts the differences where both are level (see ``crosscheck``).
@@ -79,23 +80,40 @@ def tune(shapes: Path, store: Path, cache: Path, extra: list[str], timeout: floa
 
 
 def agreement(plain: Path, spread: Path) -> dict:
-    """The choices of the ``spread`` store against the ``plain`` store's, problem by problem."""
+    """The choices of the ``spread`` store against the ``plain`` store's, problem by problem; and
+    ``graph_same``, the problems whose CUDA-graph kernel (``tuner.graph_choice`` over the stored
+    trials, else the choice's own) is the same in both, with ``graph_differences``."""
     from gemmtune.store import Store
 
     base, other = Store(plain), Store(spread)
     theirs = {(r.device, r.problem_key): r for r in other.choices()}
-    same, differences = 0, []
+    same, differences, graph_same, graph_differences = 0, [], 0, []
     for ours in base.choices():
         their = theirs.get((ours.device, ours.problem_key))
         if their is None:
             differences.append({"problem": ours.problem_key, "missing": True})
-        elif their.label() == ours.label():
+            continue
+        if their.label() == ours.label():
             same += 1
         else:
             differences.append({"problem": ours.problem_key, "plain": [ours.backend, ours.config],
                                 "other": [their.backend, their.config]})
+        graphs = graph_kernel(base, ours), graph_kernel(other, their)
+        if graphs[0] == graphs[1]:
+            graph_same += 1
+        else:
+            graph_differences.append({"problem": ours.problem_key, "plain": graphs[0], "other": graphs[1]})
     total = len(base.choices())
-    return {"problems": total, "same": same, "agreement": same / total if total else None, "differences": differences}
+    return {"problems": total, "same": same, "agreement": same / total if total else None, "differences": differences,
+            "graph_same": graph_same, "graph_differences": graph_differences}
+
+
+def graph_kernel(store, record) -> str:
+    """The label of the kernel a CUDA graph replays for ``record``, a stored choice."""
+    from gemmtune.tuning.tuner import graph_choice
+
+    pick = graph_choice(store.trials(record.device, record.problem_key), record.label())
+    return (pick or record).label()
 
 
 def crosscheck(comparison: dict, budget_ms: float) -> None:
@@ -206,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{gpus} GPUs: scaling {result['scaling']:.2f}x (ideal {gpus}), scheduler overhead "
           f"{result['scheduler_overhead']:+.1%}, agreement {result['same']}/{result['problems']} "
           f"({result['within_noise']} of the differences within noise; one GPU twice: "
-          f"{result['repeat']['same']}/{result['repeat']['problems']}, {result['repeat']['within_noise']})",
+          f"{result['repeat']['same']}/{result['repeat']['problems']}, {result['repeat']['within_noise']}); "
+          f"CUDA-graph kernels the same: {result['graph_same']}/{result['problems']}, one GPU twice "
+          f"{result['repeat']['graph_same']}",
           file=sys.stderr)
     return 0
 
