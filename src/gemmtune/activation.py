@@ -24,24 +24,21 @@ def apply(x: torch.Tensor, name: str, *, inplace: bool = True) -> torch.Tensor:
 
 
 def backward(z: torch.Tensor, grad: torch.Tensor, name: str) -> torch.Tensor:
-    """``grad * act'(z)``: the gradient through the activation at its input ``z``, computed in
-    fp32 at least and returned in ``grad``'s dtype. Plain torch ops, so torch.compile traces it."""
+    """``grad * act'(z)``: the gradient through the activation at its input ``z``, by torch's own
+    backward kernels (one pass each, computing in fp32 for 16-bit inputs, as torch's autograd of
+    the unfused activation does), returned in ``grad``'s dtype. Plain aten ops, so torch.compile
+    traces them."""
     if name == "none":
         return grad
-    wide = torch.promote_types(z.dtype, torch.float32)
-    zf, g = z.to(wide), grad.to(wide)
+    g = grad.to(z.dtype)
     if name == "relu":  # as torch's: a NaN input passes the gradient on (NaN <= 0 is false)
-        d = (~(zf <= 0)).to(wide)
+        d = torch.ops.aten.threshold_backward(g, z, 0)
     elif name == "gelu":
-        cdf = 0.5 * (1.0 + torch.erf(zf * 0.7071067811865476))
-        d = cdf + zf * torch.exp(-0.5 * zf * zf) * 0.3989422804014327  # + z * pdf(z)
+        d = torch.ops.aten.gelu_backward(g, z)
     elif name == "gelu_tanh":
-        c, a = 0.7978845608028654, 0.044715  # sqrt(2 / pi)
-        t = torch.tanh(c * (zf + a * zf ** 3))
-        d = 0.5 * (1.0 + t) + 0.5 * zf * (1.0 - t * t) * c * (1.0 + 3.0 * a * zf * zf)
+        d = torch.ops.aten.gelu_backward(g, z, approximate="tanh")
     elif name == "silu":
-        s = torch.sigmoid(zf)
-        d = s * (1.0 + zf * (1.0 - s))
+        d = torch.ops.aten.silu_backward(g, z)
     else:
         raise ValueError(f"activation {name!r} is not supported; accepted: none, relu, gelu, gelu_tanh, silu")
-    return (g * d).to(grad.dtype)
+    return d.to(grad.dtype)

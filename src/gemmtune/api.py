@@ -4,10 +4,11 @@ What falls back to torch (documented, never a wrong result): tensors not on a CU
 dtypes other than float16/bfloat16/float32, a zero-size dimension, a store miss during
 CUDA-graph capture (no tuning while capturing), and for ``matmul`` operands that are not both
 2-D (``torch.matmul``'s broadcasting rules apply). Everything else that is malformed raises an
-error naming the argument. Inputs that require a gradient, and calls that torch.compile traces,
-go through gemmtune's custom ops (``gemmtune.serving.torch_ops``): autograd differentiates them (their
-backward GEMMs are gemmtune's too) and the compiler keeps them whole instead of tracing into
-the dispatcher.
+error naming the argument. Inputs that require a gradient go through autograd functions whose
+backward GEMMs are gemmtune's too (``gemmtune.serving.autograd``; an activation then runs as
+torch's own op after the GEMM), and calls that torch.compile traces through gemmtune's custom ops
+(``gemmtune.serving.torch_ops``), which the compiler keeps whole instead of tracing into the
+dispatcher.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from gemmtune.device import current
 from gemmtune.problem import Problem
 from gemmtune.results import Trial, TuneResult
+from gemmtune.serving import autograd
 from gemmtune.serving import recording as recorder
 from gemmtune.serving.calls import check_linear, check_mm_2d, front_key, matmul_forward, require_tensor, serve_linear
 from gemmtune.serving.dispatch import DISPATCHER
@@ -62,16 +64,18 @@ def tune(problems: Problem | Iterable[Problem], *, store: Store | ServerStore | 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for 2-D ``a`` (M, K) and ``b`` (K, N) through the tuned kernel; differentiable
-    (through ``torch.ops.gemmtune.mm``) when an operand requires a gradient."""
+    when an operand requires a gradient."""
     require_tensor("a", a)
     require_tensor("b", b)
     if a.dim() != 2 or b.dim() != 2:
         return torch.matmul(a, b)
     check_mm_2d(a, b)
-    if _needs_grad(a, b) or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         from gemmtune.serving import torch_ops
 
         return torch_ops.mm(a, b)
+    if _needs_grad(a, b):
+        return autograd.mm(a, b)
     return matmul_forward(a, b)
 
 
@@ -79,7 +83,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            activation: str | None = None) -> torch.Tensor:
     """``act(F.linear(x, weight, bias))``: x (..., K), weight (N, K), bias (N,) or None;
     ``activation`` one of relu, gelu, gelu_tanh, silu, fused into the kernel's epilogue.
-    Differentiable (through ``torch.ops.gemmtune.linear``) when an input requires a gradient."""
+    Differentiable when an input requires a gradient (the activation then runs unfused, as
+    torch's own op: ``gemmtune.serving.autograd``)."""
     # The front path: a call like one already served by a kernel (same shapes, strides, 16-byte
     # alignment, dtypes and devices of every operand, same activation and TF32 setting) skips
     # every check below, since they passed then, and goes straight to what served it, which gets
@@ -99,10 +104,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if call is not None:
             return call(x, weight, bias, px, pw, pb)
     act = check_linear(x, weight, bias, activation)
-    if _needs_grad(x, weight, bias) or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         from gemmtune.serving import torch_ops
 
         return torch_ops.linear(x, weight, bias, act)
+    if _needs_grad(x, weight, bias):
+        return autograd.linear(x, weight, bias, act)
     n, k = weight.shape
     return serve_linear(x, weight, bias, act, x.shape, n, k, front)
 
