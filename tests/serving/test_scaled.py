@@ -3,7 +3,7 @@ the dispatch key of an fp8 product; on the GPU, served calls against float64."""
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import gemmtune
@@ -134,6 +134,8 @@ def test_on_the_gpu_what_torch_refuses_is_still_served_right(fresh_dispatch):
 @given(m=st.integers(1, 40), n=st.integers(1, 300), k=st.integers(1, 300), scaling=st.sampled_from(SCALINGS),
        fp8=st.sampled_from(["float8_e4m3fn", "float8_e5m2"]), out=st.sampled_from(["bfloat16", "float16", "float32"]),
        bias=st.booleans(), act=st.sampled_from(["none", "relu", "gelu", "silu"]), seed=st.integers(0, 2**16))
+# found by this test: silu after torch's CPU kernel's rounded output, at a pre-activation of -11.4
+@example(m=1, n=1, k=1, scaling="tensor", fp8="float8_e4m3fn", out="bfloat16", bias=True, act="silu", seed=0)
 def test_torch_s_fallback_is_within_the_fp8_bound_at_any_size(m, n, k, scaling, fp8, out, bias, act, seed):
     # the fallback's dequantized product (or torch's CPU kernel, per tensor), on fresh operands of
     # awkward sizes, every scaling, format and output dtype, against the float64 reference
