@@ -1,0 +1,79 @@
+"""The one-pass judgement (``tuning.judging``) against verify's torch judgement, element for
+element: the worst ratio, where it lies, the output and reference there, and the relative error,
+on fresh random outputs of awkward sizes in every output dtype, with non-finite elements and
+ties. Runs the kernel under Triton's interpreter without a GPU."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gemmtune.problem import Problem
+from gemmtune.tuning import judging, verify
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def case(m, n, dtype, seed, poison=(), zero_ref=False):
+    gen = torch.Generator().manual_seed(seed)
+    ref = torch.zeros(m, n, dtype=torch.float64) if zero_ref else torch.randn(m, n, generator=gen, dtype=torch.float64)
+    out = (ref + 1e-2 * torch.randn(m, n, generator=gen, dtype=torch.float64)).to(dtype)
+    for i, value in poison:
+        out.view(-1)[i % out.numel()] = value
+    bound = (1e-2 * torch.rand(m, n, generator=gen) + 1e-3).float()
+    return out.to(DEVICE), ref.to(DEVICE), bound.to(DEVICE)
+
+
+def torch_verdict(out, ref, bound):
+    """verify.judge's torch path (a CPU output) on these tensors."""
+    inputs = verify.Inputs(ref.cpu(), ref.cpu(), None, ref.cpu(), bound.cpu())
+    return verify.judge(out.cpu(), Problem(out.shape[0], out.shape[1], 1), inputs)
+
+
+def assert_same(out, ref, bound):
+    mine = judging.judge(out, ref, bound)
+    theirs = torch_verdict(out, ref, bound)
+    assert mine.worst == theirs.worst
+    assert divmod(mine.flat, out.shape[1]) == theirs.where
+    assert (mine.value == theirs.value or math.isnan(mine.value) and math.isnan(theirs.value))
+    assert mine.expected == theirs.expected
+    if math.isinf(theirs.rel_err):
+        assert math.isinf(mine.rel_err)
+    else:
+        assert mine.rel_err == pytest.approx(theirs.rel_err, rel=1e-12, abs=1e-300)
+
+
+@settings(max_examples=30, deadline=None, database=None)
+@given(m=st.sampled_from([1, 7, 33, 64]), n=st.sampled_from([1, 7, 33, 1000, 4095]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), seed=st.integers(0, 2 ** 16))
+def test_the_one_pass_judgement_is_the_torch_judgement(m, n, dtype, seed):
+    assert_same(*case(m, n, dtype, seed))
+
+
+@pytest.mark.parametrize("poison", [[(5, math.nan)], [(3, math.inf)], [(2000, -math.inf), (9, math.nan)],
+                                    [(4094, math.nan)]])
+def test_non_finite_outputs_are_the_worst_and_fail_the_norm(poison):
+    out, ref, bound = case(33, 4095 // 33 + 1, torch.bfloat16, 1, poison)
+    found = judging.judge(out, ref, bound)
+    assert found.worst == math.inf and math.isinf(found.rel_err)
+    assert_same(out, ref, bound)
+
+
+def test_ties_report_the_first_element_and_a_zero_reference_its_plain_error_norm():
+    out, ref, bound = case(7, 1500, torch.float32, 2, zero_ref=True)
+    out.zero_()
+    out.view(-1)[[10, 1100, 9000]] = 0.5  # three equal worst errors, in different blocks
+    found = judging.judge(out, ref, bound.fill_(0.25))
+    assert (found.worst, found.flat) == (2.0, 10)
+    assert found.rel_err == pytest.approx(math.sqrt(3 * 0.25))
+    assert_same(out, ref, bound)
+
+
+def test_only_contiguous_outputs_of_the_reference_s_shape_are_taken():
+    out, ref, bound = case(8, 16, torch.bfloat16, 3)
+    assert judging.takes(out, ref, bound)
+    assert not judging.takes(out.t(), ref.t(), bound.t())
+    assert not judging.takes(out[:, :8], ref[:, :8], bound[:, :8])
+    assert not judging.takes(out, ref.float(), bound)
