@@ -27,7 +27,6 @@ import torch
 
 from gemmtune import activation, scaling
 from gemmtune.problem import Problem, scaled_torch_dtypes, torch_dtypes
-from gemmtune.tuning import judging
 
 # Rounding of one value to the output dtype, relative to it: a unit in the last place (twice
 # the round-to-nearest error: Triton's interpreter truncates bfloat16 instead of rounding).
@@ -188,10 +187,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def judge(out: torch.Tensor, problem: Problem, inputs: Inputs) -> Verdict:
     """``out`` against ``inputs``' reference: element by element, and as a whole (on a GPU in one
     pass over memory: ``judging``)."""
-    if out.is_cuda and judging.takes(out, inputs.reference, inputs.bound):
-        found = judging.judge(out, inputs.reference, inputs.bound)
-        where = divmod(found.flat, out.shape[1]) if out.dim() == 2 else None
-        return Verdict(found.rel_err, tolerance(problem), found.worst, where, found.value, found.expected)
+    if out.is_cuda:
+        verdict = _judged_in_one_pass(out, problem, inputs)
+        if verdict is not None:
+            return verdict
     ratio = (out.double() - inputs.reference).abs_().div_(inputs.bound)
     ratio[~torch.isfinite(ratio)] = math.inf  # NaN compares false: make it the worst
     flat = int(torch.argmax(ratio))
@@ -202,6 +201,17 @@ def judge(out: torch.Tensor, problem: Problem, inputs: Inputs) -> Verdict:
 
     return Verdict(rel_err(out, inputs.reference), tolerance(problem), at(ratio), where,
                    at(out), at(inputs.reference))
+
+
+def _judged_in_one_pass(out: torch.Tensor, problem: Problem, inputs: Inputs) -> Verdict | None:
+    """``judge``'s verdict from the one-pass GPU kernel, where it can read ``out`` (else None)."""
+    from gemmtune.tuning import judging  # imports triton, which ``import gemmtune`` must not
+
+    if not judging.takes(out, inputs.reference, inputs.bound):
+        return None
+    found = judging.judge(out, inputs.reference, inputs.bound)
+    where = divmod(found.flat, out.shape[1]) if out.dim() == 2 else None
+    return Verdict(found.rel_err, tolerance(problem), found.worst, where, found.value, found.expected)
 
 
 def warm_up(problem: Problem, *operands) -> None:
