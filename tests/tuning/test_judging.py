@@ -1,7 +1,8 @@
 """The one-pass judgement (``tuning.judging``) against verify's torch judgement, element for
 element: the worst ratio, where it lies, the output and reference there, and the relative error,
 on fresh random outputs of awkward sizes in every output dtype, with non-finite elements and
-ties. Runs the kernel under Triton's interpreter without a GPU."""
+ties; and the first verdict of a process checked against torch's before the kernel is trusted.
+Runs the kernel under Triton's interpreter without a GPU."""
 
 import math
 
@@ -77,3 +78,38 @@ def test_only_contiguous_outputs_of_the_reference_s_shape_are_taken():
     assert not judging.takes(out.t(), ref.t(), bound.t())
     assert not judging.takes(out[:, :8], ref[:, :8], bound[:, :8])
     assert not judging.takes(out, ref.float(), bound)
+
+
+def inputs_for(out, ref, bound):
+    return verify.Inputs(ref, ref, None, ref, bound)
+
+
+def test_the_first_one_pass_verdict_in_a_process_is_checked_against_torch_s(monkeypatch):
+    monkeypatch.setitem(verify._one_pass, "trusted", None)
+    out, ref, bound = case(7, 33, torch.bfloat16, 4)
+    problem = Problem(7, 33, 1)
+    verdict = verify._judged_in_one_pass(out, problem, inputs_for(out, ref, bound))
+    assert verify._one_pass["trusted"] is True
+    assert verify._same(verdict, torch_verdict(out, ref, bound))
+
+
+def test_a_one_pass_kernel_that_disagrees_is_not_trusted_again(monkeypatch):
+    monkeypatch.setitem(verify._one_pass, "trusted", None)
+    out, ref, bound = case(7, 33, torch.bfloat16, 5)
+    right = judging.judge(out, ref, bound)
+    monkeypatch.setattr(judging, "judge", lambda *args: right._replace(worst=right.worst / 2))  # a wrong ratio
+    verdict = verify._judged_in_one_pass(out, Problem(7, 33, 1), inputs_for(out, ref, bound))
+    assert verify._one_pass["trusted"] is False
+    assert verdict.worst == torch_verdict(out, ref, bound).worst  # torch's verdict, not the kernel's
+
+
+def test_a_one_pass_kernel_that_fails_leaves_the_torch_judgement(monkeypatch):
+    monkeypatch.setitem(verify._one_pass, "trusted", None)
+    out, ref, bound = case(7, 33, torch.bfloat16, 6)
+
+    def fails(*args):
+        raise RuntimeError("no kernel image for this device")
+
+    monkeypatch.setattr(judging, "judge", fails)
+    assert verify._judged_in_one_pass(out, Problem(7, 33, 1), inputs_for(out, ref, bound)) is None
+    assert verify._one_pass["trusted"] is False

@@ -19,6 +19,7 @@ before (a stale cache, a counter left set) fails too.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ NORM_TOLERANCE = {"bfloat16": 8e-3, "float16": 2e-3, "float32+tf32": 2e-3, "floa
 LIPSCHITZ = 1.13
 
 TORCH_DTYPES = torch_dtypes() | scaled_torch_dtypes()
+
+log = logging.getLogger("gemmtune")
 
 
 @dataclass(frozen=True)
@@ -186,11 +189,15 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def judge(out: torch.Tensor, problem: Problem, inputs: Inputs) -> Verdict:
     """``out`` against ``inputs``' reference: element by element, and as a whole (on a GPU in one
-    pass over memory: ``judging``)."""
-    if out.is_cuda:
+    pass over memory: ``judging``, once it agreed with this judgement in the process)."""
+    if out.is_cuda and _one_pass["trusted"] is not False:
         verdict = _judged_in_one_pass(out, problem, inputs)
         if verdict is not None:
             return verdict
+    return _judged_in_torch(out, problem, inputs)
+
+
+def _judged_in_torch(out: torch.Tensor, problem: Problem, inputs: Inputs) -> Verdict:
     ratio = (out.double() - inputs.reference).abs_().div_(inputs.bound)
     ratio[~torch.isfinite(ratio)] = math.inf  # NaN compares false: make it the worst
     flat = int(torch.argmax(ratio))
@@ -203,15 +210,46 @@ def judge(out: torch.Tensor, problem: Problem, inputs: Inputs) -> Verdict:
                    at(out), at(inputs.reference))
 
 
+# Whether the one-pass judgement gave this judgement's verdict on the first output it judged in
+# this process (None: not tried yet). A kernel that cannot compile here, or that disagrees, is
+# not used again: verification is what keeps wrong kernels out, so it is checked before trusted.
+_one_pass: dict[str, bool | None] = {"trusted": None}
+
+
 def _judged_in_one_pass(out: torch.Tensor, problem: Problem, inputs: Inputs) -> Verdict | None:
-    """``judge``'s verdict from the one-pass GPU kernel, where it can read ``out`` (else None)."""
+    """``judge``'s verdict from the one-pass GPU kernel, where it can read ``out`` (else None);
+    the first time in a process, compared with the torch judgement's first."""
     from gemmtune.tuning import judging  # imports triton, which ``import gemmtune`` must not
 
     if not judging.takes(out, inputs.reference, inputs.bound):
         return None
-    found = judging.judge(out, inputs.reference, inputs.bound)
+    try:
+        found = judging.judge(out, inputs.reference, inputs.bound)
+    except Exception as exc:  # noqa: BLE001 - a kernel that fails here leaves the torch judgement
+        log.warning("gemmtune: the one-pass verification kernel failed (%s: %s); verifying in torch",
+                    type(exc).__name__, exc)
+        _one_pass["trusted"] = False
+        return None
     where = divmod(found.flat, out.shape[1]) if out.dim() == 2 else None
-    return Verdict(found.rel_err, tolerance(problem), found.worst, where, found.value, found.expected)
+    verdict = Verdict(found.rel_err, tolerance(problem), found.worst, where, found.value, found.expected)
+    if _one_pass["trusted"] is None:
+        expected = _judged_in_torch(out, problem, inputs)
+        _one_pass["trusted"] = _same(verdict, expected)
+        if not _one_pass["trusted"]:
+            log.warning("gemmtune: the one-pass verification kernel disagreed with torch's judgement "
+                        "(%s against %s); verifying in torch", verdict, expected)
+            return expected
+    return verdict
+
+
+def _same(mine: Verdict, theirs: Verdict) -> bool:
+    """Two verdicts on one output alike: the same worst element and ratio, the same error norm
+    to rounding (their sums run in different orders)."""
+    def close(x: float, y: float) -> bool:
+        return x == y or math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-300)
+
+    return (close(mine.worst, theirs.worst) and mine.where == theirs.where and close(mine.rel_err, theirs.rel_err)
+            and close(mine.expected, theirs.expected))
 
 
 def warm_up(problem: Problem, *operands) -> None:
