@@ -38,12 +38,14 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, scaling: str, weight: bool) ->
     return quantized, torch.empty_strided((count, cols), (1, count), device=t.device).copy_(blocks)
 
 
-def dequantize(t: torch.Tensor, scale: torch.Tensor, scaling: str, weight: bool) -> torch.Tensor:
-    """An fp8 operand (rows, K) times its scales, in float64."""
-    wide = t.double()
+def dequantize(t: torch.Tensor, scale: torch.Tensor, scaling: str, weight: bool,
+               dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """An fp8 operand (rows, K) times its scales, in ``dtype`` (float64: the checks' reference;
+    float32: torch's fallback product, exact for the operand as it is for the product's terms)."""
+    wide, scale = t.to(dtype, copy=True), scale.to(dtype)  # wide is scaled in place
     if scaling == "block":
-        return wide.mul_(expand_blocks(scale.double(), t.shape, SCALE_BLOCK if weight else 1))
-    return wide.mul_(scale.double().reshape(-1, 1) if scaling == "row" else scale.double().reshape(()))
+        return wide.mul_(expand_blocks(scale, t.shape, SCALE_BLOCK if weight else 1))
+    return wide.mul_(scale.reshape(-1, 1) if scaling == "row" else scale.reshape(()))
 
 
 def expand_blocks(scale: torch.Tensor, shape: tuple, rows: int) -> torch.Tensor:

@@ -118,14 +118,9 @@ def by_torch(a, b, scale_a, scale_b, bias, out_dtype, scaling: str, act: str) ->
 
 def dequantized_product(a, b, scale_a, scale_b, bias, scaling: str) -> torch.Tensor:
     """a @ b on torch's operands (b (K, N), its scales in that orientation), each operand times
-    its scales in float32 first, the bias added: a float32 (M, N)."""
-    (m, k), n = a.shape, b.shape[1]
-    wide_a, wide_b = a.float(), b.float()
-    if scaling == "block":
-        wide_a = wide_a * scaling_math.expand_blocks(scale_a.float(), (m, k), 1)
-        wide_b = wide_b * scaling_math.expand_blocks(scale_b.float().t(), (n, k), SCALE_BLOCK).t()
-    else:  # per tensor or per row: (M, 1) and (1, N) broadcast as they stand
-        wide_a, wide_b = wide_a * scale_a, wide_b * scale_b
+    its scales in float32 first (``scaling.dequantize``), the bias added: a float32 (M, N)."""
+    wide_a = scaling_math.dequantize(a, scale_a, scaling, False, torch.float32)
+    wide_b = scaling_math.dequantize(b.t(), _weight_oriented(scale_b), scaling, True, torch.float32).t()
     product = wide_a @ wide_b
     return product if bias is None else product + bias.float()
 
