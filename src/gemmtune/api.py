@@ -74,7 +74,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         from gemmtune.serving import torch_ops
 
         return torch_ops.mm(a, b)
-    if _needs_grad(a, b):
+    if autograd.needs_grad(a, b):
         return autograd.mm(a, b)
     return matmul_forward(a, b)
 
@@ -92,7 +92,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     front = call = None
     if not _is_compiling() and recorder.active() is None:
         try:
-            # _needs_grad and uses_tf32 (in front_key), written out: a frame each on every call
+            # autograd.needs_grad and uses_tf32 (in front_key), written out: a frame each on every call
             if not (_grad_enabled() and (x.requires_grad or weight.requires_grad
                                          or (bias is not None and bias.requires_grad))):
                 px, pw = x.data_ptr(), weight.data_ptr()
@@ -108,7 +108,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from gemmtune.serving import torch_ops
 
         return torch_ops.linear(x, weight, bias, act)
-    if _needs_grad(x, weight, bias):
+    if autograd.needs_grad(x, weight, bias):
         return autograd.linear(x, weight, bias, act)
     n, k = weight.shape
     return serve_linear(x, weight, bias, act, x.shape, n, k, front)
@@ -144,11 +144,5 @@ def compile(model, *, mode: str | None = None, fullgraph: bool = False, dynamic:
     from gemmtune.inductor import backend
 
     return backend.compile(model, mode=mode, fullgraph=fullgraph, dynamic=dynamic, options=options)
-
-
-def _needs_grad(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    if not _grad_enabled():  # inference under no_grad: one call, no attribute reads
-        return False
-    return a.requires_grad or b.requires_grad or (bias is not None and bias.requires_grad)
 
 

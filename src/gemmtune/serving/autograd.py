@@ -67,6 +67,16 @@ def mm(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` for 2-D operands, differentiable where one needs a gradient (a backward's GEMM
     while a double backward is being recorded); checked as ``torch.ops.gemmtune.mm`` checks."""
     calls.check_mm(a, b)
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+    if needs_grad(a, b):
         return GemmtuneMm.apply(a, b)
     return calls.matmul_forward(a, b)
+
+
+_grad_enabled = torch.is_grad_enabled  # looked up once: every call asks it
+
+
+def needs_grad(a: Tensor, b: Tensor, bias: Tensor | None = None) -> bool:
+    """Whether autograd records a call on these operands."""
+    if not _grad_enabled():  # inference under no_grad: one call, no attribute reads
+        return False
+    return a.requires_grad or b.requires_grad or (bias is not None and bias.requires_grad)
