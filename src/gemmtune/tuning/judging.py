@@ -40,7 +40,8 @@ def _partials(out_ptr, ref_ptr, bound_ptr, worst_ptr, where_ptr, error_ptr, norm
 
 
 class Judged(NamedTuple):
-    rel_err: float  # ||out - ref|| / ||ref||; inf where any element is not finite
+    error_norm: float  # ||out - ref||; inf where any element is not finite
+    ref_norm: float  # ||ref||
     worst: float  # the largest |out - ref| / bound; inf where any element is not finite
     flat: int  # where the worst lies, in the flattened output (its first occurrence)
     value: float  # the output there
@@ -66,8 +67,5 @@ def judge(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> Judged:
     numbers = torch.stack([worst[block], flat.double(), error.sum(), norm.sum(), out.reshape(-1)[flat].double(),
                            ref.reshape(-1)[flat]]).tolist()  # one synchronization
     worst_ratio, flat_index, error_sq, norm_sq, value, expected = numbers
-    if not math.isfinite(error_sq):
-        rel = math.inf
-    else:
-        rel = math.sqrt(error_sq) / math.sqrt(norm_sq) if norm_sq > 0 else math.sqrt(error_sq)
-    return Judged(rel, worst_ratio, int(flat_index), value, expected)
+    error_norm = math.sqrt(error_sq) if math.isfinite(error_sq) else math.inf
+    return Judged(error_norm, math.sqrt(norm_sq), worst_ratio, int(flat_index), value, expected)
