@@ -130,6 +130,7 @@ def test_compiling_ahead_loads_what_children_compiled(monkeypatch, tmp_path):
     from gemmtune.tuning import verify
 
     monkeypatch.setattr(knobs.cache, "dir", str(tmp_path))
+    _forget_compiled_kernels(monkeypatch)
     problem = Problem(300, 520, 264, "bfloat16", "linear", bias=True, activation="gelu_tanh")
     operands = verify.make_operands(problem, "cuda", seed=0)
     configs = [{"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
@@ -195,3 +196,19 @@ def test_a_failed_fork_raises_and_leaves_no_pipe_open(monkeypatch):
     with pytest.raises(OSError, match="memory"):
         fork_compile.Child([])
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def _forget_compiled_kernels(monkeypatch) -> None:
+    """A fresh start for a test run after others in one process: the kernels the backends' modules
+    hold compiled in memory are dropped (so they are compiled again, here from a fresh on-disk
+    cache), and forking is on even where an earlier test's child missed its deadline."""
+    import sys
+
+    from triton.runtime.jit import JITFunction
+
+    monkeypatch.setattr(fork_compile, "_gave_up", False)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("gemmtune.backends.kernels."):
+            for value in vars(module).values():
+                if isinstance(value, JITFunction):
+                    value.device_caches.clear()

@@ -12,16 +12,17 @@ from gemmtune.tuning.runner import ABORT_FACTOR, LocalRunner
 @pytest.mark.interpreter
 def test_a_clearly_slower_candidate_is_not_screened_further(monkeypatch):
     """The measurement's first two rounds decide: a candidate whose ratio to cuBLAS (timed in the
-    same rounds) is ABORT_FACTOR above the best so far stops there; the others are screened in
-    full, and each trial carries its ratio."""
-    # per candidate: (median of its first two rounds, median once screened in full); cuBLAS 1.0
-    medians = iter([(5.0, 4.0), (1.2, 1.1)])  # a slow one, a close one
+    same rounds) is ABORT_FACTOR above the best so far in both stops there; the others are
+    screened in full, and each trial carries its ratio. One slow round (a host stall) does not
+    stop a candidate."""
+    # per candidate: (its first two rounds, its median once screened in full); cuBLAS 1.0
+    medians = iter([((5.0, 5.0), 4.0), ((1.2, 1.2), 1.1), ((9.0, 1.0), 0.9)])  # slow, close, a stalled round
     stopped = []
 
     def fake_measure(fns, device, *, budget_ms, min_rounds, stop=None, **_):
         (name,) = [n for n in fns if n != "cublas"] or ["cublas"]
-        first, full = next(medians) if name != "cublas" else (1.0, 1.0)
-        two = {n: Timing((1.0,)) for n in fns} | {name: Timing((first,))}
+        first, full = next(medians) if name != "cublas" else ((1.0, 1.0), 1.0)
+        two = {n: Timing((1.0, 1.0)) for n in fns} | {name: Timing(first)}
         early = stop is not None and stop(two)
         stopped.append(early)
         return two if early else {n: Timing((1.0,)) for n in fns} | {name: Timing((full,))}
@@ -37,7 +38,10 @@ def test_a_clearly_slower_candidate_is_not_screened_further(monkeypatch):
     close = runner.evaluate("triton_tiled", {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8,
                                              "num_warps": 1, "num_stages": 1}, 40.0)
     assert close.median_ms == 1.1 and close.vs_reference == 1.1
-    assert stopped == [False, True, False]
+    stalled = runner.evaluate("triton_tiled", {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8,
+                                               "num_warps": 1, "num_stages": 1}, 40.0)
+    assert stalled.median_ms == 0.9 and stalled.vs_reference == 0.9
+    assert stopped == [False, True, False, False]
 
 
 @pytest.mark.interpreter
