@@ -4,13 +4,15 @@ A timm model (bf16, random weights) optimized on its example as the models bench
 paired eager rounds of queued forwards (gemmtune's copy against the untouched model, each round's
 ratio kept, to see whether a slow reading is every round or a few); the host time to queue one
 forward and its GPU time replayed from a CUDA graph; each side's costliest operators on the host
-(torch.profiler, CPU time per forward); and per layer gemmtune kept, its call's host time against
+(torch.profiler, CPU time per forward); the garbage collections in each side's rounds, and the
+rounds again with the collector off; and per layer gemmtune kept, its call's host time against
 ``F.linear`` on the same input (queued loops, no sync inside).
 
     PYTHONPATH=src python3 benchmarks/probes/eager_model.py OUT.json [--model NAME] [--batch N]
 """
 import argparse
 import copy
+import gc
 import json
 import statistics
 import time
@@ -34,14 +36,35 @@ def queued_ms(fn, calls: int) -> tuple[float, float]:
     return (time.perf_counter() - t0) * 1e3 / calls, (t1 - t0) * 1e3 / calls
 
 
-def paired(base, tuned, rounds: int, calls: int) -> list[float]:
-    """Per round, base's wall time over tuned's (above 1: gemmtune faster), sides alternated."""
-    ratios = []
-    for i in range(rounds):
-        order = (base, tuned) if i % 2 == 0 else (tuned, base)
-        got = {id(fn): queued_ms(fn, calls)[0] for fn in order}
-        ratios.append(got[id(base)] / got[id(tuned)])
-    return ratios
+def paired(base, tuned, rounds: int, calls: int) -> tuple[list[float], dict]:
+    """Per round, base's wall time over tuned's (above 1: gemmtune faster), sides alternated; and
+    per side the garbage collections that ran in its rounds (generation: count, ms)."""
+    ratios, side = [], [None]
+    collections = {"base": {}, "tuned": {}}
+    started = {}
+
+    def on_gc(phase, info):
+        if side[0] is None:
+            return
+        if phase == "start":
+            started["t"] = time.perf_counter()
+            return
+        count, ms = collections[side[0]].get(info["generation"], (0, 0.0))
+        collections[side[0]][info["generation"]] = (count + 1, ms + (time.perf_counter() - started["t"]) * 1e3)
+
+    gc.callbacks.append(on_gc)
+    try:
+        for i in range(rounds):
+            order = (("base", base), ("tuned", tuned)) if i % 2 == 0 else (("tuned", tuned), ("base", base))
+            got = {}
+            for name, fn in order:
+                side[0] = name
+                got[name] = queued_ms(fn, calls)[0]
+                side[0] = None
+            ratios.append(got["base"] / got["tuned"])
+    finally:
+        gc.callbacks.remove(on_gc)
+    return ratios, collections
 
 
 def graph_ms(fn) -> float:
@@ -109,9 +132,13 @@ def main() -> None:
         run_base, run_tuned = (lambda: base(x)), (lambda: tuned(x))
         for fn in (run_base, run_tuned):
             queued_ms(fn, 3)
-        ratios = paired(run_base, run_tuned, args.rounds, 10)
+        ratios, collections = paired(run_base, run_tuned, args.rounds, 10)
+        gc.disable()
+        quiet, _ = paired(run_base, run_tuned, args.rounds, 10)
+        gc.enable()
         out = {"model": args.model, "batch": args.batch, "device": torch.cuda.get_device_name(),
                "setup_s": setup, "eager_ratios": ratios, "eager_ratio": statistics.median(ratios),
+               "collections": collections, "eager_ratios_gc_off": quiet,
                "host_ms": {"base": statistics.median(queued_ms(run_base, 10)[1] for _ in range(5)),
                            "tuned": statistics.median(queued_ms(run_tuned, 10)[1] for _ in range(5))},
                "graph_ms": {"base": graph_ms(run_base), "tuned": graph_ms(run_tuned)},
@@ -121,6 +148,8 @@ def main() -> None:
         json.dump(out, f, indent=1)
     print(json.dumps({k: out[k] for k in ("eager_ratio", "host_ms", "graph_ms")}))
     print("ratios", [round(r, 3) for r in ratios])
+    print("collections (generation: count, ms)", collections)
+    print("ratios with the collector off", [round(r, 3) for r in quiet])
     for side in ("base", "tuned"):
         print(side, out["host_ops"][side][:8])
     for row in out["layers"]:
