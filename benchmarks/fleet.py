@@ -18,7 +18,8 @@ and the file says:
   reads as ``*_s - work_s / gpus``;
 - ``agreement``: the share of problems whose choice under ``--gpus all`` is the plain run's, and
   ``repeat``: the same between the two one-GPU runs (``plain`` and ``gpus_1``, on the same GPU:
-  how far two tunings agree at all); ``graph_same``: the same for the kernel each stored choice
+  how far two tunings agree at all), with its ``drift`` (how far the two runs read each
+  candidate both timed in their final rounds, against each run's own noise); ``graph_same``: the same for the kernel each stored choice
   runs in a CUDA graph (``tuner.graph_choice``). Each difference is then crosschecked: its two choices timed
   side by side with cuBLAS on GPU 0, in rounds like the tuner's final ones; ``kernel`` and
   ``cost`` are the other choice's over plain's (medians of per-round ratios, with their noise),
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -106,6 +108,50 @@ def agreement(plain: Path, spread: Path) -> dict:
     total = len(base.choices())
     return {"problems": total, "same": same, "agreement": same / total if total else None, "differences": differences,
             "graph_same": graph_same, "graph_differences": graph_differences}
+
+
+def drift(plain: Path, spread: Path) -> dict:
+    """How far two runs read the same candidate: for each candidate that was a finalist in both
+    (timed in as many rounds as that problem's cuBLAS), its kernel's ratio to cuBLAS in each run,
+    and the difference's quantiles (``abs_diff``) and share beyond 2 and 3 standard errors of the
+    two medians (``beyond_2se``, ``beyond_3se``; chance alone: about 5% and 0.3%). A share well
+    above chance is drift fixed within a run, which more rounds do not shrink."""
+    from gemmtune.store import Store
+
+    base, other = Store(plain), Store(spread)
+    diffs, errors = [], []
+    for record in base.choices():
+        ours = finalists(base.trials(record.device, record.problem_key))
+        theirs = finalists(other.trials(record.device, record.problem_key))
+        for label in ours.keys() & theirs.keys():
+            (m1, e1), (m2, e2) = ours[label], theirs[label]
+            diffs.append(abs(m1 - m2))
+            errors.append(abs(m1 - m2) / max(math.hypot(e1, e2), 1e-12))
+    if not diffs:
+        return {"pairs": 0}
+    diffs.sort()
+    return {"pairs": len(diffs),
+            "abs_diff": {q: diffs[min(len(diffs) - 1, int(p * len(diffs)))] for q, p in
+                         (("p50", 0.5), ("p75", 0.75), ("p90", 0.9))},
+            "beyond_2se": sum(e > 2 for e in errors) / len(errors), "beyond_3se": sum(e > 3 for e in errors) / len(errors)}
+
+
+def finalists(trials) -> dict[str, tuple[float, float]]:
+    """label -> (kernel ratio to cuBLAS, its standard error) of each finalist but cuBLAS in a
+    problem's stored ``trials``: the median of per-round ratios, and 1.2533 x sigma / sqrt(rounds)
+    with sigma from their half inter-quartile range (1.4826 x it, for normal noise)."""
+    reference = next((t for t in trials if t.ok and t.backend == "cublas" and t.timing), None)
+    if reference is None:
+        return {}
+    rounds = len(reference.timing.samples)
+    out = {}
+    for trial in trials:
+        if trial is reference or not trial.ok or trial.timing is None or len(trial.timing.samples) != rounds:
+            continue
+        ratio = trial.timing.ratio_to(reference.timing)
+        sigma = 1.4826 * trial.timing.spread_against(reference.timing) * ratio
+        out[trial.label()] = (ratio, 1.2533 * sigma / math.sqrt(rounds))
+    return out
 
 
 def graph_kernel(store, record) -> str:
@@ -207,9 +253,11 @@ def main(argv: list[str] | None = None) -> int:
             if name == "plain":
                 result["scaling"] = result["plain_s"] / result["gpus_all_s"]
                 result |= agreement(work / "plain.sqlite", work / "gpus_all.sqlite")
+                result["drift"] = drift(work / "plain.sqlite", work / "gpus_all.sqlite")
             out.write_text(json.dumps(result, indent=1))
         result["scheduler_overhead"] = result["gpus_1_s"] / result["plain_s"] - 1
         result["repeat"] = agreement(work / "plain.sqlite", work / "gpus_1.sqlite")
+        result["repeat"]["drift"] = drift(work / "plain.sqlite", work / "gpus_1.sqlite")
         out.write_text(json.dumps(result, indent=1))
         # the differences' kernels compile from the runs' own caches, merged
         for cache in (work / f"{name}-triton" for name in runs):
