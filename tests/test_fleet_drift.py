@@ -1,0 +1,56 @@
+"""The fleet benchmark's ``drift``: two runs' readings of the candidates both timed in their final
+rounds, against each run's own noise."""
+
+import importlib.util
+import random
+from pathlib import Path
+
+from gemmtune.problem import Problem
+from gemmtune.results import Status, Timing, TuneResult, Trial
+from gemmtune.store import Store
+
+ROOT = Path(__file__).resolve().parent.parent
+ROUNDS = 40
+
+
+def tile(block_m: int) -> dict:
+    return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+
+
+def fleet():
+    spec = importlib.util.spec_from_file_location("fleet", ROOT / "benchmarks" / "fleet.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(path: Path, shift: float, seed: int) -> Path:
+    """A store of three problems, each with cuBLAS and two finalists timed in ROUNDS rounds (noise
+    of 1% per round) and one candidate screened only; the finalists' kernels ``shift`` times
+    slower than they are."""
+    rng = random.Random(seed)
+    store = Store(path)
+    for n in (64, 128, 256):
+        cublas = [0.1 * (1 + rng.gauss(0, 0.01)) for _ in range(ROUNDS)]
+        trials = [Trial("cublas", {}, Status.OK, timing=Timing(tuple(cublas)))]
+        for block, gain in ((32, 0.95), (64, 0.97)):
+            samples = tuple(c * gain * shift * (1 + rng.gauss(0, 0.01)) for c in cublas)
+            trials.append(Trial("triton_tiled", tile(block), Status.OK, timing=Timing(samples)))
+        trials.append(Trial("triton_tiled", tile(16), Status.OK, timing=Timing((0.2, 0.21, 0.2))))
+        store.put(TuneResult(Problem(n, n, n, "float16", "nn").key(), "gpu0", "triton_tiled", tile(32),
+                             0.095, 0.1, 1.0, trials=tuple(trials)))
+    return path
+
+
+def test_drift_reads_within_noise_between_runs_that_agree_and_beyond_it_between_runs_that_do_not(tmp_path):
+    drift = fleet().drift
+    first = run(tmp_path / "a.sqlite", 1.0, seed=1)
+    level = drift(first, run(tmp_path / "b.sqlite", 1.0, seed=2))
+    assert level["pairs"] == 6  # the two finalists of each problem; cuBLAS and the screened one are not pairs
+    assert level["abs_diff"]["p50"] < 0.01 and level["beyond_3se"] <= 1 / 6
+    moved = drift(first, run(tmp_path / "c.sqlite", 1.03, seed=3))
+    assert moved["pairs"] == 6 and moved["abs_diff"]["p50"] > 0.02 and moved["beyond_3se"] == 1.0
+
+
+def test_drift_of_stores_with_no_common_finalists_says_so(tmp_path):
+    assert fleet().drift(Store(tmp_path / "a.sqlite").path, Store(tmp_path / "b.sqlite").path) == {"pairs": 0}
