@@ -76,9 +76,19 @@ def test_few_rows_run_as_the_transpose_and_few_columns_as_the_product():
 
 
 @pytest.mark.parametrize("problem", [Problem(512, 768, 4095), Problem(512, 4097, 768),
-                                     Problem(512, 768, 768, "float32"), Problem(512, 768, 768, activation="gelu")])
+                                     Problem(512, 768, 768, "float32"), Problem(32, 768, 768, activation="gelu")])
 def test_a_problem_the_kernels_do_not_take_has_no_candidates(problem):
     assert cute.space(problem, H100) == []
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
+def test_an_activation_runs_in_the_epilogue_of_the_product_itself(activation):
+    """Every activation gemmtune fuses has QuACK's epilogue, the exact-erf GELU included; a fused
+    problem's kernels never run as the transpose (the bias would become a column)."""
+    plain, fused = Problem(512, 768, 768, bias=True), Problem(512, 768, 768, bias=True, activation=activation)
+    assert cute.EPILOGUES[activation] is not None and cute.takes(fused)
+    assert cute.space(fused, H100) == [c for c in cute.space(plain, H100) if not c.swap_ab]
+    assert cute.EPILOGUES["gelu"] == "gelu_erf" and cute.EPILOGUES["gelu_tanh"] == "gelu_tanh_approx"
 
 
 def test_only_hopper_with_the_package_runs_it(monkeypatch):
@@ -108,8 +118,14 @@ def test_a_config_counts_as_compiled_once_its_first_call_left_its_marker(monkeyp
     # another shape of the same kind shares the compiled kernel; another kind does not
     assert cute.BACKEND.compiled(Problem(16, 1024, 512, "bfloat16", "linear"), configs) == [configs[1]]
     for other in (Problem(2048, 4096, 4096, "float16", "linear"), Problem(2048, 4096, 4096, "bfloat16", "nn"),
-                  Problem(2048, 4096, 4096, "bfloat16", "linear", bias=True)):
+                  Problem(2048, 4096, 4096, "bfloat16", "linear", bias=True),
+                  Problem(2048, 4096, 4096, "bfloat16", "linear", activation="gelu")):
         assert cute.BACKEND.compiled(other, configs) == []
+    # a kernel with an activation in its epilogue is one kernel per activation
+    gelu, silu = (Problem(2048, 4096, 4096, "bfloat16", "linear", activation=a) for a in ("gelu", "silu"))
+    cute._leave(cute.marker(gelu, configs[2]))
+    assert cute.BACKEND.compiled(gelu, configs) == [configs[2]] and cute.BACKEND.compiled(silu, configs) == []
+    assert cute.BACKEND.compiled(problem, configs) == [configs[1]]
     monkeypatch.setattr(cute.importlib.metadata, "version", lambda name: "2.0")  # a new package: compiled anew
     cute._versions.cache_clear()
     assert cute.BACKEND.compiled(problem, configs) == []
@@ -164,6 +180,29 @@ def _current():
     from gemmtune.device import current
 
     return current()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cute.installed(), reason="needs gemmtune[cute] (quack-kernels, nvidia-cutlass-dsl)")
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_each_activation_in_the_epilogue_matches_float64(activation, bias):
+    """The epilogue's activation against torch's on the float64 product, with and without a bias."""
+    from gemmtune.activation import apply
+
+    m, n, k = 200, 264, 520
+    problem = Problem(m, n, k, "bfloat16", "linear", bias, activation=activation)
+    configs = cute.space(problem, _current())
+    kinds = {(c.pingpong, c.cluster_m): c for c in configs}
+    assert kinds
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 8
+    bias_t = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    expected = a.double() @ b.double().t() + (bias_t.double() if bias else 0)
+    expected = apply(expected, activation, inplace=False)
+    for config in kinds.values():
+        out = get("cute").build(problem, config, _current())(a, b, bias_t)
+        assert out.shape == (m, n) and relative_error(out, expected) < 2e-2, config.key()
 
 
 @pytest.mark.gpu

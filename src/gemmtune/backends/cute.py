@@ -5,6 +5,12 @@ optional extra ``gemmtune[cute]``), used as a library; gemmtune's part is the me
 (``space``), its pruning by the device's shared memory and the problem's shape, the cost model's
 ranking, verification, side-by-side timing, the choice and the store.
 
+A problem with an activation (``relu``, ``gelu``, ``gelu_tanh``, ``silu``) runs QuACK's GEMM with
+that activation in its epilogue (``gemm_act``, the pre-activation not stored): the exact-erf GELU
+of timm's and transformers' MLP blocks included, which cuBLASLt's epilogues approximate with tanh.
+Such a kernel runs as the product itself, never as its transpose (``swap_ab`` would turn the bias
+into a column), so a fused problem with fewer than SMALL rows has no candidates here.
+
 A config is one CuTe DSL kernel: its CTA tile (M x N; K is 64 per stage for 16-bit operands, as
 many stages as the shared memory holds), its cluster shape, cooperative or ping-pong warpgroups,
 a static or dynamic persistent schedule, and whether A and B trade places (``swap_ab``: a
@@ -57,6 +63,8 @@ BARRIER_BYTES = 1024  # the pipeline's mbarriers and the tile scheduler's state
 RUNNABLE_ARCHS = (9,)  # the compute capabilities the backend is offered on (sm_100: defined only)
 DTYPES = ("bfloat16", "float16")
 SMALL = 64  # a side shorter than this runs on the tile's N side (swap_ab) or not at all
+# gemmtune's activations -> the names of QuACK's epilogue activations (quack.activation.act_fn_map)
+EPILOGUES = {"none": None, "relu": "relu", "gelu": "gelu_erf", "gelu_tanh": "gelu_tanh_approx", "silu": "silu"}
 
 # (tile_m, tile_n, pingpong) per compute capability major. sm_90: two cooperative warpgroups on a
 # 256-row tile (or 128 rows at the widest N), or two ping-pong warpgroups each on its own 128-row
@@ -133,14 +141,16 @@ def space(problem: Problem, device: Device) -> list[CuteConfig]:
             continue
         if problem.m < SMALL and not config.swap_ab or problem.n < SMALL and config.swap_ab and problem.m >= SMALL:
             continue
+        if config.swap_ab and problem.activation != "none":
+            continue
         configs.append(config)
     return configs
 
 
 def takes(problem: Problem) -> bool:
-    """Whether the kernels take ``problem``: 16-bit operands, no activation epilogue yet, and
-    TMA's 16-byte alignment of every row (K and N multiples of 8)."""
-    return (problem.dtype in DTYPES and problem.activation == "none" and problem.k % 8 == 0
+    """Whether the kernels take ``problem``: 16-bit operands, an activation QuACK's epilogue has
+    (``EPILOGUES``), and TMA's 16-byte alignment of every row (K and N multiples of 8)."""
+    return (problem.dtype in DTYPES and problem.activation in EPILOGUES and problem.k % 8 == 0
             and problem.n % 8 == 0 and problem.layout in ("linear", "nn"))
 
 
@@ -148,12 +158,14 @@ _COMPILING = threading.Lock()  # CuTe DSL compiles one kernel at a time (see the
 
 
 class CuteKernel(KernelBase):
-    """One config's kernel: QuACK's GEMM with that config, compiled on its first call (or loaded
-    from the exported cache). 2-D ``a`` only, nothing to bind (``KernelBase``'s defaults)."""
+    """One config's kernel: QuACK's GEMM with that config (with the problem's activation in its
+    epilogue, where it has one), compiled on its first call (or loaded from the exported cache).
+    2-D ``a`` only, nothing to bind (``KernelBase``'s defaults)."""
 
     def __init__(self, problem: Problem, config: CuteConfig) -> None:
-        gemm, make_config = _quack()
-        self._gemm = gemm
+        gemm, gemm_act, make_config = _quack()
+        activation = EPILOGUES[problem.activation]
+        self._gemm = gemm if activation is None else functools.partial(_with_activation, gemm_act, activation)
         self._marker = marker(problem, config)
         self._linear = problem.layout == "linear"
         self._config = make_config(tile_m=config.tile_m, tile_n=config.tile_n, pingpong=config.pingpong,
@@ -183,20 +195,30 @@ class CuteKernel(KernelBase):
         return result
 
 
+def _with_activation(gemm_act, activation: str, a, b_kn, out, *, bias, config) -> None:
+    """``out`` = activation(a @ b_kn + bias) by QuACK's GEMM with the activation in its epilogue,
+    pinned to ``config``; the pre-activation is not stored."""
+    gemm_act(a, b_kn, bias=bias, activation=activation, postact_out=out, store_preact=False, tuned=False,
+             config=config)
+
+
 def _quack():
-    """QuACK's GEMM for one given config (its autotuned entry's undecorated function) and its
-    config class, imported on the first build: importing CuTe DSL takes seconds."""
+    """QuACK's GEMM for one given config (its autotuned entry's undecorated function), its GEMM
+    with an activation epilogue, and its config class, imported on the first build: importing
+    CuTe DSL takes seconds."""
     os.environ.setdefault("QUACK_CACHE_DIR", str(cache_dir() / "cute"))
     from quack.gemm_config import GemmConfig
-    from quack.gemm_interface import gemm_tuned
+    from quack.gemm_interface import gemm_act, gemm_tuned
 
-    return gemm_tuned.fn, GemmConfig
+    return gemm_tuned.fn, gemm_act, GemmConfig
 
 
 def marker(problem: Problem, config: CuteConfig) -> Path:
     """The file whose presence says that ``config``'s kernel for problems of ``problem``'s kind
-    (dtype, layout, bias) is compiled in QuACK's cache, for these package versions."""
-    kind = [problem.dtype, problem.layout, str(problem.bias), config.key(), *_versions()]
+    (dtype, layout, bias, activation) is compiled in QuACK's cache, for these package versions.
+    (A problem without an activation names none, as markers did before activations were taken.)"""
+    activation = [] if problem.activation == "none" else [problem.activation]
+    kind = [problem.dtype, problem.layout, str(problem.bias), *activation, config.key(), *_versions()]
     return cache_dir() / "cute-compiled" / hashlib.sha256("|".join(kind).encode()).hexdigest()[:24]
 
 
