@@ -118,7 +118,7 @@ class LocalRunner:
             return trial
         label, best = trial.label(), self._best_ratio
         # after two rounds, a candidate far slower than the best so far in both is not screened
-        # further (its faster round decides: a round's host stall inflates one sample, docs/selection.md)
+        # further (its faster round decides: a round's host stall inflates one sample, docs/tuning-time.md)
         return self._screen([trial], screen_budget_ms,
                             stop=lambda rounds: rounds[label] >= ABORT_FACTOR * best)[0]
 
@@ -249,9 +249,10 @@ class LocalRunner:
 def _best_round(timing: Timing, reference: Timing | None) -> float:
     """``timing``'s fastest reading: its smallest ratio to ``reference`` in one round (paired),
     else its smallest sample. A host stall between a round's start event and its launch (another
-    thread holding the GIL, the scheduler) inflates that round alone: on 2 H100s, 5-8 of a zoo's
-    ~30 candidates cut after two rounds read 1.5-13x what they read screened in full in another
-    run, the first round's sample 2-25x the second's, and the best of a shape went unmeasured."""
+    thread holding the GIL, the scheduler) inflates that round alone: tuning a 200-shape zoo on
+    2 H100s, 5-8 of the 29-35 candidates per run cut after two rounds had read 1.5-13x what they
+    read screened in full in another run, their first round 2-25x their second, and the best
+    configs of a decode shape never reached its final."""
     if reference is None:
         return min(timing.samples)
     paired = timing.per_round(reference)
