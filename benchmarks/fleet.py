@@ -23,7 +23,8 @@ and the file says:
   runs in a CUDA graph (``tuner.graph_choice``). Each difference is then crosschecked: its two choices timed
   side by side with cuBLAS on GPU 0, in rounds like the tuner's final ones; ``kernel`` and
   ``cost`` are the other choice's over plain's (medians of per-round ratios, with their noise),
-  and ``within_noise`` counts the differences where both are level (see ``crosscheck``).
+  and ``within_noise`` counts the differences where both are level (see ``crosscheck``); each
+  difference says where it ``started`` (the final rounds, a screening cut, or screening).
 
     PYTHONPATH=src python3 benchmarks/fleet.py --out fleet.json [--count 200] [--keep DIR]
 
@@ -99,7 +100,8 @@ def agreement(plain: Path, spread: Path) -> dict:
             same += 1
         else:
             differences.append({"problem": ours.problem_key, "plain": [ours.backend, ours.config],
-                                "other": [their.backend, their.config]})
+                                "other": [their.backend, their.config],
+                                "started": started(base, other, ours, their)})
         graphs = graph_kernel(base, ours), graph_kernel(other, their)
         if graphs[0] == graphs[1]:
             graph_same += 1
@@ -108,6 +110,21 @@ def agreement(plain: Path, spread: Path) -> dict:
     total = len(base.choices())
     return {"problems": total, "same": same, "agreement": same / total if total else None, "differences": differences,
             "graph_same": graph_same, "graph_differences": graph_differences}
+
+
+def started(base, other, ours, theirs) -> str:
+    """Where a difference started: ``final`` where both choices were finalists in both runs (the
+    final rounds judged the same candidates differently), ``cut`` where one run stopped screening
+    either choice after two rounds, else ``screening`` (one run's screening ranked the other's
+    choice out of its final)."""
+    runs = [finalists(store.trials(record.device, record.problem_key)) for store, record in
+            ((base, ours), (other, theirs))]
+    labels = (ours.label(), theirs.label())
+    if all(label in run or label == "cublas" for run in runs for label in labels):
+        return "final"
+    screened = [{t.label(): len(t.timing.samples) for t in store.trials(record.device, record.problem_key)
+                 if t.ok and t.timing is not None} for store, record in ((base, ours), (other, theirs))]
+    return "cut" if any(run.get(label) == 2 for run in screened for label in labels) else "screening"
 
 
 def drift(plain: Path, spread: Path) -> dict:

@@ -54,3 +54,26 @@ def test_drift_reads_within_noise_between_runs_that_agree_and_beyond_it_between_
 
 def test_drift_of_stores_with_no_common_finalists_says_so(tmp_path):
     assert fleet().drift(Store(tmp_path / "a.sqlite").path, Store(tmp_path / "b.sqlite").path) == {"pairs": 0}
+
+
+def test_a_difference_says_where_it_started(tmp_path):
+    """Both choices finalists in both runs: ``final``; one of them cut after two screening rounds
+    in a run: ``cut``; one of them screened in full but never in a run's final: ``screening``."""
+    module = fleet()
+    first = Store(run(tmp_path / "a.sqlite", 1.0, seed=1))
+    key = Problem(64, 64, 64, "float16", "nn").key()
+    ours = next(r for r in first.choices() if r.problem_key == key)
+
+    def other(name: str, cut: tuple[int, ...]) -> Store:
+        """The same run choosing tile(64), with tile(64)'s samples cut to ``cut`` rounds if given."""
+        trials = tuple(t if t.config != tile(64) or not cut else Trial(t.backend, t.config, Status.OK,
+                                                                        timing=Timing(t.timing.samples[:len(cut)]))
+                       for t in first.trials("gpu0", key))
+        store = Store(tmp_path / name)
+        store.put(TuneResult(key, "gpu0", "triton_tiled", tile(64), 0.097, 0.1, 1.0, trials=trials))
+        return store
+
+    for name, cut, expected in (("final.sqlite", (), "final"), ("cut.sqlite", (1, 2), "cut"),
+                                ("screening.sqlite", (1, 2, 3), "screening")):
+        store = other(name, cut)
+        assert module.started(first, store, ours, store.choices()[0]) == expected, name
