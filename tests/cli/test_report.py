@@ -85,13 +85,13 @@ def test_the_cli_writes_both_files_beside_the_results(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
-def test_a_file_that_is_not_a_suite_is_refused(tmp_path):
+def test_a_file_that_is_not_a_suite_or_models_file_is_refused(tmp_path):
     path = tmp_path / "dispatch.json"
     path.write_text(json.dumps({"kind": "dispatch", "rows": []}))
-    with pytest.raises(ValueError, match="not a suite file"):
-        report.read_suite(path)
+    with pytest.raises(ValueError, match="not a suite or models file"):
+        report.read_results(path)
     with pytest.raises(ValueError, match="cannot read"):
-        report.read_suite(tmp_path / "missing.json")
+        report.read_results(tmp_path / "missing.json")
 
 
 def test_the_graph_line_names_the_kernel_cuda_graphs_replay():

@@ -149,11 +149,13 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--no-png", action="store_true", help="skip the chart (written beside --out otherwise)")
     cmp.set_defaults(run=_compare)
 
-    rep = sub.add_parser("report", help="a suite file as a Markdown table and a PNG (speedups, roofline)",
-                         description="Render a suite results file (benchmarks/results/suite-*.json): a Markdown "
-                                     "table with per-group geometric means, and a PNG with the speedup per shape "
-                                     "and a roofline. Written beside the file unless --out says where.")
-    rep.add_argument("results", type=Path, help="a suite JSON file")
+    rep = sub.add_parser("report", help="a suite or models file as a Markdown table and a PNG",
+                         description="Render a results file as a Markdown table and a PNG, written beside the "
+                                     "file unless --out says where. A suite file (benchmarks/results/suite-*.json): "
+                                     "per-group geometric means, the speedup per shape and a roofline. A models "
+                                     "file (models-*.json): each model case's ratio per mode with its spread, and "
+                                     "each mode's geometric mean and lowest row.")
+    rep.add_argument("results", type=Path, help="a suite or models JSON file")
     rep.add_argument("--out", type=Path, help="directory for the .md and .png (default: beside RESULTS)")
     rep.add_argument("--no-png", action="store_true", help="only the Markdown table (no matplotlib needed)")
     rep.set_defaults(run=_report)
@@ -542,17 +544,19 @@ def _compare(args, console: Console) -> int:
 
 
 def _report(args, console: Console) -> int:
-    from gemmtune.cli import report
+    from gemmtune.cli import report, zoo_report
 
-    doc = report.read_suite(args.results)
+    doc = report.read_results(args.results)
+    to_markdown, to_png = (zoo_report.markdown, zoo_report.png) if doc["kind"] == "models" else \
+        (report.suite_markdown, report.suite_png)
     out = args.out or args.results.parent
     out.mkdir(parents=True, exist_ok=True)
     markdown = out / (args.results.stem + ".md")
-    markdown.write_text(report.suite_markdown(doc))
+    markdown.write_text(to_markdown(doc))
     written = [markdown]
     if not args.no_png:
         png = out / (args.results.stem + ".png")
-        report.suite_png(doc, png)
+        to_png(doc, png)
         written.append(png)
     console.print("\n".join(f"wrote {path}" for path in written))
     return 0

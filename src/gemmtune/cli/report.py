@@ -89,8 +89,12 @@ def graph_line(choice: TuneResult, trials: Sequence[Trial]) -> str:
 PEAK_TFLOPS_16BIT = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "RTX 4090": 165.0}
 
 
-def read_suite(path) -> dict:
-    """A suite file, checked enough that a wrong file fails here with its name, not in a plot."""
+KINDS = ("suite", "models")  # the result files `gemmtune report` renders
+
+
+def read_results(path) -> dict:
+    """A suite or models file, checked enough that a wrong file fails here with its name, not in
+    a plot."""
     import json
     from pathlib import Path
 
@@ -98,8 +102,9 @@ def read_suite(path) -> dict:
         doc = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"report: cannot read {path}: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("kind") != "suite" or not isinstance(doc.get("rows"), list):
-        raise ValueError(f"report: {path} is not a suite file (expected kind 'suite' and a list of rows)")
+    if not isinstance(doc, dict) or doc.get("kind") not in KINDS or not isinstance(doc.get("rows"), list):
+        raise ValueError(f"report: {path} is not a suite or models file (expected kind 'suite' or 'models' "
+                         "and a list of rows)")
     return doc
 
 
