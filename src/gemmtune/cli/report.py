@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from statistics import geometric_mean
 
 from rich.table import Table
 
@@ -120,7 +121,7 @@ def suite_markdown(doc: dict) -> str:
                      f"{_num(r.get('inductor_ms'))} | `{r.get('choice', '')}` | {_num(r.get('tune_s'), 1)} |")
     lines += ["", "| group | shapes | geomean speedup | min speedup |", "|---|---:|---:|---:|"]
     for group, speedups in _by_group(doc["rows"]).items():
-        lines.append(f"| {group} | {len(speedups)} | {_geomean(speedups):.3f}x | {min(speedups):.3f}x |")
+        lines.append(f"| {group} | {len(speedups)} | {geometric_mean(speedups):.3f}x | {min(speedups):.3f}x |")
     return "\n".join(lines + ["", *fp8_summary(doc["rows"]), *decode_bandwidth(doc), *tuning_summary(doc["rows"])]) + "\n"
 
 
@@ -140,8 +141,8 @@ def fp8_summary(rows) -> list[str]:
         scaled = [r["speedup"] for r in members if r.get("speedup")]
         unscaled = [r["unscaled_ms"] / r["gemmtune_ms"] for r in members if r.get("unscaled_ms")]
         refused = sum(bool(r.get("cublas_refused")) for r in members)
-        lines.append(f"| {group} | {scaling} | {len(members)} | {_stat(scaled, _geomean)} | {_stat(scaled, min)} | "
-                     f"{refused} | {_stat(unscaled, _geomean)} | {_stat(unscaled, min)} |")
+        lines.append(f"| {group} | {scaling} | {len(members)} | {_stat(scaled, geometric_mean)} | {_stat(scaled, min)} | "
+                     f"{refused} | {_stat(unscaled, geometric_mean)} | {_stat(unscaled, min)} |")
     return lines + [""]
 
 
@@ -244,12 +245,6 @@ def _by_group(rows) -> dict[str, list[float]]:
         if r.get("speedup"):
             groups.setdefault(r.get("group") or "-", []).append(r["speedup"])
     return groups
-
-
-def _geomean(values) -> float:
-    import math
-
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def _num(value, digits: int = 4) -> str:

@@ -5,7 +5,7 @@ floor the models issue asks every row to stay above."""
 
 from __future__ import annotations
 
-import math
+from statistics import geometric_mean
 
 FLOOR = 0.99  # the ratio under which a row is gemmtune making a model slower (beyond rounding)
 
@@ -48,7 +48,7 @@ def markdown(doc: dict) -> str:
             continue
         ratios = [row["speedup"] for _, row in rows]
         under = ", ".join(f"{case[0]} {case[1]} {row['speedup']:.3f}" for case, row in rows if row["speedup"] < FLOOR)
-        lines.append(f"| {mode} | {len(rows)} | {geomean(ratios):.3f}x | {min(ratios):.3f}x | {under or '-'} |")
+        lines.append(f"| {mode} | {len(rows)} | {geometric_mean(ratios):.3f}x | {min(ratios):.3f}x | {under or '-'} |")
     skipped = doc.get("skipped") or []
     if skipped:
         lines += ["", f"Skipped (time budget): {len(skipped)}."]
@@ -89,10 +89,6 @@ def png(doc: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def geomean(values) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def _mode(row: dict) -> str:
