@@ -937,6 +937,7 @@ def header(device: str, args) -> dict:
     return {"kind": "models", "device": gpu.name if gpu else "cpu", "sm_count": gpu.multi_processor_count if gpu else None,
             "torch": torch.__version__, "triton": version("triton"), "gemmtune": gemmtune.__version__,
             "timm": version("timm"), "transformers": version("transformers"),
+            "quack": version("quack-kernels"), "cutlass_dsl": version("nvidia-cutlass-dsl"),  # the cute backend's
             "date": datetime.date.today().isoformat(),
             "timings": "GPU" if device == "cuda" else
             "CPU: no CUDA GPU, so these are CPU timings of a smoke run, NOT GPU timings",
