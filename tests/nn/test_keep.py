@@ -171,3 +171,23 @@ def test_on_the_gpu_the_graph_check_times_both_forms_or_says_it_cannot():
         assert keep.graph_speedup(lambda: model(x), forms, budget_ms=50.0).ratio > 0
         assert keep.graph_speedup(lambda: model(x).sum().item(), forms, budget_ms=50.0) is None  # a host sync
     assert type(model[0]) is gnn.Linear and isinstance(model[1], nn.Identity)
+
+
+def test_optimize_leaves_a_training_model_s_running_statistics_and_random_streams_as_they_were():
+    """The example's runs (one here, dozens in the check on a GPU) must not train a BatchNorm's
+    statistics toward the example batch nor move the random streams dropout draws from."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Dropout(0.5), nn.Linear(32, 8)).train()
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    example = torch.randn(64, 16) * 3 + 5
+    rng = torch.get_rng_state()
+    gemmtune.optimize(model, (example,))
+    after = dict(model.named_buffers())
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    assert torch.equal(torch.get_rng_state(), rng)
+    model(torch.randn(4, 16))  # the model's own runs still train its statistics
+    assert not torch.equal(model[1].running_mean, before["1.running_mean"])
+    assert int(model[1].num_batches_tracked) == 1

@@ -135,6 +135,10 @@ def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
     views of the padded buffers (only the padding is added), so that a call of enough rows copies
     its input, not the weight, and runs the aligned GEMM (``gemmtune.nn.padded`` says when).
 
+    The example's runs (one to record, more in the check) leave the running statistics of the
+    model's normalization layers and the random generators as they were, so that optimizing a
+    model in training mode does not pull its BatchNorm statistics toward the example batch.
+
     ``check`` (on by default): with ``example_inputs``, optimize keeps only what pays
     (``gemmtune.nn.keep``): a layer whose GEMMs were all tuned to cuBLAS goes back to the
     ``nn.Linear`` it was (its activation module too), and the layers left stay only if the model
@@ -210,11 +214,37 @@ def _fuse_activations(model: nn.Module) -> None:
 def tune_model(model: nn.Module, example_inputs: Sequence, *, options: TuneOptions | None = None,
                siblings: bool = False, check: bool = True) -> list:
     """Run ``model(*example_inputs)`` once without gradients, recording its GEMMs, then tune
-    and store each, keeping what pays (``tune_calls``); the TuneResults."""
+    and store each, keeping what pays (``tune_calls``); the TuneResults. The model's running
+    statistics and the random generators are left as they were (``_state_kept``)."""
     if not isinstance(example_inputs, (tuple, list)):
         raise TypeError("optimize(example_inputs=...): expected a tuple or list of the model's positional inputs, "
                         f"got {type(example_inputs).__name__}")
-    return tune_calls(lambda: model(*example_inputs), options=options, siblings=siblings, check=check)
+    with _state_kept(model):
+        return tune_calls(lambda: model(*example_inputs), options=options, siblings=siblings, check=check)
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module):
+    """The running statistics of ``model``'s normalization layers (those that track them, as
+    BatchNorm and InstanceNorm do: their means, variances and batch counts) and the CPU's and
+    GPUs' random generators restored on exit:
+    optimize runs the example once to record its GEMMs and dozens of times in its check, which in
+    a model in training mode would pull those statistics toward the example's batch and move the
+    random streams (dropout) a user's run goes on from."""
+    saved = [(buffer, buffer.detach().clone()) for module in model.modules() if getattr(module, "track_running_stats", False)
+             for name in ("running_mean", "running_var", "num_batches_tracked")
+             if isinstance(buffer := getattr(module, name, None), torch.Tensor)]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 def tune_calls(run: Callable[[], object], *, options: TuneOptions | None = None, siblings: bool = False,
