@@ -191,3 +191,53 @@ def test_optimize_leaves_a_training_model_s_running_statistics_and_random_stream
     model(torch.randn(4, 16))  # the model's own runs still train its statistics
     assert not torch.equal(model[1].running_mean, before["1.running_mean"])
     assert int(model[1].num_batches_tracked) == 1
+
+
+@pytest.mark.parametrize("train, kept", [(S(1.02, 0.01), True), (S(1.0, 0.0), True), (S(1.01, 0.02), False),
+                                         (S(0.92, 0.01), False)])
+def test_a_training_step_must_pay_beyond_its_noise_too(train, kept):
+    words, kept_any = keep.decide_training("eager 1.05x +-0.01", train)
+    assert kept_any == kept and words.startswith(f"eager 1.05x +-0.01, train step {train}")
+    assert ("goes back to torch" in words) == (not kept)
+
+
+@pytest.mark.parametrize("train, kept", [(S(0.92, 0.01), False), (S(1.05, 0.01), True)])
+def test_optimize_of_a_training_model_times_a_train_step_and_keeps_the_layers_only_where_it_pays(
+        fake_tuning, monkeypatch, train, kept):
+    """The check's eager verdict pays; the train step (its backward's GEMMs tuned first) decides.
+    The user's gradients are neither added to nor lost."""
+    tuned = fake_tuning(lambda p: "triton_tiled")
+    timed = []
+
+    def speedup(run, forms, **_):
+        timed.append(torch.is_grad_enabled())
+        return S(1.05, 0.01) if len(timed) == 1 else train
+
+    monkeypatch.setattr(keep, "on_a_gpu", lambda forms: True)
+    monkeypatch.setattr(keep, "speedup", speedup)
+    monkeypatch.setattr(keep, "graph_speedup", lambda run, forms, **_: None)
+    model = mlp().train()
+    grad = torch.randn(32, 16)
+    model[0].weight.grad = grad
+    gemmtune.optimize(model, (torch.randn(4, 16),))
+    assert timed == [False, True]  # the forward without gradients, then the train step
+    forward = {Problem(4, n, k, "float32", "linear", True, False, act).key()
+               for n, k, act in ((32, 16, "gelu"), (32, 32, "silu"), (8, 32, "none"))}
+    assert forward < {p.key() for p in tuned}  # and the backward's GEMMs besides
+    assert len({p.key() for p in tuned} - forward) >= 3
+    assert (type(model[0]) is gnn.Linear) == kept and (type(model[1]) is nn.GELU) == (not kept)
+    assert model[0].weight.grad is grad and all(p.grad is None for p in list(model.parameters())[1:])
+
+
+def test_a_model_in_eval_mode_or_without_gradients_times_no_train_step(fake_tuning, monkeypatch):
+    fake_tuning(lambda p: "triton_tiled")
+    timed = []
+    monkeypatch.setattr(keep, "on_a_gpu", lambda forms: True)
+    monkeypatch.setattr(keep, "speedup", lambda run, forms, **_: timed.append(1) or S(1.05, 0.01))
+    monkeypatch.setattr(keep, "graph_speedup", lambda run, forms, **_: None)
+    gemmtune.optimize(mlp().eval(), (torch.randn(4, 16),))
+    frozen = mlp().train().requires_grad_(False)
+    gemmtune.optimize(frozen, (torch.randn(4, 16),))
+    with torch.no_grad():
+        gemmtune.optimize(mlp().train(), (torch.randn(4, 16),))
+    assert timed == [1, 1, 1]

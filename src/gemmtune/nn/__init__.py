@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -219,8 +219,53 @@ def tune_model(model: nn.Module, example_inputs: Sequence, *, options: TuneOptio
     if not isinstance(example_inputs, (tuple, list)):
         raise TypeError("optimize(example_inputs=...): expected a tuple or list of the model's positional inputs, "
                         f"got {type(example_inputs).__name__}")
-    with _state_kept(model):
-        return tune_calls(lambda: model(*example_inputs), options=options, siblings=siblings, check=check)
+    step = _train_step(model, example_inputs) if _training(model) else None
+    with _state_kept(model), _grads_kept(model):
+        return tune_calls(lambda: model(*example_inputs), options=options, siblings=siblings, check=check,
+                          step=step)
+
+
+def _training(model: nn.Module) -> bool:
+    """Whether ``model`` is being trained: in training mode, gradients on, a parameter needing one."""
+    return model.training and torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
+
+
+def _train_step(model: nn.Module, example_inputs: Sequence) -> Callable[[], bool]:
+    """A training step on the example: the forward, and the backward of the sum of its floating
+    outputs (a loss of the model's own is not known here); False where no output needs a gradient."""
+
+    def step() -> bool:
+        outputs = [t for t in _tensors(model(*example_inputs)) if t.is_floating_point() and t.requires_grad]
+        if not outputs:
+            return False
+        sum(t.float().sum() for t in outputs).backward()
+        return True
+
+    return step
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """The tensors of a model's output: itself, or those of a tuple, list or mapping (transformers'
+    outputs are mappings), one level down."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    values = out.values() if isinstance(out, Mapping) else out if isinstance(out, (tuple, list)) else ()
+    return [value for value in values if isinstance(value, torch.Tensor)]
+
+
+@contextlib.contextmanager
+def _grads_kept(model: nn.Module):
+    """The parameters' gradients set aside while optimize's train steps run (their backward writes
+    fresh ones), and put back on exit: a user's accumulated gradients are neither added to nor lost."""
+    params = list(model.parameters())
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in zip(params, saved):
+            p.grad = grad
 
 
 @contextlib.contextmanager
@@ -248,13 +293,15 @@ def _state_kept(model: nn.Module):
 
 
 def tune_calls(run: Callable[[], object], *, options: TuneOptions | None = None, siblings: bool = False,
-               check: bool = True) -> list:
+               check: bool = True, step: Callable[[], bool] | None = None) -> list:
     """Call ``run()`` once without gradients, its GEMMs served by cuBLAS and recorded, then tune
     and store every one of them, their candidates compiled together; the TuneResults. For runs
     that one example call does not cover (a model's prefill and its decode steps at each batch).
     ``siblings``: join the sibling layers the run shows (see ``optimize``), then run it once more
     so that what is recorded and tuned is the joined GEMMs. ``check``: keep only what pays
-    (``optimize`` says how), timing ``run()`` with and without gemmtune's layers."""
+    (``optimize`` says how), timing ``run()`` with and without gemmtune's layers. ``step``: a
+    training step of the run (forward and backward; False where nothing needed a gradient): with
+    ``check``, its GEMMs are tuned too and the layers stay only if it pays as well."""
     started = time.perf_counter()
     watch = sibling_layers.watching(Linear) if siblings else contextlib.nullcontext([])
     with recording.record() as seen, DISPATCHER.deferring(), torch.no_grad(), watch as calls, \
@@ -281,27 +328,45 @@ def tune_calls(run: Callable[[], object], *, options: TuneOptions | None = None,
         return []
     results = api.tune(problems, options=options)  # which drops the kernels built before it
     if check:
-        _keep_what_pays(run, per_layer, results, calls=sum(seen.counts.values()), started=started)
+        _keep_what_pays(run, per_layer, results, calls=sum(seen.counts.values()), started=started, step=step)
     return results
 
 
+def _train_speedup(step: Callable[[], bool], kept: list) -> keep.Speedup | None:
+    """The training step timed in both forms (``keep.speedup``), after its GEMMs (the backward's
+    among them) are recorded and tuned, or None where no output of the step needs a gradient."""
+    with recording.record() as seen, DISPATCHER.deferring():
+        trained = step()
+    if not trained:
+        return None
+    api.tune([problem for problem, _ in seen.problems()])
+    return keep.speedup(step, kept)
+
+
 def _keep_what_pays(run: Callable[[], object], per_layer: dict, results: list, *, calls: int,
-                    started: float) -> None:
+                    started: float, step: Callable[[], bool] | None = None) -> None:
     """The layers the run called that were tuned to cuBLAS alone go back to torch; the rest are
     timed with the run in eager and captured as a CUDA graph (``gemmtune.nn.keep``) and kept
     where either measures faster with them: where both do, in both; where only one does, torch's
     forward serves the other mode (``torch_when_capturing``); where neither does, every layer goes
     back to torch. An eager verdict times host work, whose noise on a busy host hid graph gains
-    measured to 0.1% (the seeds' float32 MLP, 1.07x as a graph, was handed back whole). One log
-    line."""
+    measured to 0.1% (the seeds' float32 MLP, 1.07x as a graph, was handed back whole). With a
+    training ``step`` (optimize of a model in training mode), layers kept so stay only if the step
+    pays too: a call that needs a gradient runs gemmtune's forward through autograd and its
+    activation unfused, which cost a ViT-B/16 train step with every layer gemmtune's 1.09x torch's
+    time on an H100 (docs/python.md, training). One log line."""
     forms = [keep.Form(layer) for layer in per_layer]
     kept = keep.served(forms, per_layer, {r.problem_key: r for r in results})
     verdict = "nothing to time"
-    if kept and any(p.is_cuda for form in kept for p in form.layer.parameters()):
+    if kept and keep.on_a_gpu(kept):
         with torch.no_grad():
             eager = keep.speedup(run, kept)
             graph = keep.graph_speedup(run, kept)
         verdict, kept_any, torch_when_capturing = keep.decide(eager, graph)
+        if kept_any and step is not None:
+            train = _train_speedup(step, kept)
+            if train is not None:
+                verdict, kept_any = keep.decide_training(verdict, train)
         for form in kept:
             if not kept_any:
                 form.release()

@@ -160,6 +160,20 @@ def decide(eager: Speedup, graph: Speedup | None) -> tuple[str, bool, bool | Non
     return words + ", so every layer goes back to torch", False, None
 
 
+def decide_training(words: str, train: Speedup) -> tuple[str, bool]:
+    """``decide``'s verdict (``words``, the layers kept) with a training step's ``train`` speedup
+    added: the layers stay only where the step pays too, at least 1.0 beyond its noise."""
+    words += f", train step {train}"
+    if train.ratio >= 1.0 + train.noise:
+        return words, True
+    return words + ", so every layer goes back to torch", False
+
+
+def on_a_gpu(forms: list[Form]) -> bool:
+    """Whether any of the layers' parameters lie on a GPU, where the model's check can time them."""
+    return any(p.is_cuda for form in forms for p in form.layer.parameters())
+
+
 class Speedup(NamedTuple):
     """The run's time in torch's form over gemmtune's (above 1: gemmtune faster), the median of
     the per-round ratios, and ``noise``, their spread (half the inter-quartile range, relative)."""
