@@ -655,11 +655,14 @@ def tune_side(case: Case, base: nn.Module, shared: dict) -> tuple[nn.Module, dic
     device = next(tuned.parameters()).device.type
     sync(device)
     t0 = time.perf_counter()
+    if case.phase == "train":  # optimize sees a model being trained (its check times a train step too),
+        tuned.train()            # timed after in eval mode as the baseline is (dropout off)
     if case.positional:
         gemmtune.optimize(tuned, tuple(kwargs.values()))
     else:
         gemmtune.optimize(tuned)
         tune_calls(step_of(case, tuned, tuned, kwargs))
+    tuned.eval()
     if case.phase == "train":  # optimize runs the example without gradients: the backward's GEMMs
         tune_recorded(lambda: train_step(tuned, kwargs))
     sync(device)
