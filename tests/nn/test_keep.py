@@ -241,3 +241,23 @@ def test_a_model_in_eval_mode_or_without_gradients_times_no_train_step(fake_tuni
     with torch.no_grad():
         gemmtune.optimize(mlp().train(), (torch.randn(4, 16),))
     assert timed == [1, 1, 1]
+
+
+def test_a_train_step_that_fails_leaves_the_forward_s_verdict_with_a_warning(fake_tuning, monkeypatch, caplog):
+    fake_tuning(lambda p: "triton_tiled")
+    calls = []
+
+    def speedup(run, forms, **_):
+        calls.append(1)
+        if len(calls) > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return S(1.05, 0.01)
+
+    monkeypatch.setattr(keep, "on_a_gpu", lambda forms: True)
+    monkeypatch.setattr(keep, "speedup", speedup)
+    monkeypatch.setattr(keep, "graph_speedup", lambda run, forms, **_: None)
+    model = mlp().train()
+    with caplog.at_level("WARNING", logger="gemmtune"):
+        gemmtune.optimize(model, (torch.randn(4, 16),))
+    assert type(model[0]) is gnn.Linear and len(calls) == 2
+    assert "a train step on the example failed (OutOfMemoryError" in caplog.text

@@ -334,13 +334,20 @@ def tune_calls(run: Callable[[], object], *, options: TuneOptions | None = None,
 
 def _train_speedup(step: Callable[[], bool], kept: list) -> keep.Speedup | None:
     """The training step timed in both forms (``keep.speedup``), after its GEMMs (the backward's
-    among them) are recorded and tuned, or None where no output of the step needs a gradient."""
-    with recording.record() as seen, DISPATCHER.deferring():
-        trained = step()
-    if not trained:
+    among them) are recorded and tuned; None where no output of the step needs a gradient, or
+    where the step fails (a backward of the example that does not fit in memory, say: the forward's
+    verdict stands, and a warning says so)."""
+    try:
+        with recording.record() as seen, DISPATCHER.deferring():
+            trained = step()
+        if not trained:
+            return None
+        api.tune([problem for problem, _ in seen.problems()])
+        return keep.speedup(step, kept)
+    except Exception as error:  # noqa: BLE001 - a check that cannot run leaves the forward's verdict
+        log.warning("gemmtune.optimize: the model is in training mode, but a train step on the example failed "
+                    "(%s: %s): the layers are judged on the forward alone", type(error).__name__, str(error)[:200])
         return None
-    api.tune([problem for problem, _ in seen.problems()])
-    return keep.speedup(step, kept)
 
 
 def _keep_what_pays(run: Callable[[], object], per_layer: dict, results: list, *, calls: int,
