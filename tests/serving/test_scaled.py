@@ -138,6 +138,8 @@ def test_on_the_gpu_what_torch_refuses_is_still_served_right(fresh_dispatch):
 @example(m=1, n=1, k=1, scaling="tensor", fp8="float8_e4m3fn", out="bfloat16", bias=True, act="silu", seed=0)
 # and: silu's output of 3e-30 in float16 (zero), judged by a relative error before the format's floor
 @example(m=1, n=1, k=2, scaling="tensor", fp8="float8_e4m3fn", out="float16", bias=False, act="silu", seed=0)
+# and: gelu at a pre-activation of about -7.5 (-1.9e-13), which float32's erf makes 0 (verify.norm_floor)
+@example(m=1, n=1, k=141, scaling="tensor", fp8="float8_e5m2", out="bfloat16", bias=False, act="gelu", seed=1)
 def test_torch_s_fallback_is_within_the_fp8_bound_at_any_size(m, n, k, scaling, fp8, out, bias, act, seed):
     # the fallback's dequantized product (or torch's CPU kernel, per tensor), on fresh operands of
     # awkward sizes, every scaling, format and output dtype, against the float64 reference

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gemmtune import activation
 from gemmtune.problem import Problem
 from gemmtune.tuning import judging, verify
 
@@ -126,3 +127,24 @@ def test_an_output_below_its_format_s_smallest_normal_is_not_judged_by_its_relat
     assert verify.rel_err(out, ref) < 1e-20
     normal = torch.tensor([[1.0, -2.0]], dtype=torch.float64)
     assert verify.rel_err(normal.to(torch.float16) * 1.01, normal) == pytest.approx(0.01, rel=0.05)  # float16 rounds 1.01
+
+
+def test_an_activation_s_floor_passes_gelu_s_float32_tail():
+    """GELU at -7.5 is -1.9e-13 in float64 and 0 in float32 (its erf saturates): without the
+    reference norm's floor after an activation (``verify.norm_floor``) no float32 epilogue passes."""
+    problem = Problem(1, 4, 64, "float32", "nn", activation="gelu")
+    pre = torch.full((1, 4), -7.5, dtype=torch.float64)
+    ref = activation.apply(pre.clone(), "gelu")
+    flushed = activation.apply(pre.float(), "gelu")
+    assert bool((ref != 0).all()) and bool((flushed == 0).all())
+    floor = verify.norm_floor(problem, pre)
+    assert verify.rel_err(flushed, ref) > verify.tolerance(problem) >= verify.rel_err(flushed, ref, floor)
+    assert verify.norm_floor(Problem(1, 4, 64, "float32", "nn"), pre) == 0.0  # no activation: no floor
+
+
+@pytest.mark.parametrize("act", ["gelu", "silu", "relu"])
+def test_an_activation_s_floor_still_fails_a_systematic_error(act):
+    problem = Problem(8, 8, 64, "bfloat16", "nn", activation=act)
+    pre = torch.linspace(-3, 3, 64, dtype=torch.float64).reshape(8, 8)
+    out = activation.apply(pre.clone(), act)
+    assert verify.rel_err((out * 1.01).float(), out, verify.norm_floor(problem, pre)) > verify.tolerance(problem)
