@@ -117,13 +117,13 @@ def started(base, other, ours, theirs) -> str:
     final rounds judged the same candidates differently), ``cut`` where one run stopped screening
     either choice after two rounds, else ``screening`` (one run's screening ranked the other's
     choice out of its final)."""
-    runs = [finalists(store.trials(record.device, record.problem_key)) for store, record in
-            ((base, ours), (other, theirs))]
+    from gemmtune.tuning.tuner import final_rounds
+
+    stored = [store.trials(record.device, record.problem_key) for store, record in ((base, ours), (other, theirs))]
     labels = (ours.label(), theirs.label())
-    if all(label in run or label == "cublas" for run in runs for label in labels):
+    if all(label in (final_rounds(trials) or (None, {}))[1] for trials in stored for label in labels):
         return "final"
-    screened = [{t.label(): len(t.timing.samples) for t in store.trials(record.device, record.problem_key)
-                 if t.ok and t.timing is not None} for store, record in ((base, ours), (other, theirs))]
+    screened = [{t.label(): len(t.timing.samples) for t in trials if t.ok and t.timing is not None} for trials in stored]
     return "cut" if any(run.get(label) == 2 for run in screened for label in labels) else "screening"
 
 
@@ -157,17 +157,19 @@ def finalists(trials) -> dict[str, tuple[float, float]]:
     """label -> (kernel ratio to cuBLAS, its standard error) of each finalist but cuBLAS in a
     problem's stored ``trials``: the median of per-round ratios, and 1.2533 x sigma / sqrt(rounds)
     with sigma from their half inter-quartile range (1.4826 x it, for normal noise)."""
-    reference = next((t for t in trials if t.ok and t.backend == "cublas" and t.timing), None)
-    if reference is None:
+    from gemmtune.tuning.tuner import final_rounds
+
+    found = final_rounds(trials)
+    if found is None:
         return {}
+    reference, final = found
     rounds = len(reference.timing.samples)
     out = {}
-    for trial in trials:
-        if trial is reference or not trial.ok or trial.timing is None or len(trial.timing.samples) != rounds:
-            continue
-        ratio = trial.timing.ratio_to(reference.timing)
-        sigma = 1.4826 * trial.timing.spread_against(reference.timing) * ratio
-        out[trial.label()] = (ratio, 1.2533 * sigma / math.sqrt(rounds))
+    for label, trial in final.items():
+        if trial is not reference:
+            ratio = trial.timing.ratio_to(reference.timing)
+            sigma = 1.4826 * trial.timing.spread_against(reference.timing) * ratio
+            out[label] = (ratio, 1.2533 * sigma / math.sqrt(rounds))
     return out
 
 

@@ -356,15 +356,11 @@ def graph_choice(trials: Sequence[Trial], chosen: str) -> Trial | None:
     ``select``); None where none does (the choice serves graphs too) or the final rounds are not
     on record. Seen on 2 H100s: on short kernels whose call cost is the host's, cuBLASLt kernels
     3-10% faster than the chosen cuBLAS cost the same per call, and Triton kernels chosen for a
-    call 35% cheaper ran 2-7% slower than cuBLAS's (docs/tuning-time.md).
-
-    The store keeps each trial's timing, not the round that made it: the final rounds' timings
-    are those as long as cuBLAS's (cuBLAS is always a finalist), at least MIN_ROUNDS_FINAL."""
-    reference = next((t for t in trials if t.ok and t.backend == backends.REFERENCE and t.timing), None)
-    if reference is None or len(reference.timing.samples) < MIN_ROUNDS_FINAL:
+    call 35% cheaper ran 2-7% slower than cuBLAS's (docs/tuning-time.md)."""
+    found = final_rounds(trials)
+    if found is None:
         return None
-    rounds = len(reference.timing.samples)
-    final = {t.label(): t for t in trials if t.ok and t.timing is not None and len(t.timing.samples) == rounds}
+    reference, final = found
     mine = final.get(chosen)
     if mine is None:
         return None
@@ -374,6 +370,18 @@ def graph_choice(trials: Sequence[Trial], chosen: str) -> Trial | None:
         return None
     timings = {label: t.timing for label, t in final.items()}
     return final[_first_fastest(faster, timings, reference.timing, list(final))]
+
+
+def final_rounds(trials: Sequence[Trial]) -> tuple[Trial, dict[str, Trial]] | None:
+    """cuBLAS's trial and every trial timed in the final rounds beside it (cuBLAS's among them), by
+    label, from a tuning's stored ``trials``; None where the final rounds are not on record. The
+    store keeps each trial's timing, not the round that made it: the final rounds' timings are
+    those as long as cuBLAS's (cuBLAS is always a finalist), at least MIN_ROUNDS_FINAL."""
+    reference = next((t for t in trials if t.ok and t.backend == backends.REFERENCE and t.timing), None)
+    if reference is None or len(reference.timing.samples) < MIN_ROUNDS_FINAL:
+        return None
+    rounds = len(reference.timing.samples)
+    return reference, {t.label(): t for t in trials if t.ok and t.timing is not None and len(t.timing.samples) == rounds}
 
 
 def _faster(timing: Timing, other: Timing, by: float = 1.0) -> bool:
