@@ -219,8 +219,8 @@ def tune_model(model: nn.Module, example_inputs: Sequence, *, options: TuneOptio
     if not isinstance(example_inputs, (tuple, list)):
         raise TypeError("optimize(example_inputs=...): expected a tuple or list of the model's positional inputs, "
                         f"got {type(example_inputs).__name__}")
-    step = _train_step(model, example_inputs) if _training(model) else None
-    with _state_kept(model), _grads_kept(model):
+    step = _train_step(model, example_inputs) if check and _training(model) else None
+    with _state_kept(model), _grads_kept(model) if step is not None else contextlib.nullcontext():
         return tune_calls(lambda: model(*example_inputs), options=options, siblings=siblings, check=check,
                           step=step)
 
