@@ -10,7 +10,14 @@
 #   # ".carry/cute/SHA256SUMS"], then the same with part-ab, ...:
 #   bash benchmarks/cute_wheels.sh unpack .carry/cute /tmp/cute   # there: keeps the parts it is given;
 #                                                                 # once all are there, unpacks them
-#   PYTHONPATH=src:/tmp/cute/site:/tmp/cute/site/nvidia_cutlass_dsl/dsl_packages python3 ...   # cute is there
+#   PYTHONPATH=src:/tmp/cute/site-packages:/tmp/cute/site-packages/nvidia_cutlass_dsl/dsl_packages python3 ...
+#
+# The packages are unpacked into a folder named site-packages, as pip would put them: QuACK
+# fingerprints an epilogue's activation function by its source and what it references, and
+# stops at functions of installed packages, which it knows by a site-packages (or dist-packages)
+# folder in their file's path. Unpacked elsewhere (the first runs: /tmp/cute/site), it followed
+# CuTe DSL's own functions into a ContextVar it cannot fingerprint, and every activation epilogue
+# failed to compile (TypeError).
 #
 # CuTe DSL's Python code is the libs-core wheel (libs-base holds only the MLIR bindings); its
 # other needs (cuda-bindings, protobuf) are on the GPU machines already.
@@ -45,15 +52,15 @@ unpack() {
   mkdir -p "$to/parts"
   cp "$from"/MANIFEST "$from"/SHA256SUMS "$to/parts/" 2>/dev/null || true
   for part in "$from"/part-*; do [ -f "$part" ] && cp "$part" "$to/parts/"; done
-  local path="src:$to/site:$to/site/nvidia_cutlass_dsl/dsl_packages"  # no .pth file is read from PYTHONPATH
-  if [ -d "$to/site" ]; then echo "unpacked already: PYTHONPATH=$path"; return; fi
+  local path="src:$to/site-packages:$to/site-packages/nvidia_cutlass_dsl/dsl_packages"  # no .pth file is read from PYTHONPATH
+  if [ -d "$to/site-packages" ]; then echo "unpacked already: PYTHONPATH=$path"; return; fi
   local missing
   missing=$(cd "$to/parts" && while read -r p; do [ -f "$p" ] || echo "$p"; done < MANIFEST)
   if [ -n "$missing" ]; then echo "kept $(ls "$to/parts" | grep -c part-) part(s); still missing: $missing"; return; fi
   (cd "$to/parts" && sha256sum -c --quiet SHA256SUMS)
-  mkdir -p "$to/site.partial"
-  cat "$to"/parts/part-* | xz -d | tar -C "$to/site.partial" -xf -
-  mv "$to/site.partial" "$to/site"
+  mkdir -p "$to/site-packages.partial"
+  cat "$to"/parts/part-* | xz -d | tar -C "$to/site-packages.partial" -xf -
+  mv "$to/site-packages.partial" "$to/site-packages"
   echo "unpacked: PYTHONPATH=$path"
 }
 

@@ -132,6 +132,44 @@ def test_a_config_counts_as_compiled_once_its_first_call_left_its_marker(monkeyp
     cute._versions.cache_clear()
 
 
+class _Pending(BaseException):
+    """What QuACK's compile cache raises while a worker compiles the call's kernel (a
+    BaseException, as QuACK's ``CompilePending``)."""
+
+
+def test_calls_are_made_again_until_their_compile_is_done(monkeypatch):
+    monkeypatch.setattr(cute, "POOL_POLL_S", 0.0)
+    made = []
+
+    def call(name, pending_times):
+        def make():
+            made.append(name)
+            if made.count(name) <= pending_times:
+                raise _Pending(name)
+        return make
+
+    def fails():
+        made.append("fails")
+        raise RuntimeError("not a compile the pool can take")
+
+    cute.until_ready([call("ready", 0), call("slow", 3), fails, call("quick", 1)], _Pending,
+                     cute.time.monotonic() + 60)
+    assert made.count("ready") == 1 and made.count("quick") == 2 and made.count("slow") == 4
+    assert made.count("fails") == 1  # dropped: the caller's own call meets it again and reports it
+
+
+def test_calls_still_waiting_at_the_deadline_are_left_to_the_caller(monkeypatch):
+    monkeypatch.setattr(cute, "POOL_POLL_S", 0.0)
+    made = []
+
+    def never():
+        made.append(1)
+        raise _Pending()
+
+    cute.until_ready([never], _Pending, cute.time.monotonic() + 0.05)  # returns: no hang, no raise
+    assert made
+
+
 def test_the_cost_model_ranks_the_transpose_as_the_tiles_it_walks():
     backend = get("cute")
     decode, tall = Problem(16, 4096, 4096), Problem(4096, 16, 4096)
@@ -233,3 +271,26 @@ def test_the_tuner_times_cute_candidates_on_a_prefill_shape():
     result = tune_problem(problem, _current(), options=TuneOptions(backends=("cublas", "cute")))
     trials = [t for t in result.trials if t.backend == "cute"]
     assert trials and all(t.ok for t in trials), [t.reason for t in trials if not t.ok]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cute.installed(), reason="needs gemmtune[cute] (quack-kernels, nvidia-cutlass-dsl)")
+def test_candidates_compiled_ahead_together_run_and_match_float64():
+    """The tuner's compile ahead hands cute's candidates to QuACK's worker processes together;
+    each then runs in this process and matches float64."""
+    from gemmtune.activation import apply
+    from gemmtune.tuning import compiler, verify
+
+    problems = [Problem(320, 384, 256, "bfloat16", "linear", True, activation="gelu"),
+                Problem(320, 384, 256, "bfloat16", "linear", True)]
+    jobs = []
+    for problem in problems:
+        operands = verify.make_operands(problem, "cuda", seed=0)
+        jobs += [(problem, "cute", config.as_dict(), operands) for config in cute.space(problem, _current())[:4]]
+    done = compiler.compile_ahead(jobs, _current())
+    assert [d.status.value for d in done] == ["ok"] * len(jobs), [d.reason for d in done]
+    for problem, _, config, (a, b, bias) in jobs:
+        expected = apply(a.double() @ b.double().t() + bias.double(), problem.activation, inplace=False)
+        out = get("cute").build(problem, get("cute").parse_config(config), _current())(a, b, bias)
+        assert relative_error(out, expected) < 2e-2, config
+        assert cute.marker(problem, get("cute").parse_config(config)).exists()

@@ -286,7 +286,8 @@ def test_warming_up_runs_the_reference_and_error_measure_of_each_kind():
 
 def test_a_kernel_of_its_own_jit_is_not_run_to_capture_triton_compiles(monkeypatch):
     """CuTe DSL's kernels compile without Triton: capturing would compile each here, one after
-    another, before the threads start; their threads compile them side by side instead."""
+    another, before the threads start; the backend compiles them together instead (its worker
+    processes, ``compile_together``)."""
     from types import SimpleNamespace
 
     from gemmtune import backends
@@ -294,3 +295,42 @@ def test_a_kernel_of_its_own_jit_is_not_run_to_capture_triton_compiles(monkeypat
     monkeypatch.setattr(backends, "build", lambda *args: pytest.fail("built to capture a CuTe DSL kernel"))
     on_gpu = (SimpleNamespace(is_cuda=True), None, None)
     assert compiler._capture((Problem(512, 768, 768), "cute", {}, on_gpu), H100) == []
+
+
+class _Together:
+    """A backend of its own JIT (as CuTe DSL) whose ``compile_together`` makes every first call
+    it is given, and records when."""
+
+    def __init__(self, events, fail=False):
+        self.events, self.fail = events, fail
+
+    def compile_together(self, calls, workers):
+        self.events.append(("together", len(calls), workers))
+        if self.fail:
+            raise ImportError("no compile pool in this QuACK")
+        for call in calls:
+            call()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_candidates_of_its_own_jit_are_compiled_together_before_each_first_call(monkeypatch, fail):
+    monkeypatch.setenv("GEMMTUNE_COMPILE_FORK", "0")
+    events = []
+
+    def build(problem, name, config, device):
+        return lambda a, b, bias: events.append((name, config["n"]))
+
+    monkeypatch.setattr(compiler.backends, "build", build)
+    monkeypatch.setattr(compiler.backends, "get", lambda name: _Together(events, fail))
+    operands = _operands()
+    jobs = [(PROBLEM, "cute", {"n": 1}, operands), (PROBLEM, "triton_tiled", {"n": 2}, operands),
+            (PROBLEM, "cute", {"n": 3}, operands)]
+    done = compiler.compile_ahead(jobs, H100, workers=3)
+    assert [d.backend for d in done] == ["cute", "triton_tiled", "cute"]
+    assert all(d.status is Status.OK for d in done)
+    assert ("together", 2, 3) in events  # the cute jobs alone, with the compile workers
+    together = events.index(("together", 2, 3))
+    # each cute job's own first call comes after they were made together (where that worked)
+    own_calls = [i for i, event in enumerate(events) if event[0] == "cute"]
+    assert len(own_calls) == (2 if fail else 4) and all(i > together for i in own_calls)
+    assert events.count(("triton_tiled", 2)) == 1

@@ -32,6 +32,11 @@ and config, so that the tuner knows which configs cost a problem no compiling (`
 screens those whole, side by side, as a library's algorithms. On an H100 the roofline ranked
 these kernels poorly: its first 6 held a config within 2% of the best of 44 on 3 of 8 prefill
 shapes, its first 24 on 6 (``cute-h100-20261127.json``).
+
+One compile at a time, a model's share of configs took minutes (ViT-B/16's first tuning on an
+H100: 125 s). So the tuner's candidates are compiled together (``compile_together``) by QuACK's
+pool of GPU-blind worker processes, side by side; each candidate's first call in this process
+then loads the object file a worker exported.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ import importlib.metadata
 import importlib.util
 import os
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -154,7 +160,11 @@ def takes(problem: Problem) -> bool:
             and problem.n % 8 == 0 and problem.layout in ("linear", "nn"))
 
 
-_COMPILING = threading.Lock()  # CuTe DSL compiles one kernel at a time (see the module's doc)
+# CuTe DSL compiles one kernel at a time (see the module's doc); reentrant, as compile_together
+# holds it across the first calls it makes
+_COMPILING = threading.RLock()
+POOL_POLL_S = 0.05  # how often compile_together asks again after the calls still waiting on a worker
+POOL_DEADLINE_S = 600.0  # after this, the calls still waiting are left to compile in process
 
 
 class CuteKernel(KernelBase):
@@ -211,6 +221,42 @@ def _quack():
     from quack.gemm_interface import gemm_act, gemm_tuned
 
     return gemm_tuned.fn, gemm_act, GemmConfig
+
+
+def compile_together(calls: Sequence[Callable[[], object]], workers: int) -> None:
+    """Each of ``calls`` (a candidate's first call on its operands) made with QuACK's compile pool
+    on: a config its cache lacks is compiled by one of ``workers`` GPU-blind worker processes
+    (QuACK's ``QUACK_COMPILE_WORKERS`` unless set) while the others compile beside it, and the
+    call is made again once the worker's object file is there, loading it. What fails here is
+    left to the caller, whose own call meets it again and reports it; calls still waiting after
+    POOL_DEADLINE_S are left so too. The lock keeps every other thread's first call waiting
+    meanwhile: QuACK's pool is the process's, and a call made in its scope may be deferred."""
+    if len(calls) < 2:
+        return
+    os.environ.setdefault("QUACK_COMPILE_WORKERS", str(max(1, workers)))
+    _quack()
+    from quack.cache.async_compile import CompilePending, pool_scope
+
+    with _COMPILING, pool_scope():
+        until_ready(calls, CompilePending, time.monotonic() + POOL_DEADLINE_S)
+
+
+def until_ready(calls: Sequence[Callable[[], object]], pending: type[BaseException], deadline: float) -> None:
+    """Make each call, again and again every POOL_POLL_S, while it raises ``pending``, until none
+    does or ``deadline`` (``time.monotonic``) passes; a call that fails otherwise is dropped."""
+    waiting = list(calls)
+    while waiting and time.monotonic() < deadline:
+        still = []
+        for call in waiting:
+            try:
+                call()
+            except pending:
+                still.append(call)
+            except Exception:  # noqa: BLE001 - the caller's own call meets it again and reports it
+                pass
+        waiting = still
+        if waiting:
+            time.sleep(POOL_POLL_S)
 
 
 def marker(problem: Problem, config: CuteConfig) -> Path:
@@ -271,6 +317,9 @@ class CuteBackend:
 
     def build(self, problem: Problem, config: CuteConfig, device: Device) -> CuteKernel:
         return CuteKernel(problem, config)
+
+    def compile_together(self, calls: Sequence[Callable[[], object]], workers: int) -> None:
+        compile_together(calls, workers)
 
 
 BACKEND = CuteBackend()

@@ -21,13 +21,14 @@ runner, which meets it again and classifies it there.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from gemmtune import backends
@@ -84,7 +85,10 @@ def compile_ahead(jobs: Sequence[tuple[Problem, str, dict, tuple]], device: Devi
         meanwhile()
     with _long_switch_interval(), ThreadPoolExecutor(min(workers, len(jobs)),
                                                      thread_name_prefix="gemmtune-compile") as pool:
-        futures = [pool.submit(_compile_one, problem, name, config, device, operands, children)
+        together = {name: pool.submit(_compile_together, [job for job in jobs if job[1] == name], device, workers)
+                    for name in backends.OWN_JIT if any(job[1] == name for job in jobs)}
+        futures = [pool.submit(_compile_one, problem, name, config, device, operands,
+                               [*children, *([together[name]] if name in together else [])])
                    for (problem, name, config, operands), children in zip(jobs, waits)]
         results = [future.result() for future in futures]
     log.debug("compiled %d candidates of %d problems ahead in %.2f s on up to %d threads and %d children",
@@ -172,25 +176,49 @@ def _long_switch_interval() -> Iterator[None]:
                 sys.setswitchinterval(_switch_before)
 
 
+def _compile_together(jobs: Sequence[tuple[Problem, str, dict, tuple]], device: Device, workers: int) -> None:
+    """The first calls of ``jobs``, all of one backend compiled by its own JIT (``OWN_JIT``), made
+    by that backend together (its ``compile_together``: CuTe DSL's in worker processes); each
+    job's thread then makes its own first call, which finds the kernel compiled. A job that fails
+    here fails again there, where it is reported."""
+    started, name = time.perf_counter(), jobs[0][1]
+    try:
+        backends.get(name).compile_together([functools.partial(_first_call, *job, device) for job in jobs], workers)
+    except Exception as exc:  # noqa: BLE001 - each job's own first call compiles it then, one at a time
+        log.warning("gemmtune: %s could not compile its %d candidates together (%s); compiling them one at a time",
+                    name, len(jobs), exc)
+        return
+    log.debug("%s: %d candidates compiled together in %.2f s", name, len(jobs), time.perf_counter() - started)
+
+
 def _compile_one(problem: Problem, backend_name: str, config: dict, device: Device, operands: tuple,
-                 children: Sequence[fork_compile.Child] = ()) -> Compiled:
+                 waits: Sequence = ()) -> Compiled:
+    """``waits``: what must end first (compile children, whose ``wait`` says how it went, or the
+    future of the job's ``_compile_together``)."""
     started = time.perf_counter()
-    for child in children:
-        if (outcome := child.wait()) != "ok":
+    for wait in waits:
+        if isinstance(wait, Future):
+            wait.result()
+        elif (outcome := wait.wait()) != "ok":
             log.debug("%s %s: a compile child reported %s; compiling here what it did not", backend_name, config,
                       outcome)
-    index = operands[0].device.index if operands[0].is_cuda else None
     try:
-        with _on_device(index):  # a new thread's current device is the first GPU, not the runner's
-            backends.build(problem, backend_name, config, device)(*operands)
-            if index is not None:
-                import torch
-
-                torch.cuda.synchronize()
+        _first_call(problem, backend_name, config, operands, device)
     except Exception as exc:  # noqa: BLE001 - reported to the tuner, which decides what it means
         status, reason = classify(exc)
         return Compiled(backend_name, config, status, reason, time.perf_counter() - started)
     return Compiled(backend_name, config, Status.OK, "", time.perf_counter() - started)
+
+
+def _first_call(problem: Problem, backend_name: str, config: dict, operands: tuple, device: Device) -> None:
+    """The candidate built and run once on ``operands``, to the end of its kernel."""
+    index = operands[0].device.index if operands[0].is_cuda else None
+    with _on_device(index):  # a new thread's current device is the first GPU, not the runner's
+        backends.build(problem, backend_name, config, device)(*operands)
+        if index is not None:
+            import torch
+
+            torch.cuda.synchronize()
 
 
 def _on_device(index: int | None):
