@@ -15,6 +15,7 @@ from gemmtune import backends, search
 from gemmtune.device import current
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing, Trial
+from gemmtune.tuning import tuner
 from gemmtune.tuning.tuner import TuneOptions, _faster, _finalists, _settled, graph_choice, select, tune_problem
 
 
@@ -241,20 +242,25 @@ def test_a_trial_budget_caps_each_modelled_backend():
 
 
 @pytest.mark.interpreter
-def test_a_backend_s_configs_compiled_already_are_all_screened_and_the_strategy_picks_among_the_rest(monkeypatch):
-    # cute's kind of backend (CACHED_COMPILES), played by the tiled kernel: its configs of
-    # 16-row tiles stand for those whose kernels the compile cache holds
+@pytest.mark.parametrize("best_is_compiled", [False, True])
+def test_a_backend_s_configs_compiled_already_are_all_screened_and_count_in_the_strategy(monkeypatch,
+                                                                                        best_is_compiled):
+    # cute's kind of backend (CACHED_COMPILES), played by the tiled kernel: the configs it says
+    # are compiled stand for those whose kernels the compile cache holds
     tiled = backends.get("triton_tiled")
     problem = Problem(32, 32, 64, "float32", "nn")
+    space = tiled.candidates(problem, current())
+    best = search.plan("topk", space, search.Budget(trials=1), predict=lambda c: tiled.predict_ms(problem, current(), c))
+    compiled = [c for c in space if (c in best) == best_is_compiled][:3]
     monkeypatch.setattr(backends, "CACHED_COMPILES", ("triton_tiled",))
-    monkeypatch.setattr(tiled, "compiled", lambda p, configs: [c for c in configs if c.block_m == 16], raising=False)
-    # configs, not tiles: on a GPU one tile comes with several warps and pipelines
-    ready = [c.as_dict() for c in tiled.candidates(problem, current()) if c.block_m == 16]
-    result = tune_problem(problem, current(), options=TuneOptions(
-        strategy="topk", budget=search.Budget(trials=1), seed=4, backends=("cublas", "triton_tiled")))
+    monkeypatch.setattr(tiled, "compiled", lambda p, configs: [c for c in configs if c in compiled], raising=False)
+    options = TuneOptions(strategy="topk", budget=search.Budget(trials=1), seed=4, backends=("cublas", "triton_tiled"))
+    # compiling ahead plans only what the strategy picks that is not compiled yet
+    assert tuner._plan(problem, current(), options) == ([] if best_is_compiled else [("triton_tiled", best[0].as_dict())])
+    result = tune_problem(problem, current(), options=options)
     tried = [dict(t.config) for t in result.trials if t.backend == "triton_tiled"]
-    assert ready and all(c in tried for c in ready)  # every compiled one, whatever the cost model says
-    assert len(tried) == len(ready) + 1  # and the budget's one of the others
+    # every compiled one, whatever the cost model says, and the budget's best predicted (once)
+    assert sorted(map(str, tried)) == sorted({str(c.as_dict()) for c in [*compiled, *best]})
     assert all(t.ok for t in result.trials)
 
 
