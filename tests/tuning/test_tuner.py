@@ -436,3 +436,15 @@ def test_the_choice_does_not_depend_on_the_order_the_rounds_report_it(medians, o
     costs = {"cublas": timing(1.0, 0.005, 1), **{f"lt{i}": timing(m, 0.005, i + 2) for i, m in enumerate(medians)}}
     shuffled = {label: costs[label] for label in sorted(labels, key=lambda l: order[labels.index(l) % 5])}
     assert select("cublas", costs, costs, order=labels) == select("cublas", shuffled, shuffled, order=labels)
+
+
+def test_a_backend_with_its_own_topk_count_gets_it_unless_the_options_give_one():
+    from gemmtune.backends import cute
+
+    assert tuner._budget("cute", TuneOptions()) == search.Budget(trials=cute.CuteBackend.topk)
+    assert tuner._budget("triton_tiled", TuneOptions()) == search.Budget()  # search's DEFAULT_TOPK
+    asked = search.Budget(trials=3, seconds=2.0)
+    assert tuner._budget("cute", TuneOptions(budget=asked)) == asked
+    assert tuner._budget("cute", TuneOptions(strategy="exhaustive")) == search.Budget()
+    assert tuner._budget("cute", TuneOptions(budget=search.Budget(seconds=2.0))) == \
+        search.Budget(trials=cute.CuteBackend.topk, seconds=2.0)

@@ -293,6 +293,11 @@ def installed() -> bool:
 class CuteBackend:
     name = NAME
     space_size = len(space_of(9))
+    # topk's count of configs here (DEFAULT_TOPK elsewhere): the roofline ranks these kernels
+    # poorly (its first 6 held a config within 2% of the best of 44 on 3 of 8 prefill shapes, its
+    # first 16 on 4, its first 24 on 6: cute-h100-20261127.json), and compiled together by 15
+    # worker processes, 24 configs take two compiles' wall time where 6 took one
+    topk = 24
 
     def is_available(self, device: Device) -> bool:
         return not device.interpreter and device.capability[0] in RUNNABLE_ARCHS and installed()

@@ -497,8 +497,17 @@ def _planned(name: str, configs: list, problem: Problem, device: Device, options
     if not _ranked(name, configs, problem, device):
         return configs
     backend = backends.get(name)
-    return search.plan(options.strategy, configs, options.budget,
+    return search.plan(options.strategy, configs, _budget(name, options),
                        predict=lambda config: backend.predict_ms(problem, device, config), seed=options.seed or 0)
+
+
+def _budget(name: str, options: TuneOptions) -> search.Budget:
+    """The search budget of backend ``name``: the options', with topk's count the backend's own
+    (``topk``) where it has one and the options give none."""
+    own = getattr(backends.get(name), "topk", None)
+    if own is None or options.strategy != "topk" or options.budget.trials is not None:
+        return options.budget
+    return search.Budget(trials=own, seconds=options.budget.seconds)
 
 
 def _compiled_apart(name: str, configs: list, problem: Problem) -> tuple[list, list]:
@@ -538,7 +547,7 @@ def _search_backend(name: str, configs: list, problem: Problem, device: Device, 
         return
     backend = backends.get(name)
     search.run(options.strategy, configs,
-               lambda config: measured[config] if config in measured else evaluate(name, config), options.budget,
+               lambda config: measured[config] if config in measured else evaluate(name, config), _budget(name, options),
                predict=lambda config: backend.predict_ms(problem, device, config),
                neighbours=search.neighbours_by_fields(configs, lambda config: config.as_dict()),
                seed=options.seed or 0)
