@@ -86,6 +86,11 @@ def _binds_nothing(a, b, bias) -> None:
 
 
 class Backend(Protocol):
+    """What every backend module's ``BACKEND`` is. Some have more, as their kind asks
+    (``backends/__init__.py``): a CACHED_COMPILES backend ``compiled(problem, configs)``, an
+    OWN_JIT backend ``compile_together(calls, workers)``, and a backend whose cost model ranks
+    poorly its own ``topk`` count (the tuner's ``_budget``)."""
+
     name: str
     space_size: int  # configs in the backend's full table, before a device and problem prune it
 
