@@ -85,10 +85,12 @@ def compile_ahead(jobs: Sequence[tuple[Problem, str, dict, tuple]], device: Devi
         meanwhile()
     with _long_switch_interval(), ThreadPoolExecutor(min(workers, len(jobs)),
                                                      thread_name_prefix="gemmtune-compile") as pool:
-        together = {name: pool.submit(_compile_together, [job for job in jobs if job[1] == name], device, workers)
-                    for name in backends.OWN_JIT if any(job[1] == name for job in jobs)}
-        futures = [pool.submit(_compile_one, problem, name, config, device, operands,
-                               [*children, *([together[name]] if name in together else [])])
+        own_jit: dict[str, list] = {}  # the jobs of each backend compiled by its own JIT
+        for job in jobs:
+            if job[1] in backends.OWN_JIT:
+                own_jit.setdefault(job[1], []).append(job)
+        together = {name: pool.submit(_compile_together, group, device, workers) for name, group in own_jit.items()}
+        futures = [pool.submit(_compile_one, problem, name, config, device, operands, children, together.get(name))
                    for (problem, name, config, operands), children in zip(jobs, waits)]
         results = [future.result() for future in futures]
     log.debug("compiled %d candidates of %d problems ahead in %.2f s on up to %d threads and %d children",
@@ -192,16 +194,16 @@ def _compile_together(jobs: Sequence[tuple[Problem, str, dict, tuple]], device: 
 
 
 def _compile_one(problem: Problem, backend_name: str, config: dict, device: Device, operands: tuple,
-                 waits: Sequence = ()) -> Compiled:
-    """``waits``: what must end first (compile children, whose ``wait`` says how it went, or the
-    future of the job's ``_compile_together``)."""
+                 children: Sequence[fork_compile.Child] = (), together: Future | None = None) -> Compiled:
+    """The job's first call, once its compile ``children`` and its backend's ``_compile_together``
+    (``together``, where the backend compiles by its own JIT) are done."""
     started = time.perf_counter()
-    for wait in waits:
-        if isinstance(wait, Future):
-            wait.result()
-        elif (outcome := wait.wait()) != "ok":
+    for child in children:
+        if (outcome := child.wait()) != "ok":
             log.debug("%s %s: a compile child reported %s; compiling here what it did not", backend_name, config,
                       outcome)
+    if together is not None:
+        together.result()
     try:
         _first_call(problem, backend_name, config, operands, device)
     except Exception as exc:  # noqa: BLE001 - reported to the tuner, which decides what it means
