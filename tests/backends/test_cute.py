@@ -170,6 +170,101 @@ def test_calls_still_waiting_at_the_deadline_are_left_to_the_caller(monkeypatch)
     assert made
 
 
+class _TorchQuack:
+    """QuACK's entry points that ``CuteKernel`` calls, computed by torch on the CPU, counting the
+    launches and, apart, the plans QuACK resolves (on the GPU: a key and a lookup, or a compile)."""
+
+    def __init__(self):
+        self.resolved, self.launched = 0, 0
+
+    def GemmConfig(self, **fields):  # noqa: N802 - QuACK's class name
+        return fields
+
+    @staticmethod
+    def compute(a, b_kn, bias, activation=None):
+        from gemmtune.activation import apply
+
+        product = a.double() @ b_kn.double() + (0 if bias is None else bias.double())
+        return product if activation is None else apply(product, _GEMMTUNE_NAME[activation], inplace=False)
+
+    def gemm_tuned(self, a, b_kn, out, *, bias, config):
+        self.resolved += 1
+        self.launched += 1
+        out.copy_(self.compute(a, b_kn, bias))
+        return config, 1, False, ("plan", a.shape, a.stride())
+
+    def gemm_execute(self, a, b_kn, out, c, *, bias, dispatch_plan, **fixed):
+        assert dispatch_plan == ("plan", a.shape, a.stride()) and c is None
+        self.launched += 1
+        out.copy_(self.compute(a, b_kn, bias))
+
+    def linear_act_mod(self, activation, *, gated, has_c, has_rowvec, has_colvec):
+        quack = self
+
+        class Plan:
+            def __init__(self, layout):
+                self.layout = layout
+
+            def run(self, a, b_kn, *, out, tile_count_semaphore, **operands):
+                assert (a.shape, a.stride(), "mRowVecBroadcast" in operands) == self.layout
+                quack.launched += 1
+                out["mAuxOut"].copy_(quack.compute(a, b_kn, operands.get("mRowVecBroadcast"), activation))
+
+        class Mod:
+            def plan(self, a, b_kn, *, out, config, **operands):
+                assert has_rowvec == ("mRowVecBroadcast" in operands) and not (gated or has_c or has_colvec)
+                quack.resolved += 1
+                return Plan((a.shape, a.stride(), has_rowvec))
+
+        return Mod()
+
+
+_GEMMTUNE_NAME = {quack: name for name, quack in cute.EPILOGUES.items()}
+
+
+@pytest.mark.parametrize("activation", ["none", "gelu"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_each_layout_of_operands_is_resolved_once_then_replayed(monkeypatch, activation, bias):
+    """Through QuACK's entry points as torch computes them: a layout of operands seen before
+    launches its plan (fresh data, right answers), a new layout is resolved anew, and the front
+    path's bound call replays what the kernel's own call resolved."""
+    quack = _TorchQuack()
+    monkeypatch.setattr(cute, "_quack", lambda: quack)
+    monkeypatch.setattr(cute, "_versions", lambda: ("0", "0"))
+    monkeypatch.setattr(cute, "_leave", lambda path: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    m, n, k = 33, 72, 40
+    problem = Problem(256, n, k, "bfloat16", "linear", bias, activation=activation)  # any rows: a kernel takes them
+    kernel = cute.CuteKernel(problem, cute.space(problem, H100)[0])
+
+    def operands(*lead, view="plain"):
+        a = torch.randn(*lead, k + 8, dtype=torch.bfloat16)
+        a = a[..., 8:] if view == "offset" else a[..., :k].contiguous()
+        return a, torch.randn(n, k, dtype=torch.bfloat16), torch.randn(n, dtype=torch.bfloat16) if bias else None
+
+    def check(out, a, b, bias_t):
+        expected = quack.compute(a.reshape(-1, k), b.t(), bias_t, cute.EPILOGUES[activation])
+        assert out.shape == (*a.shape[:-1], n)
+        assert ((out.reshape(-1, n).double() - expected).abs().max() / expected.abs().max()).item() < 2e-2
+
+    for resolved, a_shape, view in [(1, (m,), "plain"), (1, (m,), "plain"),  # a layout seen before: replayed
+                                    (1, (3, 11), "plain"),  # the same rows, from a 3-D input
+                                    (2, (m,), "offset")]:  # rows of another stride: resolved anew
+        a, b, bias_t = operands(*a_shape, view=view)
+        launched = quack.launched
+        check(kernel(a, b, bias_t), a, b, bias_t)
+        assert (quack.resolved, quack.launched) == (resolved, launched + 1)
+    a, b, bias_t = operands(3, 11)
+    call = kernel.bind(a, b, bias_t)
+    a, _, bias_t = operands(3, 11)
+    check(call(a, b, bias_t, 0, 0, 0), a, b, bias_t)
+    assert (quack.resolved, quack.launched) == (2, 5)
+    # nothing to bind: a layout not resolved yet, a 3-D view whose rows a call would copy
+    assert kernel.bind(*operands(5)) is None
+    a, b, bias_t = operands(11, 3)
+    assert kernel.bind(a.transpose(0, 1), b, bias_t) is None
+
+
 def test_the_cost_model_ranks_the_transpose_as_the_tiles_it_walks():
     backend = get("cute")
     decode, tall = Problem(16, 4096, 4096), Problem(4096, 16, 4096)
@@ -294,3 +389,48 @@ def test_candidates_compiled_ahead_together_run_and_match_float64():
         out = get("cute").build(problem, get("cute").parse_config(config), _current())(a, b, bias)
         assert relative_error(out, expected) < 2e-2, config
         assert cute.marker(problem, get("cute").parse_config(config)).exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cute.installed(), reason="needs gemmtune[cute] (quack-kernels, nvidia-cutlass-dsl)")
+@pytest.mark.parametrize("activation", ["none", "gelu"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_replayed_launches_match_float64_on_fresh_operands_eagerly_and_in_a_cuda_graph(activation, bias):
+    """A kernel's calls after its first replay what the first resolved: on fresh random operands
+    of the same layout, on a 3-D input of the same rows, on rows of another stride, through the
+    front path's bound call, and that call captured in a CUDA graph and replayed."""
+    from gemmtune.activation import apply
+    from gemmtune.backends import launch
+
+    m, n, k = 192, 264, 520
+    problem = Problem(m, n, k, "bfloat16", "linear", bias, activation=activation)
+    kernel = get("cute").build(problem, cute.space(problem, _current())[0], _current())
+
+    def operands(*lead, view="plain"):
+        a = torch.randn(*lead, k + 8, device="cuda", dtype=torch.bfloat16)
+        a = a[..., 8:] if view == "offset" else a[..., :k].contiguous()
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 8
+        return a, b, torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+
+    def expected(a, b, bias_t):
+        product = a.reshape(-1, k).double() @ b.double().t() + (bias_t.double() if bias else 0)
+        return apply(product, activation, inplace=False).reshape(*a.shape[:-1], n)
+
+    for lead, view in [((m,), "plain"), ((m,), "plain"), ((4, 48), "plain"), ((m,), "offset"), ((m,), "offset")]:
+        a, b, bias_t = operands(*lead, view=view)
+        out = kernel(a, b, bias_t)
+        assert out.shape == (*lead, n) and relative_error(out, expected(a, b, bias_t)) < 2e-2, (lead, view)
+    a, b, bias_t = operands(4, 48)
+    call = launch.front_entry(kernel, a, b, bias_t)
+    a, b, bias_t = operands(4, 48)
+    ptrs = (a.data_ptr(), b.data_ptr(), 0 if bias_t is None else bias_t.data_ptr())
+    assert relative_error(call(a, b, bias_t, *ptrs), expected(a, b, bias_t)) < 2e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call(a, b, bias_t, *ptrs)
+    fresh = operands(4, 48)
+    for static, new in zip((a, b, bias_t), fresh):
+        if static is not None:
+            static.copy_(new)
+    graph.replay()
+    assert relative_error(captured, expected(a, b, bias_t)) < 2e-2

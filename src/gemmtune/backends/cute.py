@@ -170,57 +170,147 @@ POOL_DEADLINE_S = 600.0  # after this, the calls still waiting are left to compi
 class CuteKernel(KernelBase):
     """One config's kernel: QuACK's GEMM with that config (with the problem's activation in its
     epilogue, where it has one), compiled on its first call (or loaded from the exported cache).
-    2-D ``a`` only, nothing to bind (``KernelBase``'s defaults)."""
+    Takes ``a`` of any rank (..., K) in layout linear, flattened to its rows.
+
+    QuACK's eager entry points work out, on every call, what its kernel needs from the operands
+    (a key of a dozen parts, then a lookup): the fused call cost the host 67-68 us against 37-41
+    us for ``F.linear`` on the H100 (``eager-vit-cute-h100-20261127.json``). So each layout of
+    operands (shapes, strides, device, a bias or none) is prepared once, on its first call, into
+    a launch that takes only the tensors (``_prepare``); ``bind`` hands that launch to the front
+    path, whose own key fixes everything the launch was prepared for."""
+
+    serves_any_rank = True
 
     def __init__(self, problem: Problem, config: CuteConfig) -> None:
-        gemm, gemm_act, make_config = _quack()
-        activation = EPILOGUES[problem.activation]
-        self._gemm = gemm if activation is None else functools.partial(_with_activation, gemm_act, activation)
+        self._quack = _quack()
+        self._activation = EPILOGUES[problem.activation]
         self._marker = marker(problem, config)
         self._linear = problem.layout == "linear"
-        self._config = make_config(tile_m=config.tile_m, tile_n=config.tile_n, pingpong=config.pingpong,
-                                   is_dynamic_persistent=config.dynamic_persistent, cluster_m=config.cluster_m,
-                                   cluster_n=config.cluster_n, swap_ab=config.swap_ab, device_capacity=config.arch)
+        # a dynamic persistent schedule counts its tiles in a semaphore that sm_90 needs zeroed per call
+        self._semaphore = config.dynamic_persistent and config.arch == 9
+        self._config = self._quack.GemmConfig(
+            tile_m=config.tile_m, tile_n=config.tile_n, pingpong=config.pingpong,
+            is_dynamic_persistent=config.dynamic_persistent, cluster_m=config.cluster_m,
+            cluster_n=config.cluster_n, swap_ab=config.swap_ab, device_capacity=config.arch)
+        self._launches: dict[tuple, Callable] = {}  # operands' layout -> launch(a, b_kn, out, bias)
         self._compiled = False
 
     def __call__(self, a, b, bias, out=None):
-        a, b, bias = tma_ready(a), tma_ready(b), unit_stride_bias(bias)
+        rows = tma_ready(a.reshape(-1, a.shape[-1]))
+        b, bias = tma_ready(b), unit_stride_bias(bias)
         b_kn = b.t() if self._linear else b  # (K, N): a weight's transpose is K-major, which TMA reads as well
         result = out if out is not None and tma_ready(out) is out else \
-            torch.empty((a.shape[0], b_kn.shape[1]), dtype=a.dtype, device=a.device)
-        if self._compiled:
-            self._gemm(a, b_kn, result, bias=bias, config=self._config)
+            torch.empty((rows.shape[0], b_kn.shape[1]), dtype=a.dtype, device=a.device)
+        launch = self._launches.get(_layout(rows, b_kn, result.stride(), bias))
+        if launch is None:
+            self._first(rows, b_kn, result, bias)
         else:
-            with _COMPILING:
-                # CuTe DSL asks CUDA's driver about the device, which needs the device's context
-                # current in this thread: a runtime call makes it so in a thread that made none
-                # (CUDA_ERROR_INVALID_CONTEXT there otherwise, seen on the H100)
-                torch.cuda.synchronize(a.device)
-                self._gemm(a, b_kn, result, bias=bias, config=self._config)
+            launch(rows, b_kn, result, bias)
+        if out is not None:
+            if result is not out:
+                out.copy_(result)
+            return out
+        return result if a.dim() == 2 else result.view(*a.shape[:-1], result.shape[1])
+
+    def bind(self, a, b, bias):
+        """The front path's call for operands laid out as these, which this kernel has just served:
+        the prepared launch with a's rows viewed and the output made, nothing else per call. None
+        where a call would copy an operand first (a view TMA cannot read, a non-contiguous ``a``
+        of rank above 2, a strided bias)."""
+        rows = a.reshape(-1, a.shape[-1]) if a.is_contiguous() or a.dim() == 2 else None
+        if rows is None or tma_ready(rows) is not rows or tma_ready(b) is not b or unit_stride_bias(bias) is not bias:
+            return None
+        b_kn = b.t() if self._linear else b
+        out_rows = (rows.shape[0], b_kn.shape[1])
+        launch = self._launches.get(_layout(rows, b_kn, (out_rows[1], 1), bias))  # the output it makes: contiguous
+        if launch is None:
+            return None
+        linear, shape, out_shape = self._linear, rows.shape, (*a.shape[:-1], b_kn.shape[1])
+
+        def call(a, b, bias, pa: int, pb: int, pbias: int):
+            out = a.new_empty(out_shape)
+            launch(a.view(shape), b.t() if linear else b, out.view(out_rows), bias)
+            return out
+
+        return call
+
+    def _first(self, a, b_kn, out, bias) -> None:
+        """The first call on operands laid out as these: prepares their launch (compiling the
+        kernel, or loading it, where this process has not) and makes it."""
+        with _COMPILING:
+            # CuTe DSL asks CUDA's driver about the device, which needs the device's context
+            # current in this thread: a runtime call makes it so in a thread that made none
+            # (CUDA_ERROR_INVALID_CONTEXT there otherwise, seen on the H100)
+            torch.cuda.synchronize(a.device)
+            launch = self._prepare(a, b_kn, out, bias)
+        self._launches[_layout(a, b_kn, out.stride(), bias)] = launch
+        if not self._compiled:
             self._compiled = True
             _leave(self._marker)
-        if out is not None and result is not out:
-            out.copy_(result)
-            return out
-        return result
+
+    def _prepare(self, a, b_kn, out, bias) -> Callable:
+        """Launch the kernel on these operands through QuACK's entry points, which compile it or
+        load it, and return the launch of what they resolved, for operands laid out as these."""
+        if self._activation is None:
+            config, split_k, dynamic, plan = self._quack.gemm_tuned(a, b_kn, out, bias=bias, config=self._config)
+            return functools.partial(_replay, self._quack.gemm_execute, plan, config, split_k, dynamic)
+        mod = self._quack.linear_act_mod(self._activation, gated=False, has_c=False, has_rowvec=bias is not None,
+                                         has_colvec=False)
+        plan = mod.plan(a, b_kn, out={"mAuxOut": out}, config=self._config, **_epilogue_operands(bias))
+        launch = functools.partial(_run, plan, self._semaphore)
+        launch(a, b_kn, out, bias)
+        return launch
 
 
-def _with_activation(gemm_act, activation: str, a, b_kn, out, *, bias, config) -> None:
-    """``out`` = activation(a @ b_kn + bias) by QuACK's GEMM with the activation in its epilogue,
-    pinned to ``config``; the pre-activation is not stored."""
-    gemm_act(a, b_kn, bias=bias, activation=activation, postact_out=out, store_preact=False, tuned=False,
-             config=config)
+def _run(plan, semaphore: bool, a, b_kn, out, bias) -> None:
+    """The epilogue's ``plan`` (QuACK's ``plan`` and ``run``, made for replays that decide
+    nothing) launched on operands laid out as those it was made for; the pre-activation not
+    stored."""
+    plan.run(a, b_kn, out={"mAuxOut": out}, tile_count_semaphore=_zeroed(a) if semaphore else None,
+             **_epilogue_operands(bias))
 
 
-def _quack():
-    """QuACK's GEMM for one given config (its autotuned entry's undecorated function), its GEMM
-    with an activation epilogue, and its config class, imported on the first build: importing
-    CuTe DSL takes seconds."""
+def _epilogue_operands(bias) -> dict:
+    return {} if bias is None else {"mRowVecBroadcast": bias}
+
+
+def _layout(a, b_kn, out_stride: tuple, bias) -> tuple:
+    """What a prepared launch fixes of its operands (all of them 16-byte aligned: ``tma_ready``)."""
+    return (a.get_device(), a.shape, a.stride(), b_kn.shape, b_kn.stride(), out_stride, bias is None)
+
+
+def _zeroed(a) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=a.device)
+
+
+def _replay(gemm_execute, plan, config, split_k: int, dynamic: bool, a, b_kn, out, bias) -> None:
+    """QuACK's GEMM on operands laid out as those its dispatch ``plan`` was made for, as its
+    ``gemm`` does on a warm call: the operands routed, the plan launched, nothing looked up."""
+    gemm_execute(a, b_kn, out, None, bias=bias, alpha=1.0, beta=1.0, cu_seqlens_m=None, cu_seqlens_k=None,
+                 A_idx=None, batch_idx_permute=None, add_to_output=False, dynamic_scheduler=dynamic,
+                 config=config, rounding_mode=0, sr_seed=0, concat_layout=None, SFA=None, SFB=None,
+                 split_k=split_k, split_k_mode=0, dispatch_plan=plan)
+
+
+@dataclass(frozen=True)
+class _Quack:
+    """What gemmtune calls of QuACK (quack-kernels 0.6.5, pinned by the ``cute`` extra)."""
+
+    GemmConfig: type
+    gemm_tuned: Callable  # its autotuned GEMM's undecorated function: one given config, a launch
+    gemm_execute: Callable  # what its ``gemm`` replays a dispatch plan through
+    linear_act_mod: Callable  # the epilogue of a GEMM with an activation, with ``plan`` and ``run``
+
+
+@functools.cache
+def _quack() -> _Quack:
+    """QuACK's entry points, imported on the first build: importing CuTe DSL takes seconds."""
     os.environ.setdefault("QUACK_CACHE_DIR", str(cache_dir() / "cute"))
+    from quack.epilogue.library import linear_act_mod
     from quack.gemm_config import GemmConfig
-    from quack.gemm_interface import gemm_act, gemm_tuned
+    from quack.gemm_interface import _gemm_execute, gemm_tuned
 
-    return gemm_tuned.fn, gemm_act, GemmConfig
+    return _Quack(GemmConfig, gemm_tuned.fn, _gemm_execute, linear_act_mod)
 
 
 def compile_together(calls: Sequence[Callable[[], object]], workers: int) -> None:
