@@ -5,7 +5,8 @@ paired eager rounds of queued forwards (gemmtune's copy against the untouched mo
 ratio kept, to see whether a slow reading is every round or a few); the host time to queue one
 forward and its GPU time replayed from a CUDA graph; each side's costliest operators on the host
 (torch.profiler, CPU time per forward); the garbage collections in each side's rounds, and the
-rounds again with the collector off; and per layer gemmtune kept, its call's host time against
+rounds again with the collector off (each round's wall and host ms per side kept); the threads
+and child processes alive after tuning; and per layer gemmtune kept, its call's host time against
 ``F.linear`` on the same input (queued loops, no sync inside).
 
     PYTHONPATH=src python3 benchmarks/probes/eager_model.py OUT.json [--model NAME] [--batch N]
@@ -14,7 +15,9 @@ import argparse
 import copy
 import gc
 import json
+import os
 import statistics
+import threading
 import time
 
 import timm
@@ -36,11 +39,14 @@ def queued_ms(fn, calls: int) -> tuple[float, float]:
     return (time.perf_counter() - t0) * 1e3 / calls, (t1 - t0) * 1e3 / calls
 
 
-def paired(base, tuned, rounds: int, calls: int) -> tuple[list[float], dict]:
-    """Per round, base's wall time over tuned's (above 1: gemmtune faster), sides alternated; and
-    per side the garbage collections that ran in its rounds (generation: count, ms)."""
+def paired(base, tuned, rounds: int, calls: int) -> tuple[list[float], dict, dict]:
+    """Per round, base's wall time over tuned's (above 1: gemmtune faster), sides alternated; per
+    side the garbage collections that ran in its rounds (generation: count, ms); and per side each
+    round's wall and host ms per call (a round slow on the wall but not on the host waited on the
+    GPU)."""
     ratios, side = [], [None]
     collections = {"base": {}, "tuned": {}}
+    times = {"base": [], "tuned": []}
     started = {}
 
     def on_gc(phase, info):
@@ -59,12 +65,29 @@ def paired(base, tuned, rounds: int, calls: int) -> tuple[list[float], dict]:
             got = {}
             for name, fn in order:
                 side[0] = name
-                got[name] = queued_ms(fn, calls)[0]
+                wall, host = queued_ms(fn, calls)
+                got[name] = wall
+                times[name].append((round(wall, 3), round(host, 3)))
                 side[0] = None
             ratios.append(got["base"] / got["tuned"])
     finally:
         gc.callbacks.remove(on_gc)
-    return ratios, collections
+    return ratios, collections, times
+
+
+def children() -> list[str]:
+    """The command lines of this process's child processes (a compile pool's workers, say)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid == os.getpid():
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    found.append(f.read().replace(b"\0", b" ").decode(errors="replace")[:120])
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 def graph_ms(fn) -> float:
@@ -132,13 +155,15 @@ def main() -> None:
         run_base, run_tuned = (lambda: base(x)), (lambda: tuned(x))
         for fn in (run_base, run_tuned):
             queued_ms(fn, 3)
-        ratios, collections = paired(run_base, run_tuned, args.rounds, 10)
+        ratios, collections, times = paired(run_base, run_tuned, args.rounds, 10)
         gc.disable()
-        quiet, _ = paired(run_base, run_tuned, args.rounds, 10)
+        quiet, _, quiet_times = paired(run_base, run_tuned, args.rounds, 10)
         gc.enable()
         out = {"model": args.model, "batch": args.batch, "device": torch.cuda.get_device_name(),
                "setup_s": setup, "eager_ratios": ratios, "eager_ratio": statistics.median(ratios),
                "collections": collections, "eager_ratios_gc_off": quiet,
+               "round_ms": {"wall and host, per side": times, "gc off": quiet_times},
+               "threads": [t.name for t in threading.enumerate()], "child_processes": children(),
                "host_ms": {"base": statistics.median(queued_ms(run_base, 10)[1] for _ in range(5)),
                            "tuned": statistics.median(queued_ms(run_tuned, 10)[1] for _ in range(5))},
                "graph_ms": {"base": graph_ms(run_base), "tuned": graph_ms(run_tuned)},
@@ -150,6 +175,8 @@ def main() -> None:
     print("ratios", [round(r, 3) for r in ratios])
     print("collections (generation: count, ms)", collections)
     print("ratios with the collector off", [round(r, 3) for r in quiet])
+    print("round ms (wall, host) per side", times)
+    print("threads", out["threads"], "child processes", len(out["child_processes"]), out["child_processes"][:2])
     for side in ("base", "tuned"):
         print(side, out["host_ops"][side][:8])
     for row in out["layers"]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import logging
 import os
 import re
@@ -16,6 +17,11 @@ log = logging.getLogger("gemmtune")
 # Inductor's own gate (torch/_inductor/utils.py, is_big_gpu): fewer SMs than this and it drops
 # every Triton GEMM template. gemmtune reports it; it never gates on it.
 INDUCTOR_MIN_SMS = 68
+# The optional libraries whose kernels are candidates (the ``cute`` backend's): installing one,
+# upgrading or removing it can change the best choice, so its version is part of the fingerprint
+# where it is installed. (A store filled before gemmtune[cute] was installed kept serving its
+# choices after: ViT-B's fused layers stayed on torch's GEMM, measured on the H100.)
+KERNEL_LIBRARIES = ("quack-kernels", "nvidia-cutlass-dsl")
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,11 @@ def _versions() -> dict[str, str]:
     driver = driver_version()
     if driver:
         versions["driver"] = driver
+    for name in KERNEL_LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
     return versions
 
 
