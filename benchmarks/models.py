@@ -49,8 +49,9 @@ eager step: ``gemms``, the GEMM calls gemmtune saw (every nn.Linear's and Conv1D
 that do not pay back to torch); ``gemms_served``, those of them a kernel other than cuBLAS serves
 (``served_by``: calls per backend); ``graph_only`` and ``eager_only``, the layers optimize's
 check kept for one mode (torch's forward in the other: such a layer's calls are not in the
-eager counts above when it is graph-only); ``fused_kept``, the layers left running an activation fused
-into their GEMM; ``gemm_flops_seen``, the seen GEMMs' FLOPs over those of every aten mm, addmm, bmm
+eager counts above when it is graph-only); ``optimize_said``, optimize's own log lines (what its
+check read in each mode, with its noise, and what it kept); ``fused_kept``, the layers left
+running an activation fused into their GEMM; ``gemm_flops_seen``, the seen GEMMs' FLOPs over those of every aten mm, addmm, bmm
 and baddbmm of the same step (FlopCounterMode; attention inside SDPA and convolutions not counted).
 Train cases (forward + backward of ``out.float().sum()``, the model in eval mode so that dropout
 leaves the outputs comparable) run eager only. A failed mode is a row with ``error``; the JSON is
@@ -644,9 +645,10 @@ def grad_mode(case: Case):
     return torch.enable_grad() if case.phase == "train" else torch.no_grad()
 
 
-def tune_side(case: Case, base: nn.Module, shared: dict) -> tuple[nn.Module, dict, float]:
+def tune_side(case: Case, base: nn.Module, shared: dict) -> tuple[nn.Module, dict, float, list[str]]:
     """A copy of ``base`` through ``gemmtune.optimize`` on this case's inputs, every GEMM of a
-    train step's backward tuned too; the copy, its inputs, and the seconds it took."""
+    train step's backward tuned too; the copy, its inputs, the seconds it took, and what optimize
+    said of its check (its log lines: the verdict per mode, with each ratio and its noise)."""
     import gemmtune
     from gemmtune.nn import tune_calls
 
@@ -655,18 +657,43 @@ def tune_side(case: Case, base: nn.Module, shared: dict) -> tuple[nn.Module, dic
     device = next(tuned.parameters()).device.type
     sync(device)
     t0 = time.perf_counter()
-    if case.phase == "train":  # optimize sees a model being trained (its check times a train step too),
-        tuned.train()            # timed after in eval mode as the baseline is (dropout off)
-    if case.positional:
-        gemmtune.optimize(tuned, tuple(kwargs.values()))
-    else:
-        gemmtune.optimize(tuned)
-        tune_calls(step_of(case, tuned, tuned, kwargs))
+    with optimize_said() as said:
+        if case.phase == "train":  # optimize sees a model being trained (its check times a train step too),
+            tuned.train()            # timed after in eval mode as the baseline is (dropout off)
+        if case.positional:
+            gemmtune.optimize(tuned, tuple(kwargs.values()))
+        else:
+            gemmtune.optimize(tuned)
+            tune_calls(step_of(case, tuned, tuned, kwargs))
     tuned.eval()
     if case.phase == "train":  # optimize runs the example without gradients: the backward's GEMMs
         tune_recorded(lambda: train_step(tuned, kwargs))
     sync(device)
-    return tuned, kwargs, time.perf_counter() - t0
+    return tuned, kwargs, time.perf_counter() - t0, said
+
+
+@contextlib.contextmanager
+def optimize_said() -> Iterator[list[str]]:
+    """The messages of the ``gemmtune`` logger that ``optimize`` logs as ``gemmtune.optimize: ...``
+    while the block runs, whatever the logger's level."""
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if message.startswith("gemmtune.optimize:"):
+                said.append(message)
+
+    logger, handler = logging.getLogger("gemmtune"), Keep(logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    if not logger.isEnabledFor(logging.INFO):
+        logger.setLevel(logging.INFO)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def tune_recorded(run: Callable[[], object]) -> None:
@@ -842,9 +869,9 @@ def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budg
     sides = {"base": (base, base_kwargs)}
     tune_s = 0.0
     if any(MODES[m][1] not in GEMMTUNE_COMPILE for m in modes):  # a mode times optimize's side
-        tuned, tuned_kwargs, tune_s = tune_side(case, base, shared)
+        tuned, tuned_kwargs, tune_s, said = tune_side(case, base, shared)
         by = served_by(case, tuned, tuned_kwargs)
-        common |= {"tune_s": tune_s, "served_by": dict(by), "fused_kept": fused_kept(tuned),
+        common |= {"tune_s": tune_s, "optimize_said": said, "served_by": dict(by), "fused_kept": fused_kept(tuned),
                    "graph_only": one_mode(tuned, False), "eager_only": one_mode(tuned, True),
                    "gemms_served": sum(c for b, c in by.items() if b not in ("torch", "cublas")),
                    "gemms_kept": sum(c for b, c in by.items() if b != "torch")}
