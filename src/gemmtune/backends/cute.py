@@ -58,7 +58,7 @@ from gemmtune.backends import costmodel
 from gemmtune.backends.base import FieldConfig, KernelBase, config_from_mapping
 from gemmtune.backends.launch import unit_stride_bias
 from gemmtune.backends.triton_persistent import tma_ready
-from gemmtune.device import Device
+from gemmtune.device import KERNEL_LIBRARIES, Device
 from gemmtune.problem import Problem
 from gemmtune.settings import cache_dir
 
@@ -362,7 +362,7 @@ def marker(problem: Problem, config: CuteConfig) -> Path:
 def _versions() -> tuple[str, ...]:
     """QuACK's and CuTe DSL's versions, read once a process (each read scans the installed
     packages' metadata; the tuner asks for every config of every problem)."""
-    return tuple(importlib.metadata.version(name) for name in ("quack-kernels", "nvidia-cutlass-dsl"))
+    return tuple(importlib.metadata.version(name) for name in KERNEL_LIBRARIES)
 
 
 def _leave(path: Path) -> None:
