@@ -179,7 +179,7 @@ class CuteKernel(KernelBase):
     a launch that takes only the tensors (``_prepare``); ``bind`` hands that launch to the front
     path, whose own key fixes everything the launch was prepared for."""
 
-    serves_any_rank = True
+    serves_any_rank = True  # x (..., K) in layout linear: its rows, viewed (or copied where TMA cannot read them)
 
     def __init__(self, problem: Problem, config: CuteConfig) -> None:
         self._quack = _quack()
