@@ -175,8 +175,6 @@ def main() -> None:
     print("ratios", [round(r, 3) for r in ratios])
     print("collections (generation: count, ms)", collections)
     print("ratios with the collector off", [round(r, 3) for r in quiet])
-    print("round ms (wall, host) per side", times)
-    print("threads", out["threads"], "child processes", len(out["child_processes"]), out["child_processes"][:2])
     for side in ("base", "tuned"):
         print(side, out["host_ops"][side][:8])
     for row in out["layers"]:

@@ -193,7 +193,6 @@ class CuteKernel(KernelBase):
             is_dynamic_persistent=config.dynamic_persistent, cluster_m=config.cluster_m,
             cluster_n=config.cluster_n, swap_ab=config.swap_ab, device_capacity=config.arch)
         self._launches: dict[tuple, Callable] = {}  # operands' layout -> launch(a, b_kn, out, bias)
-        self._compiled = False
 
     def __call__(self, a, b, bias, out=None):
         rows = tma_ready(a.reshape(-1, a.shape[-1]))
@@ -243,10 +242,9 @@ class CuteKernel(KernelBase):
             # (CUDA_ERROR_INVALID_CONTEXT there otherwise, seen on the H100)
             torch.cuda.synchronize(a.device)
             launch = self._prepare(a, b_kn, out, bias)
-        self._launches[_layout(a, b_kn, out.stride(), bias)] = launch
-        if not self._compiled:
-            self._compiled = True
+        if not self._launches:  # the kernel's first launch in this process: it is compiled
             _leave(self._marker)
+        self._launches[_layout(a, b_kn, out.stride(), bias)] = launch
 
     def _prepare(self, a, b_kn, out, bias) -> Callable:
         """Launch the kernel on these operands through QuACK's entry points, which compile it or
