@@ -24,7 +24,8 @@ _KEY_RE = re.compile(
     rf"^v2/(?P<layout>linear|nn)/(?P<dtype>{'|'.join(DTYPES + SCALED_DTYPES)})(?P<tf32>\+tf32)?"
     rf"(?:>(?P<out>{'|'.join(DTYPES)})@(?P<scaling>{'|'.join(SCALINGS[1:])}))?"
     r"/(?P<m>[1-9]\d*)x(?P<n>[1-9]\d*)x(?P<k>[1-9]\d*)/bias=(?P<bias>[01])"
-    r"/act=(?P<act>none|relu|gelu|gelu_tanh|silu)$"
+    r"/act=(?P<act>none|relu|gelu|gelu_tanh|silu)"
+    r"(?:/batch=(?P<batch>[2-9]|[1-9]\d+))?$"  # written only for a batched product (bmm)
 )
 
 
@@ -55,6 +56,10 @@ class Problem:
     inputs may use TF32 matrix units; it is part of the key because it changes both the speed and
     the numbers.
 
+    ``batch`` > 1 is a batched product (``torch.bmm``): that many independent products of these
+    sizes, ``a`` (batch, M, K) and ``b`` (batch, K, N), or (batch, N, K) for layout linear; no
+    bias, activation or scaling. Its key gains a ``/batch=`` field; an unbatched key is unchanged.
+
     An fp8 product (``dtype`` one of SCALED_DTYPES) is scaled: ``scaling`` says how its float32
     scales are laid (SCALINGS), and ``out_dtype`` is its output's dtype (bfloat16 unless given;
     a bias is in that dtype); layout linear only, as ``torch._scaled_mm`` takes it. Unscaled
@@ -71,9 +76,10 @@ class Problem:
     activation: str = "none"
     scaling: str = "none"
     out_dtype: str = ""
+    batch: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("m", "n", "k"):
+        for name in ("m", "n", "k", "batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Problem.{name} must be an int >= 1, got {value!r}")
@@ -87,6 +93,9 @@ class Problem:
             raise ValueError(f"Problem.activation {self.activation!r} is not supported; accepted: {', '.join(ACTIVATIONS)}")
         if self.tf32 and self.dtype != "float32":
             object.__setattr__(self, "tf32", False)
+        if self.batch > 1 and (self.bias or self.activation != "none" or self.scaled):
+            raise ValueError(f"Problem.batch {self.batch}: a batched product takes no bias, activation or "
+                             f"scaling (got bias={self.bias}, activation={self.activation!r}, dtype={self.dtype!r})")
 
     def _check_scaling(self) -> None:
         if self.scaling not in SCALINGS:
@@ -119,6 +128,7 @@ class Problem:
         return (
             f"{KEY_VERSION}/{self.layout}/{self.dtype}{precision}{scaled}"
             f"/{self.m}x{self.n}x{self.k}/bias={int(self.bias)}/act={self.activation}"
+            + (f"/batch={self.batch}" if self.batch > 1 else "")
         )
 
     @classmethod
@@ -130,11 +140,12 @@ class Problem:
             m=int(match["m"]), n=int(match["n"]), k=int(match["k"]), dtype=match["dtype"],
             layout=match["layout"], bias=match["bias"] == "1", tf32=match["tf32"] is not None,
             activation=match["act"], scaling=match["scaling"] or "none", out_dtype=match["out"] or "",
+            batch=int(match["batch"] or 1),
         )
 
     @property
     def flops(self) -> int:
-        return 2 * self.m * self.n * self.k
+        return 2 * self.batch * self.m * self.n * self.k
 
     @property
     def element_size(self) -> int:
@@ -161,13 +172,15 @@ class Problem:
     @property
     def min_bytes(self) -> int:
         """Bytes a perfect kernel moves: each operand read once, the output written once."""
-        return self.element_size * (self.m * self.k + self.k * self.n) + self.out_element_size * self.m * self.n
+        matrix = self.element_size * (self.m * self.k + self.k * self.n) + self.out_element_size * self.m * self.n
+        return self.batch * matrix
 
     def describe(self) -> str:
         extra = ("+bias" if self.bias else "") + ("" if self.activation == "none" else f"+{self.activation}")
         precision = "+tf32" if self.tf32 else ""
         scaled = f"->{self.out_dtype} scaled by {self.scaling}" if self.scaled else ""
-        return f"{self.m}x{self.n}x{self.k} {self.dtype}{precision}{scaled} {self.layout}{extra}"
+        batch = f"{self.batch} x " if self.batch > 1 else ""
+        return f"{batch}{self.m}x{self.n}x{self.k} {self.dtype}{precision}{scaled} {self.layout}{extra}"
 
 
 def element_size(dtype: str) -> int:

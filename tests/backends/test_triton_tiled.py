@@ -110,11 +110,11 @@ def test_hinted_rows_of_1000_compile_to_16_byte_copies():
 
     from gemmtune.backends.launch import gemm_hints
 
-    scalars = (1000, 1000, 1000, 1000, 1, 1000, 1, 1000, 1)  # m, n, k, then the strides
+    scalars = (1000, 1000, 1000, 1000, 1, 1000, 1, 1000, 1, 0, 0, 0)  # m, n, k, the strides, no batch
     constexprs = dict(HAS_BIAS=False, ACTIVATION="none", EVEN_K=False, PRECISION="ieee", BLOCK_M=128,
                       BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
     hinted = sm90_ptx("tiled", scalars, constexprs | gemm_hints(scalars))
-    plain = sm90_ptx("tiled", scalars, constexprs | {"HINTS": (1,) * 8})
+    plain = sm90_ptx("tiled", scalars, constexprs | {"HINTS": (1,) * 11})
     assert "cp.async.cg.shared.global" in hinted and "ld.global.b16" not in hinted
     assert "cp.async" not in plain and "ld.global.b16" in plain  # what Triton does unaided
     # bf16 products on Hopper's own instruction: the interpreter's widening of bf16 operands

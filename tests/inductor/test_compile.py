@@ -149,14 +149,30 @@ def test_a_kernel_that_does_not_pay_its_call_is_the_compilers_cublas_call(chosen
 
 
 def test_a_product_gemmtune_does_not_serve_keeps_the_library_call_untuned(chosen):
-    def batched(a, b):
-        return torch.bmm(a, b) * 2
+    def added(c, a, b):
+        return torch.baddbmm(c, a, b) * 2
 
-    a, b = torch.randn(3, 7, 33), torch.randn(3, 33, 5)
+    c, a, b = torch.randn(3, 7, 5), torch.randn(3, 7, 33), torch.randn(3, 33, 5)
     with torch.no_grad():
-        out, code = run_and_get_code(gemmtune.compile(batched), a, b)
-    assert "extern_kernels.bmm(" in "\n".join(code) and chosen.asked == []
-    torch.testing.assert_close(out, batched(a, b))
+        out, code = run_and_get_code(gemmtune.compile(added), c, a, b)
+    assert "extern_kernels.baddbmm(" in "\n".join(code) and chosen.asked == []
+    torch.testing.assert_close(out, added(c, a, b))
+
+
+@pytest.mark.parametrize("answer", [Choice("cublas", {}, 0.3, 0.3), Choice("triton_stream", {"BLOCK_N": 64}, 0.1, 0.3)])
+def test_a_bmm_is_asked_as_a_batched_problem_and_never_calls_gemmtunes_kernel(chosen, answer):
+    chosen.answer = answer
+
+    def attention_scores(q, k):
+        return torch.softmax(q @ k.transpose(1, 2), dim=-1)
+
+    q, k = torch.randn(6, 7, 33), torch.randn(6, 5, 33)
+    with torch.no_grad():
+        out, code = run_and_get_code(gemmtune.compile(attention_scores), q, k)
+    code = "\n".join(code)
+    assert "extern_kernels.bmm(" in code and "extern_kernels.gemmtune_" not in code
+    assert chosen.asked == [Problem(7, 5, 33, "float32", "linear", batch=6)]  # k.T: each b a transposed (N, K)
+    torch.testing.assert_close(out, attention_scores(q, k))
 
 
 def test_a_matmul_of_row_major_operands_is_an_nn_problem(chosen):
@@ -377,6 +393,37 @@ def test_a_gemm_taken_for_its_launch_is_the_compilers_template(chosen, monkeypat
     with torch.no_grad():
         reference = model.double()(x.double())
     assert relative_error(out, reference) < 2e-2
+
+
+@pytest.mark.gpu
+def test_a_bmm_tiled_choice_becomes_the_compilers_batched_template(chosen):
+    chosen.answer = Choice("triton_tiled", TILES)
+
+    def scores(q, k):
+        return (q @ k.transpose(1, 2)).relu()
+
+    q, k = (torch.randn(24, 128, 64, device="cuda") for _ in range(2))
+    with torch.no_grad():
+        out, code = run_and_get_code(gemmtune.compile(scores), q, k)
+    code = "\n".join(code)
+    assert "extern_kernels.bmm(" not in code and "BLOCK_M : tl.constexpr = 64" in code
+    assert relative_error(out, scores(q.double(), k.double())) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,m,n,k", [(2, 1, 7, 33), (3, 33, 5, 7), (384, 128, 128, 64)])
+def test_a_compiled_bmm_with_real_choices_matches_a_higher_precision_reference(fresh_dispatch, dtype, batch, m, n, k):
+    def attention(q, key, v):
+        return (q @ key.transpose(1, 2)) @ v
+
+    q, key = torch.randn(batch, m, k, device="cuda", dtype=dtype), torch.randn(batch, n, k, device="cuda", dtype=dtype)
+    v = torch.randn(batch, n, k, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        out = gemmtune.compile(attention)(q, key, v)
+    reference = attention(q.double(), key.double(), v.double())
+    assert relative_error(out, reference) < (2e-2 if dtype != torch.float32 else 1e-4)
+    assert any("/batch=" in r.problem_key for r in DISPATCHER.store.choices())  # the bmm was tuned and stored
 
 
 @pytest.mark.gpu

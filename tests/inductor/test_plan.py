@@ -117,6 +117,17 @@ def test_templates_for_their_launch_must_save_more_than_the_graphs_other_addmm_p
     assert plan.plan(gemms, HOST_PACED, graphs=False, templates_on=True)[0].kind == TEMPLATE  # the caller's
 
 
+def test_templates_that_pay_only_all_together_are_taken_together():
+    """Three products with a bias, each paying less for its own template launch than the other
+    two pay for switching the templates on: one at a time none pays, all at once they do."""
+    gemms = [Gemm(12, True, (way(LIBRARY, 0.006), way(TEMPLATE, 0.0061), way(TEMPLATE, 0.0062)))
+             for _ in range(3)]
+    alone = [gemms[0].ways[1]] + [g.ways[0] for g in gemms[1:]]
+    first = [g.ways[0] for g in gemms]
+    assert plan.graph_ms(gemms, alone, HOST_PACED, 1.0, False) > plan.graph_ms(gemms, first, HOST_PACED, 1.0, False)
+    assert [(w.kind, w.kernel_ms) for w in plan.plan(gemms, HOST_PACED, graphs=False)] == [(TEMPLATE, 0.0061)] * 3
+
+
 def test_replayed_as_a_cuda_graph_only_kernel_time_counts():
     gemms = [Gemm(24, False, (way(LIBRARY, 0.025, True), way(CALLED, 0.010, True))),
              Gemm(24, False, (way(LIBRARY, 0.006, True), way(TEMPLATE, 0.007, True))),

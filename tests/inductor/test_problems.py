@@ -36,6 +36,29 @@ def test_a_bias_row_repeated_or_given_alone_is_the_problems_bias():
     assert one_row == Problem(1, 768, 3072, "float16", "linear", bias=True)
 
 
+def bmm(batch, m, n, k, a_strides=None, b_strides=None, dtype="float32", batch_b=None):
+    return Operands("bmm", ((batch, m, k), (batch_b or batch, k, n)),
+                    (a_strides or (m * k, k, 1), b_strides or (k * n, n, 1)), (dtype, dtype), dtype)
+
+
+@pytest.mark.parametrize("batch,m,n,k", [(2, 1, 1, 1), (384, 128, 128, 64), (384, 128, 64, 128), (3, 7, 33, 4095)])
+def test_a_bmm_is_a_batched_problem_in_either_layout(batch, m, n, k):
+    assert problem_of(bmm(batch, m, n, k), tf32=False) == Problem(m, n, k, "float32", "nn", batch=batch)
+    keys = bmm(batch, m, n, k, b_strides=(k * n, 1, k))  # attention's q @ k.T: each b a transposed (N, K)
+    layout = "nn" if n == k == 1 else "linear"  # a 1x1 b is both; either layout computes it
+    assert problem_of(keys, tf32=False) == Problem(m, n, k, "float32", layout, batch=batch)
+
+
+def test_a_bmm_of_one_product_is_a_plain_problem():
+    assert problem_of(bmm(1, 8, 16, 32), tf32=False) == Problem(8, 16, 32, "float32", "nn")
+
+
+def test_a_bmm_whose_batch_is_laid_out_otherwise_is_still_served():
+    # the matrices' own layout is what the tuned kernel depends on; the batch may stride anyhow
+    heads = bmm(12, 128, 64, 128, a_strides=(0, 128, 1), b_strides=(3 * 128 * 64, 64, 1))
+    assert problem_of(heads, tf32=False) == Problem(128, 64, 128, "float32", "nn", batch=12)
+
+
 def test_tf32_is_kept_for_float32_only():
     assert problem_of(mm(8, 16, 32, dtype="float32"), tf32=True).tf32
     assert not problem_of(mm(8, 16, 32), tf32=True).tf32
@@ -49,8 +72,11 @@ def test_tf32_is_kept_for_float32_only():
     (mm(8, 16, 32, out_dtype="float32"), "a wider output"),
     (mm(8, 16, 32, static=False), "a dynamic size"),
     (Operands("mm", ((8, 32), (32, 16)), ((32, 1), (16, 1)), ("bfloat16", "float16"), "bfloat16"), "mixed dtypes"),
-    (Operands("bmm", ((2, 8, 32), (2, 32, 16)), ((256, 32, 1), (512, 16, 1)), ("bfloat16",) * 2, "bfloat16"),
-     "a batched product"),
+    (bmm(2, 8, 16, 32, a_strides=(256, 1, 8)), "a batched a transposed"),
+    (bmm(2, 8, 16, 32, b_strides=(512, 32, 2)), "a batched b strided both ways"),
+    (bmm(2, 8, 16, 32, batch_b=3), "batches that differ"),
+    (Operands("baddbmm", ((2, 8, 16), (2, 8, 32), (2, 32, 16)), ((128, 16, 1), (256, 32, 1), (512, 16, 1)),
+              ("float32",) * 3, "float32"), "a batched product with a term added"),
     (addmm(64, 768, 3072, bias_strides=(768, 1)), "a full matrix added (a residual)"),
     (addmm(64, 768, 3072, scalars={"alpha": 1, "beta": 0.5}), "a scaled bias"),
     (addmm(64, 768, 3072, scalars={"alpha": 2, "beta": 1}), "a scaled product"),

@@ -30,6 +30,9 @@ CACHED_COMPILES = ("cute",)
 SCALED = ("scaled_mm_fast", "triton_scaled", "triton_scaled_stream")
 # backends asked for both kinds, whose kernels take scales where the problem has them
 EITHER = ("cublaslt",)
+# the backends of batched products (``Problem.batch`` > 1, torch.bmm's): torch's own and the tiled
+# kernel the compiler's batched template stands for; no other's kernel takes a batch
+BATCHED = ("cublas", "triton_tiled")
 
 
 def names() -> tuple[str, ...]:
@@ -37,9 +40,11 @@ def names() -> tuple[str, ...]:
 
 
 def takes(name: str, problem) -> bool:
-    """Whether backend ``name`` is asked for ``problem``'s candidates: the reference and the
-    EITHER backends always, the SCALED backends for fp8 products alone, the others for the rest
-    (their kernels' call takes no scales)."""
+    """Whether backend ``name`` is asked for ``problem``'s candidates: the BATCHED backends alone
+    for a batched product; else the reference and the EITHER backends always, the SCALED backends
+    for fp8 products alone, the others for the rest (their kernels' call takes no scales)."""
+    if problem.batch > 1:
+        return name in BATCHED
     return name == REFERENCE or name in EITHER or (name in SCALED) == problem.scaled
 
 

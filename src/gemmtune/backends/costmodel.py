@@ -58,9 +58,10 @@ def dram_bytes_per_s(device: Device) -> float:
 def tile_gemm_ms(problem: Problem, device: Device, block_m: int, block_n: int, block_k: int,
                  num_stages: int) -> float:
     """A tiled or persistent GEMM's predicted time in ms: each SM works through its share of
-    the output tiles (a last, partly filled wave costs a whole one)."""
+    the output tiles of every product of the batch (a last, partly filled wave costs a whole one)."""
     tiles_m, tiles_n = -(-problem.m // block_m), -(-problem.n // block_n)
-    waves = -(-(tiles_m * tiles_n) // device.sm_count)
+    tiles = tiles_m * tiles_n * problem.batch
+    waves = -(-tiles // device.sm_count)
     intensity = block_m * block_n / (block_m + block_n)
     efficiency = min(1.0, intensity / REFERENCE_INTENSITY) ** 0.5
     if num_stages < 3:
@@ -69,8 +70,8 @@ def tile_gemm_ms(problem: Problem, device: Device, block_m: int, block_n: int, b
     per_sm_flops = matrix_flops(problem, device) / device.sm_count
     compute_s = waves * 2 * block_m * block_n * k_padded / (per_sm_flops * efficiency)
     es = problem.element_size
-    reread = (problem.m * problem.k * tiles_n + problem.n * problem.k * tiles_m) * es
-    in_flight = min(tiles_m * tiles_n, device.sm_count) * num_stages * (block_m + block_n) * block_k * es
+    reread = (problem.m * problem.k * tiles_n + problem.n * problem.k * tiles_m) * es * problem.batch
+    in_flight = min(tiles, device.sm_count) * num_stages * (block_m + block_n) * block_k * es
     streaming = min(dram_bytes_per_s(device), in_flight / LATENCY_S)
     memory_s = reread / (dram_bytes_per_s(device) * L2_OVER_DRAM) + problem.min_bytes / streaming
     total = max(compute_s, memory_s) * 1e3

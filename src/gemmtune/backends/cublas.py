@@ -1,4 +1,4 @@
-"""cuBLAS through torch's own ``F.linear`` / ``mm`` / ``addmm`` (bias fused by cuBLAS), then
+"""cuBLAS through torch's own ``F.linear`` / ``mm`` / ``addmm`` / ``bmm`` (bias fused by cuBLAS), then
 torch's activation: what eager PyTorch runs, and the reference every candidate must beat. An fp8
 product is ``torch._scaled_mm`` (cuBLASLt), as a serving stack calls it. On a machine without a
 GPU the same calls run torch's CPU kernels."""
@@ -32,10 +32,22 @@ def _mm(a, b, bias, out=None):
     return torch.mm(a, b, out=out) if bias is None else torch.addmm(bias, a, b, out=out)
 
 
+def _bmm(a, b, bias, out=None):
+    """A batch of products, a (B, M, K) by b (B, K, N): torch.bmm, as a compiled graph's library
+    call runs it (no bias: a batched product takes none)."""
+    return torch.bmm(a, b, out=out)
+
+
+def _bmm_linear(a, b, bias, out=None):
+    """As ``_bmm`` for b (B, N, K), whose transposed view torch.bmm takes as it is."""
+    return torch.bmm(a, b.transpose(1, 2), out=out)
+
+
 # F.linear takes x (..., K) itself, so api.linear's front path passes it, and calls F.linear
 # instead of _linear: the same result, one Python frame less
 _linear = function_kernel(_linear, serves_any_rank=True, front=F.linear)
 _mm = function_kernel(_mm)
+_bmm, _bmm_linear = function_kernel(_bmm), function_kernel(_bmm_linear)
 
 
 class CublasBackend:
@@ -59,6 +71,8 @@ class CublasBackend:
     def build(self, problem: Problem, config: CublasConfig, device: Device) -> Kernel:
         if problem.scaled:
             return scaled_mm(problem)
+        if problem.batch > 1:
+            return _bmm_linear if problem.layout == "linear" else _bmm
         gemm = _linear if problem.layout == "linear" else _mm
         if problem.activation == "none":
             return gemm

@@ -17,7 +17,8 @@ GROUP_SIZES = (1, 2, 4, 8, 16)
 WARPS = (1, 2, 4, 8)
 STAGES = (1, 2, 3, 4, 5, 6)
 MAX_ACC_REGS = 128  # fp32 accumulator registers per thread above which ptxas spills
-MAX_ELEMENTS = 2**31 - 1  # the kernel indexes in int32
+MAX_ELEMENTS = 2**31 - 1  # the kernel indexes one product's operands in int32
+MAX_BATCH = 65535  # a grid's second axis, the batch: CUDA's limit on it
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps): tile shapes worth trying, from large compute-bound
 # tiles down to the thin ones decode shapes need. Stages are added per device below.
@@ -75,7 +76,8 @@ def deep_tile(block_m: int, block_n: int) -> bool:
 
 
 def _tiles(problem: Problem, config: TiledConfig) -> int:
-    return -(-problem.m // config.block_m) * -(-problem.n // config.block_n)
+    """Output tiles over the whole batch: the programs a launch runs."""
+    return -(-problem.m // config.block_m) * -(-problem.n // config.block_n) * problem.batch
 
 
 def space(problem: Problem, device: Device) -> list[TiledConfig]:
@@ -138,10 +140,46 @@ class TiledKernel(KernelBase):
     def launch_args(self, a, m: int, n: int, k: int, strides: tuple) -> tuple:
         """For ``launch.bind_gemm``: the grid, the scalars and the kernel's own buffers' addresses
         (none)."""
-        return (-(-m // self._config.block_m) * -(-n // self._config.block_n), 1, 1), (m, n, k, *strides), ()
+        return (-(-m // self._config.block_m) * -(-n // self._config.block_n), 1, 1), (m, n, k, *strides, 0, 0, 0), ()
 
     def bind(self, a, b, bias) -> BoundCall | None:
         return bind_gemm(self, self._launch, a, b, bias, self._linear)
+
+
+class BatchedTiledKernel(KernelBase):
+    """The tiled kernel over a batch of products (``torch.bmm``): a (B, M, K), b (B, K, N), or
+    (B, N, K) in layout linear, each of any strides; writes ``out`` (B, M, N) when given, else a
+    new contiguous tensor. Launched by guard, as ``TiledKernel``, one product per grid row."""
+
+    def __init__(self, problem: Problem, config: TiledConfig) -> None:
+        from gemmtune.backends.kernels.tiled import tiled_matmul  # imports triton: only once a kernel is built
+
+        self._launch = Launcher(tiled_matmul, gemm_hints)
+        self._linear = problem.layout == "linear"
+        self._config = config
+        self._constexprs = dict(
+            HAS_BIAS=False, ACTIVATION="none", EVEN_K=problem.k % config.block_k == 0,
+            PRECISION="tf32" if problem.tf32 else "ieee",
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+
+    def __call__(self, a, b, bias, out=None):
+        if bias is not None:
+            raise ValueError("a batched product takes no bias")
+        batch, m, k = a.shape
+        n = b.shape[1] if self._linear else b.shape[2]
+        if out is None:
+            out = a.new_empty((batch, m, n))
+        (saq, sam, sak), (sbq, sb1, sb2), (scq, scm, scn) = a.stride(), b.stride(), out.stride()
+        sbk, sbn = (sb2, sb1) if self._linear else (sb1, sb2)
+        pa, pb, po = a.data_ptr(), b.data_ptr(), out.data_ptr()
+        guard = (a.get_device(), b.get_device(), out.get_device(), a.dtype, b.dtype, out.dtype, a.shape, b.shape,
+                 a.stride(), b.stride(), out.stride(), pa & 15, pb & 15, po & 15)
+        grid = (-(-m // self._config.block_m) * -(-n // self._config.block_n), batch, 1)
+        scalars = (m, n, k, sam, sak, sbk, sbn, scm, scn, saq, sbq, scq)
+        self._launch(grid, guard, (a, b, out, out), (pa, pb, po, po), scalars, self._constexprs)
+        return out
 
 
 class TritonTiledBackend:
@@ -152,7 +190,8 @@ class TritonTiledBackend:
         return triton_runs(device) and (device.interpreter or device.capability >= (7, 0))
 
     def supports(self, problem: Problem) -> bool:
-        return max(problem.m * problem.k, problem.k * problem.n, problem.m * problem.n) <= MAX_ELEMENTS
+        return max(problem.m * problem.k, problem.k * problem.n, problem.m * problem.n) <= MAX_ELEMENTS \
+            and problem.batch <= MAX_BATCH
 
     def candidates(self, problem: Problem, device: Device) -> list[TiledConfig]:
         return space(problem, device) if self.supports(problem) else []
@@ -164,8 +203,8 @@ class TritonTiledBackend:
     def parse_config(self, data: Mapping) -> TiledConfig:
         return config_from_mapping(self.name, data, TiledConfig)
 
-    def build(self, problem: Problem, config: TiledConfig, device: Device) -> TiledKernel:
-        return TiledKernel(problem, config)
+    def build(self, problem: Problem, config: TiledConfig, device: Device) -> TiledKernel | BatchedTiledKernel:
+        return BatchedTiledKernel(problem, config) if problem.batch > 1 else TiledKernel(problem, config)
 
 
 BACKEND = TritonTiledBackend()

@@ -1,4 +1,4 @@
-"""gemmtune as the compiler's GEMM chooser: each mm and addmm the compiler lowers gets one
+"""gemmtune as the compiler's GEMM chooser: each mm, addmm and bmm the compiler lowers gets one
 candidate, gemmtune's choice for it, so nothing is benchmarked while compiling. Before a graph
 is lowered its GEMMs are chosen together (stored, else tuned in one batch) and how each runs is
 planned over the whole graph (``plan``):
@@ -6,9 +6,10 @@ planned over the whole graph (``plan``):
 - cuBLAS: the compiler's own call of it (``aten``), the plain op of a default compile;
 - a ``triton_tiled`` config: the compiler's Triton GEMM template with that config's tiles,
   warps and stages, so the compiler fuses what follows (bias, activation, residual) into it;
-- any other gemmtune kernel: ``runtime.linear`` or ``runtime.mm`` called from the generated code.
+- any other gemmtune kernel: ``runtime.linear`` or ``runtime.mm`` called from the generated code
+  (never a bmm's: its choices are cuBLAS's and ``triton_tiled``'s, the compiler's batched template).
 
-Every other GEMM (bmm, a dynamic size, an operand layout or dtype gemmtune does not serve) gets
+Every other GEMM (baddbmm, a dynamic size, an operand layout or dtype gemmtune does not serve) gets
 what a default ``torch.compile`` gives it: the compiler's first library call, nothing tuned.
 """
 
@@ -39,10 +40,11 @@ TEMPLATE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num
 # by the product's layout: read once, when the graph is compiled
 GEMMTUNE_KERNELS = {"linear": hooks.extern_choice(runtime.linear, "gemmtune_linear"),
                     "nn": hooks.extern_choice(runtime.mm, "gemmtune_mm")}
-# the lowerings whose candidates gemmtune gives (mm and addmm its choice; the others, which
+# the lowerings whose candidates gemmtune gives (mm, addmm and bmm its choice; the others, which
 # it does not serve, their library call, as a default compile); any other is the compiler's
 LOWERINGS = ("mm", "addmm", "bmm", "baddbmm", "mm-ah")
-GRAPH_OPS = {torch.ops.aten.mm.default: "mm", torch.ops.aten.addmm.default: "addmm"}
+GRAPH_OPS = {torch.ops.aten.mm.default: "mm", torch.ops.aten.addmm.default: "addmm",
+             torch.ops.aten.bmm.default: "bmm"}
 BIAS_ADDMM = "aten::bias_addmm"
 DEVICE_TYPES = ("cuda",)  # whose GEMMs gemmtune chooses (elsewhere it serves none)
 
@@ -120,7 +122,7 @@ class GemmtuneChoices(hooks.InductorChoices):
         return self.asked[key]
 
     def choose_ahead(self, graph) -> bool:
-        """Choose for every mm and addmm of ``graph`` (the compiler's aten graph) before it is
+        """Choose for every mm, addmm and bmm of ``graph`` (the compiler's aten graph) before it is
         lowered, those not stored tuned together first; plan how each runs over the whole graph
         and say so; whether any runs on the compiler's Triton template (which needs the GEMM
         templates switched on)."""
@@ -184,8 +186,8 @@ class GemmtuneChoices(hooks.InductorChoices):
             chosen = self._template(kernel_inputs, templates, op_name, choice.config)
             if chosen is None:  # where the template cannot be: the library call, else gemmtune's kernel
                 kind = LIBRARY if any(way.kind == LIBRARY for way in self.ways(problem, index)) else CALLED
-        if kind == CALLED and hooks.config.cpp_wrapper:  # generated C++ cannot call Python
-            kind = LIBRARY
+        if kind == CALLED and (hooks.config.cpp_wrapper or problem.batch > 1):
+            kind = LIBRARY  # generated C++ cannot call Python; gemmtune calls no kernel of a batch
         if chosen is None:
             chosen = _extern(kernel_inputs, problem.layout) if kind == CALLED else library
         log.debug("gemmtune: compiled %s %s %s (%s)", op_name, problem.describe(), kind,
@@ -198,11 +200,12 @@ class GemmtuneChoices(hooks.InductorChoices):
         stands for its own benchmark there."""
         if not (hooks.config.max_autotune or hooks.config.max_autotune_gemm) or kernel_inputs.device().type != "cuda":
             return None  # a GEMM not chosen ahead, in a graph compiled without templates; not a GPU
-        template = next((t for t in templates if t.uid == hooks.mm_template.uid), hooks.mm_template)
+        own = hooks.bmm_template if op_name == "bmm" else hooks.mm_template
+        template = next((t for t in templates if t.uid == own.uid), own)
         base = next(iter(self.get_ktc(kernel_inputs, template, op_name)), None)
         if base is None:
             return None
-        k = kernel_inputs.shapes_symbolic()[-1][0]
+        k = kernel_inputs.shapes_symbolic()[-1][-2]  # b's K: (K, N), or (batch, K, N)
         params = {**base.params.to_kwargs(), **{f: config[f] for f in TEMPLATE_FIELDS},
                   "EVEN_K": int(k) % config["BLOCK_K"] == 0}
         # a fixed output layout, as the compiler gives any template: its code is generated now
@@ -213,7 +216,7 @@ class GemmtuneChoices(hooks.InductorChoices):
 
 
 def graph_problems(graph) -> list[tuple[torch.fx.Node, Problem, int]]:
-    """The mm and addmm nodes of ``graph`` (the compiler's aten graph, each node's operands
+    """The mm, addmm and bmm nodes of ``graph`` (the compiler's aten graph, each node's operands
     described by their fake tensors) that gemmtune serves, with their problems and GPUs' indices."""
     found = []
     for node in graph.graph.nodes:

@@ -41,6 +41,7 @@ try:
     from torch._inductor import config, list_mode_options
     from torch._inductor.choices import InductorChoices
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._inductor.kernel.bmm import bmm_template
     from torch._inductor.kernel.mm import mm_template
     from torch._inductor.kernel_inputs import MMKernelInputs
     from torch._inductor.kernel_template_choice import KernelTemplateChoice

@@ -111,24 +111,37 @@ def ways(choice: Choice, trials: dict[str, Trial], graphs: bool,
 
 
 def plan(gemms: list[Gemm], rest: Rest, graphs: bool, templates_on: bool = False) -> list[Way]:
-    """The way each of ``gemms`` runs: from each one's first way, switches of one product at a
-    time, the one that saves the graph most at the nominal host speed first, each taken only
-    where it costs no more at any host speed of HOST_SCALES (``graph_ms``). ``templates_on``: the
-    caller switched the GEMM templates on, so taking one makes no other call dearer."""
+    """The way each of ``gemms`` runs: from each one's first way, moves of one product at a
+    time, or of every product that can take the template at once (``_moves``), the one that saves
+    the graph most at the nominal host speed first, each taken only where it costs no more at any
+    host speed of HOST_SCALES (``graph_ms``). ``templates_on``: the caller switched the GEMM
+    templates on, so taking one makes no other call dearer."""
     picks = [gemm.ways[0] for gemm in gemms]
     while True:
         current = [graph_ms(gemms, picks, rest, scale, graphs, templates_on) for scale in HOST_SCALES]
         best, saved = None, 0.0
-        for index, gemm in enumerate(gemms):
-            for way in gemm.ways:
-                trial = picks[:index] + [way] + picks[index + 1:]
-                costs = [graph_ms(gemms, trial, rest, scale, graphs, templates_on) for scale in HOST_SCALES]
-                gain = current[HOST_SCALES.index(1.0)] - costs[HOST_SCALES.index(1.0)]
-                if gain > saved and all(new <= old for new, old in zip(costs, current)):
-                    best, saved = trial, gain
+        for trial in _moves(gemms, picks):
+            costs = [graph_ms(gemms, trial, rest, scale, graphs, templates_on) for scale in HOST_SCALES]
+            gain = current[HOST_SCALES.index(1.0)] - costs[HOST_SCALES.index(1.0)]
+            if gain > saved and all(new <= old for new, old in zip(costs, current)):
+                best, saved = trial, gain
         if best is None:
             return picks
         picks = best
+
+
+def _moves(gemms: list[Gemm], picks: list[Way]):
+    """The mixes one move from ``picks``: one product run another way, and every product that
+    has a template way run on its fastest. The second is one move because the first template
+    taken makes every other addmm's library call dearer (WRAPPED_MS): one at a time, the first
+    would not pay where all together do."""
+    for index, gemm in enumerate(gemms):
+        for way in gemm.ways:
+            yield picks[:index] + [way] + picks[index + 1:]
+    templated = [min((w for w in gemm.ways if w.kind == TEMPLATE), key=lambda w: w.kernel_ms, default=pick)
+                 for gemm, pick in zip(gemms, picks)]
+    if templated != picks:
+        yield templated
 
 
 def graph_ms(gemms: list[Gemm], picks: list[Way], rest: Rest, scale: float, graphs: bool,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from gemmtune.problem import DTYPES, Problem
 
-OPS = ("mm", "addmm")  # the compiler's names of the ops gemmtune serves
+OPS = ("mm", "addmm", "bmm")  # the compiler's names of the ops gemmtune serves
 
 
 @dataclass(frozen=True)
@@ -30,22 +30,32 @@ class Operands:
 def problem_of(operands: Operands, tf32: bool) -> Problem | None:
     """The gemmtune problem ``operands`` are, or None where gemmtune leaves the GEMM to the
     compiler: another op, a dynamic size, a dtype it does not serve, a mixed-dtype or scaled
-    product, an operand not row-major (``a``) or neither row- nor column-major (``b``), or an
-    addmm whose added term is not one row repeated. ``tf32``: float32 may use TF32 now."""
+    product, an operand not row-major (``a``) or neither row- nor column-major (``b``; for a bmm,
+    each matrix of the batch, whatever the batch's strides), or an addmm whose added term is not
+    one row repeated. ``tf32``: float32 may use TF32 now."""
     o = operands
     if o.op not in OPS or not o.static or len(set(o.dtypes)) != 1 or o.dtypes[0] not in DTYPES \
             or o.out_dtype != o.dtypes[0]:
         return None
-    bias = o.op == "addmm"
-    if len(o.shapes) != 2 + bias or bias and not _adds_one_row(o):
+    bias, batched = o.op == "addmm", o.op == "bmm"
+    if len(o.shapes) != 2 + bias or bias and not _adds_one_row(o) \
+            or any(len(shape) != 2 + batched for shape in o.shapes[-2:]):
         return None
-    (m, k), (k2, n) = o.shapes[-2:]
-    if k2 != k or min(m, n, k) < 1 or not _row_major(o.strides[-2], m, k):
+    batch = 1
+    if batched:
+        (batch, *a_dims), (batch_b, *b_dims) = o.shapes
+        if batch_b != batch or batch < 1:
+            return None
+        shapes, strides = (tuple(a_dims), tuple(b_dims)), tuple(s[1:] for s in o.strides)
+    else:
+        shapes, strides = o.shapes[-2:], o.strides[-2:]
+    (m, k), (k2, n) = shapes
+    if k2 != k or min(m, n, k) < 1 or not _row_major(strides[0], m, k):
         return None
-    layout = layout_of(o.strides[-1], k, n)
+    layout = layout_of(strides[1], k, n)
     if layout is None:
         return None
-    return Problem(m, n, k, o.dtypes[0], layout, bias, tf32)
+    return Problem(m, n, k, o.dtypes[0], layout, bias, tf32, batch=batch)
 
 
 def _adds_one_row(o: Operands) -> bool:

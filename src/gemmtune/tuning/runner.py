@@ -238,7 +238,8 @@ class LocalRunner:
 
     def _call(self, label: str) -> Callable[[], object]:
         """A user's call of ``label``'s kernel on the first inputs."""
-        if self._problem.layout != "linear" or self._problem.scaled:  # no front path: the kernel's own call
+        p = self._problem
+        if p.layout != "linear" or p.scaled or p.batch > 1:  # no front path: the kernel's own call
             return self._bound(label)
         a, b, bias = self._inputs.a, self._inputs.b, self._inputs.bias
         front = front_entry(self._ready[label][0], a, b, bias)

@@ -141,12 +141,15 @@ def norm_floor(problem: Problem, pre: torch.Tensor) -> float:
 
 def make_operands(problem: Problem, device: str, *, seed: int | None = None) -> tuple:
     """a, b and bias (or None) for ``problem``: random, contiguous, in the problem's dtype (the
-    bias in its output dtype); for an fp8 product, then its scales (``scaling.quantize``)."""
+    bias in its output dtype), each with a leading batch size where the product is batched; for
+    an fp8 product, then its scales (``scaling.quantize``)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
 
+    batch = (problem.batch,) if problem.batch > 1 else ()
+
     def randn(*shape):
-        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
+        return torch.randn(*batch, *shape, generator=gen, device=device, dtype=torch.float32)
 
     a = randn(problem.m, problem.k)
     b = randn(problem.n, problem.k) if problem.layout == "linear" else randn(problem.k, problem.n)
@@ -174,7 +177,7 @@ def _product(problem: Problem, a, b, bias, scales: tuple = (), scale: bool = Tru
         b64 = scaling.dequantize(b, scales[1], problem.scaling, True).t()
     else:
         a64 = a.double()
-        b64 = b.double().t() if problem.layout == "linear" else b.double()
+        b64 = b.double().transpose(-1, -2) if problem.layout == "linear" else b.double()
     pre = a64 @ b64
     if bias is not None:
         pre += bias.double()
@@ -285,9 +288,14 @@ def warm_up(problem: Problem, *operands) -> None:
     judge(inputs.reference.to(TORCH_DTYPES[problem.out_dtype]), problem, inputs)
 
 
+def out_shape(problem: Problem) -> tuple[int, ...]:
+    """The output's shape: (M, N), with the batch first where the product is batched."""
+    return (problem.batch, problem.m, problem.n) if problem.batch > 1 else (problem.m, problem.n)
+
+
 def check(kernel, problem: Problem, inputs: Inputs) -> Verdict:
     """Run ``kernel`` once into a NaN-poisoned output and judge it."""
-    out = torch.full((problem.m, problem.n), float("nan"), dtype=TORCH_DTYPES[problem.out_dtype],
+    out = torch.full(out_shape(problem), float("nan"), dtype=TORCH_DTYPES[problem.out_dtype],
                      device=inputs.a.device)
     result = kernel(*inputs.operands, out=out)
     if result.data_ptr() != out.data_ptr():

@@ -2,7 +2,9 @@
 
 A is (M, K) and B is (K, N), each given by its strides, so nn.Linear's ``x @ w.T`` is the same
 kernel with B's strides swapped. Edges are masked, so sizes like 4095 need no padding. Tiles
-are visited in groups of GROUP_M rows so that neighbouring programs share B tiles in L2.
+are visited in groups of GROUP_M rows so that neighbouring programs share B tiles in L2. The
+grid's second axis is a batch (``torch.bmm``): program ``(t, q)`` computes tile ``t`` of the
+``q``-th product, each operand offset by ``q`` times its batch stride (0 where unbatched).
 """
 
 import triton
@@ -18,6 +20,7 @@ def tiled_matmul(
     a_ptr, b_ptr, c_ptr, bias_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    stride_aq, stride_bq, stride_cq,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HINTS: tl.constexpr,
@@ -31,6 +34,10 @@ def tiled_matmul(
     HINT_BK: tl.constexpr = HINTS[4]
     HINT_BN: tl.constexpr = HINTS[5]
     HINT_CM: tl.constexpr = HINTS[6]
+    q = tl.program_id(1).to(tl.int64)  # the batch's product: 64-bit offsets past 2^31 elements
+    a_ptr += q * stride_aq
+    b_ptr += q * stride_bq
+    c_ptr += q * stride_cq
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
