@@ -175,10 +175,14 @@ def _kind(backend: str) -> str:
 
 
 def _fastest_tiled(choice: Choice, trials: dict[str, Trial]) -> Choice | None:
-    """The fastest Triton config tried for a product, as a choice: the tuner's own where it
-    chose one, else the fastest verified trial of one."""
+    """The fastest Triton config tried for a product, as a choice with its kernel time: the
+    tuner's own where it chose one (its stored trial's kernel time, else the choice's cost: a
+    call's cost holds the host's time, which on a slow host made a template look slower than
+    the library call it beat), else the fastest verified trial of one."""
     if choice.backend == TEMPLATE_BACKEND and choice.time_ms is not None:
-        return choice
+        mine = trials.get(choice.label())
+        kernel_ms = mine.median_ms if mine is not None and mine.median_ms is not None else choice.time_ms
+        return Choice(TEMPLATE_BACKEND, choice.config, kernel_ms, choice.cublas_ms)
     tiled = min((t for t in trials.values() if t.backend == TEMPLATE_BACKEND and t.median_ms is not None),
                 key=lambda t: t.median_ms, default=None)
     return None if tiled is None else Choice(TEMPLATE_BACKEND, tiled.config, tiled.median_ms, choice.cublas_ms)
