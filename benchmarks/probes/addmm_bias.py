@@ -6,17 +6,18 @@ release and compile mode: a 1-D row (a default compile), the row expanded to (M,
 stride 0 (the GEMM templates on, torch 2.11's ``aten::addmm`` candidate), or that expansion
 through the compiler's ``bias_addmm`` wrapper, which slices the row back out in Python. Per
 shape: each way's CUDA kernels over a few calls (torch.profiler), and the wall and host time per
-call queued, the three ways timed in alternating rounds. Written as JSON, nothing printed.
+call queued, the three ways timed in interleaved rounds (``measure.host_rounds``). Written as JSON, nothing printed.
 
     PYTHONPATH=src python3 benchmarks/probes/addmm_bias.py OUT.json
 """
 import argparse
 import json
-import statistics
-import time
 
 import torch
 from torch._inductor.kernel.mm import bias_addmm
+
+from gemmtune.device import current
+from gemmtune.tuning.measure import host_rounds
 
 SHAPES = ((4096, 768, 768), (4096, 3072, 768), (4096, 768, 3072), (16, 768, 768), (256, 2304, 768))
 ROUNDS, CALLS = 15, 200
@@ -39,17 +40,6 @@ def kernels(fn) -> list[str]:
     return sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
 
 
-def queued(fn) -> tuple[float, float]:
-    """(wall us, host us) per call of CALLS queued calls."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(CALLS):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e6 / CALLS, (t1 - t0) * 1e6 / CALLS
-
-
 def shape_row(m: int, n: int, k: int) -> dict:
     calls = ways(m, n, k)
     for fn in calls.values():
@@ -57,14 +47,9 @@ def shape_row(m: int, n: int, k: int) -> dict:
     ref = calls["row"]().float()
     row = {"shape": [m, n, k], "kernels": {name: kernels(fn) for name, fn in calls.items()},
            "max_diff": {name: float((fn().float() - ref).abs().max()) for name, fn in calls.items()}}
-    samples = {name: ([], []) for name in calls}
-    for _ in range(ROUNDS):
-        for name, fn in calls.items():
-            wall, host = queued(fn)
-            samples[name][0].append(wall)
-            samples[name][1].append(host)
-    row["wall_us"] = {name: statistics.median(s[0]) for name, s in samples.items()}
-    row["host_us"] = {name: statistics.median(s[1]) for name, s in samples.items()}
+    timed = host_rounds(calls, current(), rounds=ROUNDS, calls=CALLS)  # queued calls, interleaved rounds
+    row["wall_us"] = {name: loop.median * 1e3 for name, (loop, _) in timed.items()}
+    row["host_us"] = {name: host.median * 1e3 for name, (_, host) in timed.items()}
     return row
 
 
