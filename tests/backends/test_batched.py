@@ -148,7 +148,23 @@ def test_verification_fails_a_wrong_batched_kernel(breaks):
         return result
 
     assert verify.check(good, problem, inputs).ok
-    assert not verify.check(wrong, problem, inputs).ok
+    verdict = verify.check(wrong, problem, inputs)
+    assert not verdict.ok and len(verdict.where) == 3  # the element named by batch, row and column
+    assert f"element {verdict.where}" in verdict.reason()
+
+
+@pytest.mark.interpreter
+def test_a_wrong_element_is_named_by_its_batch_row_and_column():
+    problem = Problem(7, 33, 16, "float32", "nn", batch=3)
+    inputs = verify.make_inputs(problem, DEVICE)
+    good = build("triton_tiled", problem)
+
+    def one_wrong(a, b, bias, out=None):
+        result = good(a, b, bias, out=out)
+        result[2, 5, 30] += 1e3
+        return result
+
+    assert verify.check(one_wrong, problem, inputs).where == (2, 5, 30)
 
 
 def test_the_cost_of_one_wave_of_tiles_grows_with_the_batch_by_whole_waves():

@@ -79,12 +79,13 @@ class Inputs:
 class Verdict:
     """One output judged against its reference: ``rel_err`` the relative Frobenius error (for
     reports), ``worst`` the largest |error| / bound over the elements (inf where any element is
-    not finite; above 1 fails), ``where`` that element's (row, column)."""
+    not finite; above 1 fails), ``where`` that element's (row, column), (batch, row, column) in a
+    batched product's output."""
 
     rel_err: float
     norm_tolerance: float
     worst: float
-    where: tuple[int, int] | None = None
+    where: tuple[int, ...] | None = None
     value: float = math.nan
     expected: float = math.nan
 
@@ -229,7 +230,7 @@ def _judged_in_torch(out: torch.Tensor, problem: Problem, inputs: Inputs) -> Ver
     ratio = (out.double() - inputs.reference).abs_().div_(inputs.bound)
     ratio[~torch.isfinite(ratio)] = math.inf  # NaN compares false: make it the worst
     flat = int(torch.argmax(ratio))
-    where = divmod(flat, ratio.shape[1]) if ratio.dim() == 2 else None
+    where = _index(flat, ratio.shape)
 
     def at(t: torch.Tensor) -> float:
         return float(t.reshape(-1)[flat])
@@ -258,7 +259,7 @@ def _judged_in_one_pass(out: torch.Tensor, problem: Problem, inputs: Inputs) -> 
                     type(exc).__name__, exc)
         _one_pass["trusted"] = False
         return None
-    where = divmod(found.flat, out.shape[1]) if out.dim() == 2 else None
+    where = _index(found.flat, out.shape)
     verdict = Verdict(relative(found.error_norm, found.ref_norm, out, inputs.norm_floor), tolerance(problem),
                       found.worst, where, found.value, found.expected)
     if _one_pass["trusted"] is None:
@@ -269,6 +270,15 @@ def _judged_in_one_pass(out: torch.Tensor, problem: Problem, inputs: Inputs) -> 
                         "(%s against %s); verifying in torch", verdict, expected)
             return expected
     return verdict
+
+
+def _index(flat: int, shape: torch.Size) -> tuple[int, ...]:
+    """The element at ``flat`` in a contiguous tensor of ``shape``, as its index per dimension."""
+    index = []
+    for size in reversed(shape):
+        flat, at = divmod(flat, size)
+        index.append(at)
+    return tuple(reversed(index))
 
 
 def _same(mine: Verdict, theirs: Verdict) -> bool:
