@@ -209,7 +209,7 @@ def _named_problems(args, device) -> list:
     if device.interpreter:
         _console(stderr=True).print("[yellow]No CUDA GPU: running gemmtune's pipeline through Triton's interpreter on the CPU. "
                       "Its timings are NOT GPU timings; they only show the pipeline works.[/yellow]")
-        too_big = [n.name for n in named if n.problem.m * n.problem.n * n.problem.k > INTERPRETER_MAX_MACS]
+        too_big = [n.name for n in named if n.problem.flops // 2 > INTERPRETER_MAX_MACS]  # a batch counts whole
         if too_big:
             raise ValueError(f"shapes too large for the CPU interpreter (over {INTERPRETER_MAX_MACS} MACs): "
                              f"{', '.join(too_big)}; use a GPU")

@@ -23,7 +23,7 @@ def result_dict(result: TuneResult, name: str | None = None) -> dict:
         "name": name or problem.describe(), "m": problem.m, "n": problem.n, "k": problem.k,
         "dtype": problem.dtype, "tf32": problem.tf32, "layout": problem.layout, "bias": problem.bias,
         "activation": problem.activation, "scaling": problem.scaling, "out_dtype": problem.out_dtype,
-        "backend": result.backend, "config": result.config, "choice": result.label(),
+        "batch": problem.batch, "backend": result.backend, "config": result.config, "choice": result.label(),
         "time_ms": result.time_ms, "cublas_ms": result.cublas_ms, "speedup": result.speedup,
         "rel_err": result.rel_err, "tune_s": result.tune_s, "from_store": result.from_store,
         "gpu_timings": result.gpu_timings, "device": result.device,
@@ -56,7 +56,9 @@ def _described(key: str) -> tuple[str, str, str]:
     problem = Problem.from_key(key)
     layout = problem.layout + ("+bias" if problem.bias else "")
     layout += "" if problem.activation == "none" else f"+{problem.activation}"
-    return f"{problem.m}x{problem.n}x{problem.k}", problem.dtype + ("+tf32" if problem.tf32 else ""), layout
+    batch = f"{problem.batch} x " if problem.batch > 1 else ""
+    shape = f"{batch}{problem.m}x{problem.n}x{problem.k}"
+    return shape, problem.dtype + ("+tf32" if problem.tf32 else ""), layout
 
 
 def trials_table(trials: Sequence[Trial]) -> Table:

@@ -1,7 +1,7 @@
 """Shape sets: the public benchmark shapes shipped with the package, and the loader for files
 of the same format (``{"shapes": [{"name", "m", "n", "k", "dtype", "layout", "group"}]}``, with
-optional ``bias``, ``activation``, ``tf32`` and ``count``, and for fp8 products ``scaling`` and
-``out_dtype``), or JSON Lines of such entries (the misses that
+optional ``bias``, ``activation``, ``tf32`` and ``count``, for fp8 products ``scaling`` and
+``out_dtype``, and for a batched product (torch.bmm) ``batch``), or JSON Lines of such entries (the misses that
 ``GEMMTUNE_MISSES`` collects in lookup mode). A misses file also holds the calls of
 ``gemmtune.autotune`` kernels that missed (``"kind": "kernel"``, ``kernel_calls``), which ``load``
 passes over."""
@@ -50,7 +50,7 @@ def load(path: str | Path | None = None, *, tf32: bool = True) -> list[NamedProb
             problem = Problem(entry["m"], entry["n"], entry["k"], entry.get("dtype", "bfloat16"),
                               entry.get("layout", "linear"), bool(entry.get("bias", False)),
                               bool(entry.get("tf32", tf32)), entry.get("activation", "none"),
-                              entry.get("scaling", "none"), entry.get("out_dtype", ""))
+                              entry.get("scaling", "none"), entry.get("out_dtype", ""), entry.get("batch", 1))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source}: shape #{i} ({entry!r}) is invalid: {exc}") from None
         out.append(NamedProblem(entry.get("name", problem.describe()), entry.get("group", ""), problem))
@@ -61,7 +61,8 @@ def entry(problem: Problem) -> dict:
     """``problem`` as one entry of a shapes file: what ``load`` reads back as the same Problem."""
     line = {"name": problem.describe(), "m": problem.m, "n": problem.n, "k": problem.k, "dtype": problem.dtype,
             "layout": problem.layout, "bias": problem.bias, "tf32": problem.tf32, "activation": problem.activation}
-    return line | ({"scaling": problem.scaling, "out_dtype": problem.out_dtype} if problem.scaled else {})
+    line |= {"scaling": problem.scaling, "out_dtype": problem.out_dtype} if problem.scaled else {}
+    return line | ({"batch": problem.batch} if problem.batch > 1 else {})
 
 
 def kernel_calls(path: str | Path) -> list[dict]:
