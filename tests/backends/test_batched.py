@@ -10,7 +10,7 @@ import gemmtune
 from gemmtune import backends
 from gemmtune.backends import costmodel
 from gemmtune.backends.cublas import CublasConfig
-from gemmtune.backends.triton_tiled import MAX_BATCH, TILES, TiledConfig, space
+from gemmtune.backends.triton_tiled import MAX_BATCH, TILES, TiledConfig, space, within_int32
 from gemmtune.device import Device, current
 from gemmtune.problem import Problem
 from gemmtune.store import Store
@@ -223,3 +223,10 @@ def test_tune_chooses_a_verified_kernel_and_stores_a_passing_tiled_trial(tmp_pat
     assert any(t.backend == "triton_tiled" for t in trials), trials
     again = gemmtune.tune(problem, store=path)
     assert again[0].from_store and again[0].label() == result.label()
+
+
+def test_a_matrix_indexed_past_int32_is_refused():
+    assert within_int32((4096, 4096, 4096, 1))
+    # attention's q laid batch-innermost: rows a whole (B * heads, d) apart
+    assert not within_int32((32768, 384 * 128 * 64, 64, 1))
+    assert within_int32((1, 2**40, 7, 1))  # one row: its stride never multiplies

@@ -173,6 +173,9 @@ class BatchedTiledKernel(KernelBase):
             out = a.new_empty((batch, m, n))
         (saq, sam, sak), (sbq, sb1, sb2), (scq, scm, scn) = a.stride(), b.stride(), out.stride()
         sbk, sbn = (sb2, sb1) if self._linear else (sb1, sb2)
+        if not within_int32((m, sam, k, sak), (k, sbk, n, sbn), (m, scm, n, scn)):
+            raise ValueError(f"triton_tiled: a batched operand's matrix spans 2^31 elements or more (strides "
+                             f"{a.stride()}, {b.stride()}, {out.stride()}): the kernel indexes one in int32")
         pa, pb, po = a.data_ptr(), b.data_ptr(), out.data_ptr()
         guard = (a.get_device(), b.get_device(), out.get_device(), a.dtype, b.dtype, out.dtype, a.shape, b.shape,
                  a.stride(), b.stride(), out.stride(), pa & 15, pb & 15, po & 15)
@@ -180,6 +183,12 @@ class BatchedTiledKernel(KernelBase):
         scalars = (m, n, k, sam, sak, sbk, sbn, scm, scn, saq, sbq, scq)
         self._launch(grid, guard, (a, b, out, out), (pa, pb, po, po), scalars, self._constexprs)
         return out
+
+
+def within_int32(*matrices: tuple[int, int, int, int]) -> bool:
+    """Whether each matrix given as (rows, row stride, columns, column stride) is indexed within
+    int32 from its first element, as the kernel indexes one product's operands."""
+    return all((rows - 1) * abs(rs) + (cols - 1) * abs(cs) <= MAX_ELEMENTS for rows, rs, cols, cs in matrices)
 
 
 class TritonTiledBackend:
