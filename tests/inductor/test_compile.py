@@ -10,6 +10,7 @@ import copy
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -232,6 +233,7 @@ def test_a_graphs_gemms_are_chosen_once_ahead_and_said_in_one_line(chosen, caplo
     assert len(chosen.asked) == len(set(chosen.asked)) == 3  # two shapes (one also fused with its ReLU)
     assert "a compiled graph's 3 GEMMs (2 shapes): 3 on gemmtune's kernels" in caplog.text
     assert "failed gemmtune's check" not in caplog.text
+    assert re.search(r"this host queues a library call in \d+\.\d us \(\d+\.\dx the nominal\)", caplog.text)
 
 
 def test_a_graphs_products_are_tuned_together_ahead_each_before_its_fused_form(chosen):

@@ -15,6 +15,7 @@ what a default ``torch.compile`` gives it: the compiler's first library call, no
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from dataclasses import replace
@@ -31,6 +32,7 @@ from gemmtune.problem import Problem
 from gemmtune.results import Trial
 from gemmtune.serving.calls import DTYPE_NAMES, tf32_allowed
 from gemmtune.serving.dispatch import DISPATCHER, Choice
+from gemmtune.tuning.measure import host_times
 from gemmtune.tuning.tuner import graph_choice
 from gemmtune.version import __version__
 
@@ -67,6 +69,18 @@ def kernel_times(problem: Problem, device_index: int) -> dict[str, Trial]:
         if trial.ok and trial.median_ms is not None:
             latest[trial.label()] = trial
     return latest
+
+
+@functools.cache
+def host_library_ms(device_index: int) -> float:
+    """The host time this process takes to queue one library call (a small addmm on GPU
+    ``device_index``), measured once: the log line sets it beside ``plan.HOST_MS``'s nominal
+    one, the speed about which the plan weighs hosts from half to four times as slow."""
+    device = current(device_index)
+    where = "cpu" if device.interpreter else f"cuda:{device_index}"
+    with hooks.unset_fake_temporarily():  # real tensors: the compiler's fake ones queue nothing
+        a, b, bias = (torch.randn(*shape, device=where) for shape in ((16, 64), (64, 64), (64,)))
+        return host_times(lambda: torch.addmm(bias, a, b), device, calls=50, repeats=5)[1]
 
 
 def graph_rest(graph, weighed: set, device_index: int) -> Rest:
@@ -151,11 +165,13 @@ class GemmtuneChoices(hooks.InductorChoices):
         unchecked = sum(n for key, n in counts.items() if chosen[key].cublas_ms is None
                         and chosen[key].backend != REFERENCE)
         host, gpu = plan.times(gemms, picks, others, self.templates_on)
+        library_ms = host_library_ms(next(iter(counts))[1])
         log.info("gemmtune: a compiled graph's %d GEMMs (%d shapes): %s%s; estimated %.2f ms of host and %.2f ms "
-                 "of GPU time per run%s", sum(counts.values()), len(counts),
-                 ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())),
+                 "of GPU time per run%s; this host queues a library call in %.1f us (%.1fx the nominal)",
+                 sum(counts.values()), len(counts), ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())),
                  f" ({unchecked} where cuBLAS failed gemmtune's check)" if unchecked else "", host, gpu,
-                 " (replayed as a CUDA graph)" if self.graphs else "")
+                 " (replayed as a CUDA graph)" if self.graphs else "", library_ms * 1e3,
+                 library_ms / plan.HOST_MS[LIBRARY])
 
     def uuid(self) -> str:
         """Part of the compiler's cache key: a graph compiled with gemmtune's choices is not one
