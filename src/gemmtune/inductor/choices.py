@@ -83,6 +83,16 @@ def host_library_ms(device_index: int) -> float:
         return host_times(lambda: torch.addmm(bias, a, b), device, calls=50, repeats=5)[1]
 
 
+def _host_said(device_index: int) -> str:
+    """The log line's measure of this host (``host_library_ms``); nothing while a CUDA graph is
+    being captured, which the measure's synchronization would break."""
+    if not current(device_index).interpreter and torch.cuda.is_current_stream_capturing():
+        return ""
+    library_ms = host_library_ms(device_index)
+    return f"; this host queues a library call in {library_ms * 1e3:.1f} us " \
+           f"({library_ms / plan.HOST_MS[LIBRARY]:.1f}x the nominal)"
+
+
 def graph_rest(graph, weighed: set, device_index: int) -> Rest:
     """What ``graph`` costs besides its ``weighed`` GEMMs (``rest.estimate``)."""
     return rest.estimate(graph, weighed, current(device_index), tf32_allowed())
@@ -165,13 +175,11 @@ class GemmtuneChoices(hooks.InductorChoices):
         unchecked = sum(n for key, n in counts.items() if chosen[key].cublas_ms is None
                         and chosen[key].backend != REFERENCE)
         host, gpu = plan.times(gemms, picks, others, self.templates_on)
-        library_ms = host_library_ms(next(iter(counts))[1])
         log.info("gemmtune: a compiled graph's %d GEMMs (%d shapes): %s%s; estimated %.2f ms of host and %.2f ms "
-                 "of GPU time per run%s; this host queues a library call in %.1f us (%.1fx the nominal)",
-                 sum(counts.values()), len(counts), ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())),
+                 "of GPU time per run%s%s", sum(counts.values()), len(counts),
+                 ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())),
                  f" ({unchecked} where cuBLAS failed gemmtune's check)" if unchecked else "", host, gpu,
-                 " (replayed as a CUDA graph)" if self.graphs else "", library_ms * 1e3,
-                 library_ms / plan.HOST_MS[LIBRARY])
+                 " (replayed as a CUDA graph)" if self.graphs else "", _host_said(next(iter(counts))[1]))
 
     def uuid(self) -> str:
         """Part of the compiler's cache key: a graph compiled with gemmtune's choices is not one
