@@ -16,7 +16,11 @@ def _fingerprint_with(monkeypatch, installed: dict[str, str]) -> str:
         return real(name)
 
     monkeypatch.setattr(device.importlib.metadata, "version", version)
-    return device.interpreter_device().fingerprint()
+    device.kernel_library_versions.cache_clear()  # read once a process: read again for this install
+    try:
+        return device.interpreter_device().fingerprint()
+    finally:
+        device.kernel_library_versions.cache_clear()
 
 
 def test_an_optional_kernel_library_installed_or_upgraded_is_a_new_fingerprint(monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import logging
@@ -59,6 +60,14 @@ def _versions() -> dict[str, str]:
     driver = driver_version()
     if driver:
         versions["driver"] = driver
+    return versions | kernel_library_versions()
+
+
+@functools.cache
+def kernel_library_versions() -> dict[str, str]:
+    """The installed KERNEL_LIBRARIES' versions, by name, read once a process (each read scans
+    the installed packages' metadata)."""
+    versions = {}
     for name in KERNEL_LIBRARIES:
         try:
             versions[name] = importlib.metadata.version(name)

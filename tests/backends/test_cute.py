@@ -2,12 +2,14 @@
 the device and the problem, availability; on the GPU (with ``gemmtune[cute]`` installed), every
 kind of config against float64."""
 
+import importlib.metadata
+
 import pytest
 import torch
 
 from gemmtune.backends import cute, get
 from gemmtune.backends.cute import CuteConfig
-from gemmtune.device import Device
+from gemmtune.device import Device, kernel_library_versions
 from gemmtune.problem import Problem
 
 H100 = Device("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, 50 << 20)
@@ -108,8 +110,8 @@ def test_the_interpreter_never_offers_it():
 
 
 def test_a_config_counts_as_compiled_once_its_first_call_left_its_marker(monkeypatch, tmp_path):
-    monkeypatch.setattr(cute.importlib.metadata, "version", lambda name: "1.0")
-    cute._versions.cache_clear()
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.0")
+    kernel_library_versions.cache_clear()
     problem = Problem(2048, 4096, 4096, "bfloat16", "linear")
     configs = cute.space(problem, H100)[:3]
     assert cute.BACKEND.compiled(problem, configs) == []
@@ -126,10 +128,10 @@ def test_a_config_counts_as_compiled_once_its_first_call_left_its_marker(monkeyp
     cute._leave(cute.marker(gelu, configs[2]))
     assert cute.BACKEND.compiled(gelu, configs) == [configs[2]] and cute.BACKEND.compiled(silu, configs) == []
     assert cute.BACKEND.compiled(problem, configs) == [configs[1]]
-    monkeypatch.setattr(cute.importlib.metadata, "version", lambda name: "2.0")  # a new package: compiled anew
-    cute._versions.cache_clear()
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.0")  # a new package: compiled anew
+    kernel_library_versions.cache_clear()
     assert cute.BACKEND.compiled(problem, configs) == []
-    cute._versions.cache_clear()
+    kernel_library_versions.cache_clear()
 
 
 class _Pending(BaseException):
@@ -230,7 +232,7 @@ def test_each_layout_of_operands_is_resolved_once_then_replayed(monkeypatch, act
     path's bound call replays what the kernel's own call resolved."""
     quack = _TorchQuack()
     monkeypatch.setattr(cute, "_quack", lambda: quack)
-    monkeypatch.setattr(cute, "_versions", lambda: ("0", "0"))
+    monkeypatch.setattr(cute, "kernel_library_versions", lambda: {"quack-kernels": "0", "nvidia-cutlass-dsl": "0"})
     monkeypatch.setattr(cute, "_leave", lambda path: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     m, n, k = 33, 72, 40

@@ -58,7 +58,7 @@ from gemmtune.backends import costmodel
 from gemmtune.backends.base import FieldConfig, KernelBase, config_from_mapping
 from gemmtune.backends.launch import unit_stride_bias
 from gemmtune.backends.triton_persistent import tma_ready
-from gemmtune.device import KERNEL_LIBRARIES, Device
+from gemmtune.device import Device, kernel_library_versions
 from gemmtune.problem import Problem
 from gemmtune.settings import cache_dir
 
@@ -352,15 +352,9 @@ def marker(problem: Problem, config: CuteConfig) -> Path:
     (dtype, layout, bias, activation) is compiled in QuACK's cache, for these package versions.
     (A problem without an activation names none, as markers did before activations were taken.)"""
     activation = [] if problem.activation == "none" else [problem.activation]
-    kind = [problem.dtype, problem.layout, str(problem.bias), *activation, config.key(), *_versions()]
+    kind = [problem.dtype, problem.layout, str(problem.bias), *activation, config.key(),
+            *kernel_library_versions().values()]
     return cache_dir() / "cute-compiled" / hashlib.sha256("|".join(kind).encode()).hexdigest()[:24]
-
-
-@functools.cache
-def _versions() -> tuple[str, ...]:
-    """QuACK's and CuTe DSL's versions, read once a process (each read scans the installed
-    packages' metadata; the tuner asks for every config of every problem)."""
-    return tuple(importlib.metadata.version(name) for name in KERNEL_LIBRARIES)
 
 
 def _leave(path: Path) -> None:
