@@ -111,6 +111,16 @@ def space(problem: Problem, device: Device) -> list[TiledConfig]:
     return [c for c in configs if occupancy[c] >= best / 4]
 
 
+def _constexprs(problem: Problem, config: TiledConfig) -> dict:
+    """The kernel's constexprs for ``problem`` and ``config``, but for whether a bias is added."""
+    return dict(
+        ACTIVATION=problem.activation, EVEN_K=problem.k % config.block_k == 0,
+        PRECISION="tf32" if problem.tf32 else "ieee",
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
 class TiledKernel(KernelBase):
     """A compiled-on-first-call launcher for one (problem, config); later calls with operands
     of the same dtypes, strides and alignment launch the binary directly (gemmtune.backends.launch)."""
@@ -123,12 +133,7 @@ class TiledKernel(KernelBase):
         self._launch = Launcher(tiled_matmul, gemm_hints)
         self._linear = problem.layout == "linear"
         self._config = config
-        base = dict(
-            ACTIVATION=problem.activation, EVEN_K=problem.k % config.block_k == 0,
-            PRECISION="tf32" if problem.tf32 else "ieee",
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+        base = _constexprs(problem, config)
         self._constexprs = {False: dict(base, HAS_BIAS=False), True: dict(base, HAS_BIAS=True)}
 
     def __call__(self, a, b, bias, out=None):
@@ -157,12 +162,7 @@ class BatchedTiledKernel(KernelBase):
         self._launch = Launcher(tiled_matmul, gemm_hints)
         self._linear = problem.layout == "linear"
         self._config = config
-        self._constexprs = dict(
-            HAS_BIAS=False, ACTIVATION="none", EVEN_K=problem.k % config.block_k == 0,
-            PRECISION="tf32" if problem.tf32 else "ieee",
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+        self._constexprs = dict(_constexprs(problem, config), HAS_BIAS=False)
 
     def __call__(self, a, b, bias, out=None):
         if bias is not None:

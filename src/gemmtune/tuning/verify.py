@@ -24,6 +24,7 @@ import math
 import os
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from gemmtune import activation, scaling
@@ -274,11 +275,7 @@ def _judged_in_one_pass(out: torch.Tensor, problem: Problem, inputs: Inputs) -> 
 
 def _index(flat: int, shape: torch.Size) -> tuple[int, ...]:
     """The element at ``flat`` in a contiguous tensor of ``shape``, as its index per dimension."""
-    index = []
-    for size in reversed(shape):
-        flat, at = divmod(flat, size)
-        index.append(at)
-    return tuple(reversed(index))
+    return tuple(int(i) for i in numpy.unravel_index(flat, tuple(shape)))
 
 
 def _same(mine: Verdict, theirs: Verdict) -> bool:
