@@ -86,7 +86,7 @@ def host_library_ms(device_index: int) -> float:
 def _host_said(device_index: int) -> str:
     """The log line's measure of this host (``host_library_ms``); nothing while a CUDA graph is
     being captured, which the measure's synchronization would break."""
-    if not current(device_index).interpreter and torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return ""
     library_ms = host_library_ms(device_index)
     return f"; this host queues a library call in {library_ms * 1e3:.1f} us " \
