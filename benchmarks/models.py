@@ -28,7 +28,8 @@ With ``--profile`` each row also says where both sides' GPU time goes (``kernels
 by kind of kernel, from torch.profiler over a few calls, and the costliest kernels).
 
 A gemmtune.compile row also says what its graphs' GEMMs became (``compile_choices``: gemmtune's
-log line per compiled graph). With ``--caches DIR`` the gemmtune store and the compiler's caches
+log line per compiled graph, then its debug line per product: the way planned and each way's
+kernel time). With ``--caches DIR`` the gemmtune store and the compiler's caches
 live in DIR and stay on: run twice, the second run's ``setup_s`` and ``baseline_setup_s`` are
 both sides' warm starts (a new process, every cache filled).
 
@@ -482,14 +483,15 @@ def make_runner(way: str, case: Case, model: nn.Module, kwargs: dict, device: st
 
 @contextlib.contextmanager
 def listening() -> Iterator[list[str]]:
-    """What the ``gemmtune`` logger says at INFO and up meanwhile (compiled graphs' choices)."""
+    """What the ``gemmtune`` logger says meanwhile, debug lines included (compiled graphs'
+    choices and plans)."""
     said: list[str] = []
-    handler = logging.Handler(logging.INFO)
+    handler = logging.Handler(logging.DEBUG)
     handler.emit = lambda record: said.append(record.getMessage())
     logger = logging.getLogger("gemmtune")
     level = logger.level
     logger.addHandler(handler)
-    logger.setLevel(min(level or logging.WARNING, logging.INFO))
+    logger.setLevel(logging.DEBUG)
     try:
         yield said
     finally:
@@ -920,7 +922,8 @@ def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budg
             if reference is not None:  # each side against float64: which one is wrong, where they differ
                 row["ref_err"], row["baseline_ref_err"] = rel_err(t.output, reference), rel_err(b.output, reference)
             if tuned_way in GEMMTUNE_COMPILE:
-                row["compile_choices"] = [line for line in t.said if "compiled graph" in line]
+                row["compile_choices"] = [line for line in t.said if "compiled graph" in line
+                                          or line.startswith("gemmtune: planned")]
             if args.profile and device == "cuda":
                 row["kernels"] = {"baseline": kernel_times(b.call), "gemmtune": kernel_times(t.call)}
             if case.phase == "train":

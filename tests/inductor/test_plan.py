@@ -143,16 +143,46 @@ WAYS = st.lists(st.tuples(KINDS, st.floats(0.0, 0.3)), min_size=1, max_size=4)
 GEMMS = st.lists(st.tuples(st.integers(1, 50), st.booleans(), WAYS), min_size=1, max_size=6)
 
 
+@pytest.mark.parametrize("library_ms,expected", [(0.010, [0.010, 0.012]), (0.030, [0.020, 0.024]),
+                                                 (None, [0.020, 0.024])])
+def test_warm_kernel_times_scale_every_way_of_a_product_by_the_library_calls(library_ms, expected):
+    """The library call's warm time over its flushed trial's, never above 1 (a warm kernel is no
+    slower: a ratio above is noise); unmeasured, the trials' times as they are."""
+    found = (way(LIBRARY, 0.020), way(TEMPLATE, 0.024))
+    warm = plan.warmed(found, library_ms)
+    assert [w.kernel_ms for w in warm] == pytest.approx(expected)
+    assert [(w.kind, w.choice, w.host_ms) for w in warm] == [(w.kind, w.choice, w.host_ms) for w in found]
+
+
+def test_without_a_library_call_there_is_nothing_to_scale_warm_times_by():
+    found = (way(CALLED, 0.020),)
+    assert plan.warmed(found, 0.005) == found
+
+
+@pytest.mark.parametrize("measured,expected", [(None, [1.0, 0.5, 2.0, 4.0]), (2.0, [2.0, 1.6, 4.0])])
+def test_the_host_speeds_weighed_are_about_the_measured_one_else_the_nominal(measured, expected):
+    assert list(plan.host_scales(measured)) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("measured,expected", [(None, LIBRARY), (0.5, CALLED), (3.0, LIBRARY)])
+def test_a_faster_kernel_that_costs_the_host_more_is_called_where_the_measured_host_keeps_the_gpu_the_pace(
+        measured, expected):
+    """A graph the GPU paces on the nominal host, and the host on one twice as slow."""
+    paced = Rest(host_ms=0.5, gpu_ms=1.0)
+    gemms = [Gemm(24, False, (way(LIBRARY, 0.025), way(CALLED, 0.020)))]
+    assert [w.kind for w in plan.plan(gemms, paced, graphs=False, host_scale=measured)] == [expected]
+
+
 @given(gemms=GEMMS, host=st.floats(0.0, 5.0), gpu=st.floats(0.0, 5.0), graphs=st.booleans(),
-       templates_on=st.booleans())
+       templates_on=st.booleans(), measured=st.none() | st.floats(0.1, 10.0))
 @settings(max_examples=300, deadline=None)
 def test_a_plan_never_costs_more_than_each_gemms_first_way_at_any_host_speed(gemms, host, gpu, graphs,
-                                                                          templates_on):
+                                                                          templates_on, measured):
     made = [Gemm(count, bias, tuple(way(kind, ms, graphs) for kind, ms in found)) for count, bias, found in gemms]
     rest = Rest(host, gpu)
-    picks = plan.plan(made, rest, graphs, templates_on)
+    picks = plan.plan(made, rest, graphs, templates_on, measured)
     assert all(pick in gemm.ways for pick, gemm in zip(picks, made))
     first = [gemm.ways[0] for gemm in made]
-    for scale in plan.HOST_SCALES:
+    for scale in plan.host_scales(measured):
         assert plan.graph_ms(made, picks, rest, scale, graphs, templates_on) <= \
             plan.graph_ms(made, first, rest, scale, graphs, templates_on) + 1e-12

@@ -23,6 +23,7 @@ from dataclasses import replace
 import sympy
 import torch
 
+from gemmtune import backends
 from gemmtune.backends import REFERENCE
 from gemmtune.device import current
 from gemmtune.inductor import hooks, plan, rest, runtime
@@ -32,8 +33,10 @@ from gemmtune.problem import Problem
 from gemmtune.results import Trial
 from gemmtune.serving.calls import DTYPE_NAMES, tf32_allowed
 from gemmtune.serving.dispatch import DISPATCHER, Choice
-from gemmtune.tuning.measure import host_times
+from gemmtune.tuning.measure import host_times, replay_ms
+from gemmtune.tuning.runner import matmul_precision
 from gemmtune.tuning.tuner import graph_choice
+from gemmtune.tuning.verify import TORCH_DTYPES, make_operands, out_shape
 from gemmtune.version import __version__
 
 log = logging.getLogger("gemmtune")
@@ -49,6 +52,8 @@ GRAPH_OPS = {torch.ops.aten.mm.default: "mm", torch.ops.aten.addmm.default: "add
              torch.ops.aten.bmm.default: "bmm"}
 BIAS_ADDMM = "aten::bias_addmm"
 DEVICE_TYPES = ("cuda",)  # whose GEMMs gemmtune chooses (elsewhere it serves none)
+WARM_CALLS = 16  # the fewest library calls a warm measure replays
+MAX_COPIES = 64  # the most copies of a weight a warm measure reads in turn
 
 
 def choose(problem: Problem, device_index: int) -> Choice:
@@ -74,23 +79,40 @@ def kernel_times(problem: Problem, device_index: int) -> dict[str, Trial]:
 @functools.cache
 def host_library_ms(device_index: int) -> float:
     """The host time this process takes to queue one library call (a small addmm on GPU
-    ``device_index``), measured once: the log line sets it beside ``plan.HOST_MS``'s nominal
-    one, the speed about which the plan weighs hosts from half to four times as slow."""
-    device = current(device_index)
-    where = "cpu" if device.interpreter else f"cuda:{device_index}"
+    ``device_index``), measured once: the fastest of five loops, as other processes only add."""
     with hooks.unset_fake_temporarily():  # real tensors: the compiler's fake ones queue nothing
-        a, b, bias = (torch.randn(*shape, device=where) for shape in ((16, 64), (64, 64), (64,)))
-        return host_times(lambda: torch.addmm(bias, a, b), device, calls=50, repeats=5)[1]
+        a, b, bias = (torch.randn(*shape, device=f"cuda:{device_index}") for shape in ((16, 64), (64, 64), (64,)))
+        return host_times(lambda: torch.addmm(bias, a, b), current(device_index), calls=50, repeats=5)[1]
 
 
-def _host_said(device_index: int) -> str:
-    """The log line's measure of this host (``host_library_ms``); nothing while a CUDA graph is
-    being captured, which the measure's synchronization would break."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return ""
-    library_ms = host_library_ms(device_index)
-    return f"; this host queues a library call in {library_ms * 1e3:.1f} us " \
-           f"({library_ms / plan.HOST_MS[LIBRARY]:.1f}x the nominal)"
+def host_scale(device_index: int) -> float | None:
+    """How much slower than ``plan.HOST_MS``'s nominal host this one queues (``host_library_ms``),
+    the speed the plan weighs hosts about; None where it is not measured: under Triton's
+    interpreter (no GPU to queue on) and while a CUDA graph is being captured (the measure
+    synchronizes)."""
+    if current(device_index).interpreter or torch.cuda.is_current_stream_capturing():
+        return None
+    return host_library_ms(device_index) / plan.HOST_MS[LIBRARY]
+
+
+def warm_library_ms(problem: Problem, device_index: int) -> float | None:
+    """The library call's kernel time for ``problem`` as a model runs it, where the trials' are
+    L2-flushed: its input warm from the kernel before it (``a``), its weight read from memory
+    (``b``, one of enough copies to pass through the L2 twice; a batched product's ``b`` is an
+    activation, warm too), calls replayed back to back (``measure.replay_ms``). None under
+    Triton's interpreter, for an fp8 product, and while a CUDA graph is being captured."""
+    device = current(device_index)
+    if device.interpreter or problem.scaled or torch.cuda.is_current_stream_capturing():
+        return None
+    where = f"cuda:{device_index}"
+    with hooks.unset_fake_temporarily(), matmul_precision(problem):  # real tensors, as the problem is keyed
+        a, b, bias = make_operands(problem, where)
+        copies = 1 if problem.batch > 1 else min(MAX_COPIES, -(-2 * device.l2_bytes // (b.numel() * b.element_size())))
+        weights = [b] + [b.clone() for _ in range(copies - 1)]
+        out = torch.empty(out_shape(problem), dtype=TORCH_DTYPES[problem.out_dtype], device=where)
+        kernel = backends.build(problem, REFERENCE, {}, device)
+        return replay_ms([functools.partial(kernel, a, weights[i % copies], bias, out=out)
+                          for i in range(max(WARM_CALLS, copies))])
 
 
 def graph_rest(graph, weighed: set, device_index: int) -> Rest:
@@ -130,6 +152,14 @@ class GemmtuneChoices(hooks.InductorChoices):
         fused = self._asked(replace(problem, activation=activation), device_index) if activation else None
         return plan.ways(*self._asked(problem, device_index), self.graphs, fused)
 
+    def _warm_ways(self, problem: Problem, device_index: int) -> tuple[Way, ...]:
+        """``ways``, their kernel times as a model runs them where the host's time counts: the
+        library call's measured warm (``warm_library_ms``) over its tuning's, the same for every
+        way of the product (``plan.warmed``). Replayed as CUDA graphs, only the ways' order
+        counts, which that keeps."""
+        found = self.ways(problem, device_index)
+        return found if self.graphs else plan.warmed(found, warm_library_ms(problem, device_index))
+
     def _asked(self, problem: Problem, device_index: int) -> tuple[Choice, dict[str, Trial]]:
         """gemmtune's choice for ``problem`` and its tuning's trials, asked once per compile. A
         graph replayed as a CUDA graph pays the kernel alone: there the choice is the kernel its
@@ -159,15 +189,18 @@ class GemmtuneChoices(hooks.InductorChoices):
         if not found:
             return False
         counts = Counter((p, i) for _, p, i in found)
-        gemms = [Gemm(n, p.bias, self.ways(p, i)) for (p, i), n in counts.items()]
+        gemms = [Gemm(n, p.bias, self._warm_ways(p, i)) for (p, i), n in counts.items()]
         others = graph_rest(graph, {node for node, _, _ in found}, found[0][2])
-        picks = plan.plan(gemms, others, self.graphs, self.templates_on)
+        scale = None if self.graphs else host_scale(found[0][2])
+        picks = plan.plan(gemms, others, self.graphs, self.templates_on, scale)
         self.decided = dict(zip(counts, picks))
-        self._say(counts, gemms, picks, others)
+        self._say(counts, gemms, picks, others, scale)
         return any(way.kind == TEMPLATE for way in picks)
 
-    def _say(self, counts: Counter, gemms: list[Gemm], picks: list[Way], others: Rest) -> None:
-        """One log line for a planned graph: how its GEMMs run, and the plan's estimate."""
+    def _say(self, counts: Counter, gemms: list[Gemm], picks: list[Way], others: Rest, scale: float | None) -> None:
+        """One log line for a planned graph: how its GEMMs run, the plan's estimate (of the host
+        time at the nominal host's speed) and the host's speed it weighed; at debug level, one
+        line per product with its ways' kernel times."""
         kinds = Counter()
         for gemm, way in zip(gemms, picks):
             kinds[way.kind] += gemm.count
@@ -175,11 +208,16 @@ class GemmtuneChoices(hooks.InductorChoices):
         unchecked = sum(n for key, n in counts.items() if chosen[key].cublas_ms is None
                         and chosen[key].backend != REFERENCE)
         host, gpu = plan.times(gemms, picks, others, self.templates_on)
-        log.info("gemmtune: a compiled graph's %d GEMMs (%d shapes): %s%s; estimated %.2f ms of host and %.2f ms "
-                 "of GPU time per run%s%s", sum(counts.values()), len(counts),
+        speed = "" if scale is None else f"; this host queues a library call in " \
+            f"{scale * plan.HOST_MS[LIBRARY] * 1e3:.1f} us ({scale:.1f}x the nominal)"
+        log.info("gemmtune: a compiled graph's %d GEMMs (%d shapes): %s%s; estimated %.2f ms of host (%.2f of it "
+                 "besides the GEMMs) and %.2f ms of GPU time (%.2f) per run%s%s", sum(counts.values()), len(counts),
                  ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())),
-                 f" ({unchecked} where cuBLAS failed gemmtune's check)" if unchecked else "", host, gpu,
-                 " (replayed as a CUDA graph)" if self.graphs else "", _host_said(next(iter(counts))[1]))
+                 f" ({unchecked} where cuBLAS failed gemmtune's check)" if unchecked else "",
+                 host, others.host_ms, gpu, others.gpu_ms, " (replayed as a CUDA graph)" if self.graphs else "", speed)
+        for ((problem, _), n), gemm, way in zip(counts.items(), gemms, picks):
+            log.debug("gemmtune: planned %d x %s %s: %s", n, problem.describe(), way.kind,
+                      ", ".join(f"{w.kind} {w.kernel_ms * 1e3:.1f} us" for w in gemm.ways))
 
     def uuid(self) -> str:
         """Part of the compiler's cache key: a graph compiled with gemmtune's choices is not one

@@ -15,7 +15,9 @@ the host paces (decode, a small batch). So the ways are weighed over the whole g
 time of its GEMMs' calls and of the rest of its kernels, against their GPU time (``Rest``, from
 ``rest.estimate``). How fast a host queues varies from machine to machine (twice as fast on one
 H100 host as on another), so a mix is taken only where it costs no more than the one it
-replaces at every host speed of HOST_SCALES. Under CUDA graphs only the GPU time counts.
+replaces at every host speed the plan weighs (``host_scales``): about this host's, measured when
+compiling, else from half to four times the nominal one. Under CUDA graphs only the GPU time
+counts.
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ WRAPPED_MS = 0.0052
 LAUNCH_MS = 0.0053
 GRAPH_MS = 0.021
 HOST_SCALES = (0.5, 1.0, 2.0, 4.0)  # the host speeds a mix must not lose at (x HOST_MS: slower hosts)
+# Where this host's speed was measured, the speeds weighed are from FASTER_BY faster to SLOWER_BY
+# slower than it. The measure is the fastest of five loops, and a graph may run under more load
+# than it was compiled under: a host rarely runs faster than measured, often slower (BERT-base on
+# a host measured at 2.1x the nominal ran its compiled forward's host work at 2.4x the estimate's).
+FASTER_BY, SLOWER_BY = 1.25, 2.0
 TEMPLATE_SLOWDOWN = 1.25  # the most a template taken for its launch may cost in kernel time over cuBLAS
 MIN_GAIN = 0.02  # a kernel time of gemmtune's weighs this much more than the library call's (noise)
 
@@ -110,19 +117,42 @@ def ways(choice: Choice, trials: dict[str, Trial], graphs: bool,
     return known
 
 
-def plan(gemms: list[Gemm], rest: Rest, graphs: bool, templates_on: bool = False) -> list[Way]:
+def host_scales(measured: float | None) -> tuple[float, ...]:
+    """The host speeds (x HOST_MS: above 1, slower hosts) a mix must not lose at, the one its
+    gain is weighed at first: about this host's ``measured`` one (FASTER_BY, SLOWER_BY), where it
+    was measured, else HOST_SCALES about the nominal one."""
+    if measured is None:
+        return (1.0,) + tuple(scale for scale in HOST_SCALES if scale != 1.0)
+    return measured, measured / FASTER_BY, measured * SLOWER_BY
+
+
+def warmed(found: tuple[Way, ...], library_ms: float | None) -> tuple[Way, ...]:
+    """A product's ways (``ways``) with their kernel times as a model runs them: each times the
+    library call's warm ``library_ms`` over its L2-flushed trial's (at most 1: a warm kernel is
+    no slower). The ways as they are where either is unknown."""
+    library = next((way for way in found if way.kind == LIBRARY), None)
+    if library_ms is None or library is None or not library.kernel_ms:
+        return found
+    ratio = min(1.0, library_ms / library.kernel_ms)
+    return tuple(replace(way, kernel_ms=way.kernel_ms * ratio) for way in found)
+
+
+def plan(gemms: list[Gemm], rest: Rest, graphs: bool, templates_on: bool = False,
+         host_scale: float | None = None) -> list[Way]:
     """The way each of ``gemms`` runs: from each one's first way, moves of one product at a
     time, or of every product that can take the template at once (``_moves``), the one that saves
-    the graph most at the nominal host speed first, each taken only where it costs no more at any
-    host speed of HOST_SCALES (``graph_ms``). ``templates_on``: the caller switched the GEMM
-    templates on, so taking one makes no other call dearer."""
+    the graph most at this host's speed (``host_scale``, x HOST_MS; the nominal one where not
+    measured) first, each taken only where it costs no more at any host speed of ``host_scales``
+    (``graph_ms``). ``templates_on``: the caller switched the GEMM templates on, so taking one
+    makes no other call dearer."""
+    scales = host_scales(host_scale)
     picks = [gemm.ways[0] for gemm in gemms]
     while True:
-        current = [graph_ms(gemms, picks, rest, scale, graphs, templates_on) for scale in HOST_SCALES]
+        current = [graph_ms(gemms, picks, rest, scale, graphs, templates_on) for scale in scales]
         best, saved = None, 0.0
         for trial in _moves(gemms, picks):
-            costs = [graph_ms(gemms, trial, rest, scale, graphs, templates_on) for scale in HOST_SCALES]
-            gain = current[HOST_SCALES.index(1.0)] - costs[HOST_SCALES.index(1.0)]
+            costs = [graph_ms(gemms, trial, rest, scale, graphs, templates_on) for scale in scales]
+            gain = current[0] - costs[0]
             if gain > saved and all(new <= old for new, old in zip(costs, current)):
                 best, saved = trial, gain
         if best is None:

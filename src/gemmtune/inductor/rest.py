@@ -11,8 +11,9 @@ the compiler's aten graph before it is lowered, with the devices' rooflines.
 - and a run of the graph its guards' and wrapper's host time (``plan.GRAPH_MS``).
 
 The estimate only has to tell a graph the host paces (decode, small batches) from one the GPU
-paces (large batches), with HOST_SCALES's margin on the host side (``plan``): it counts kernels
-as the compiler would make them, roughly, and their bytes and flops at attainable rates.
+paces (large batches), with the plan's margin on the host's speed (``plan.host_scales``): it
+counts kernels as the compiler would make them, roughly, and their bytes and flops at
+attainable rates.
 """
 
 from __future__ import annotations
