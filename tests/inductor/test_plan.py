@@ -38,7 +38,7 @@ def offered(found):
     # cuBLAS within TEMPLATE_SLOWDOWN of the fastest Triton config tried, from the stored trials
     (CUBLAS, trials(cublas=0.006, tiled=0.007, tiled_wide=0.0065), False,
      [(LIBRARY, "cublas", 0.006), (TEMPLATE, "triton_tiled", 0.0065)]),
-    (CUBLAS, trials(cublas=0.006, tiled=0.008), False, [(LIBRARY, "cublas", 0.006)]),
+    (CUBLAS, trials(cublas=0.006, tiled=0.013), False, [(LIBRARY, "cublas", 0.006)]),
     (CUBLAS, trials(tiled=0.004), False, [(LIBRARY, "cublas", 0.013), (TEMPLATE, "triton_tiled", 0.004)]),
     (CUBLAS, {}, False, [(LIBRARY, "cublas", 0.013)]),
     (Choice("cublas", {}), trials(tiled=0.004), False, [(LIBRARY, "cublas", 0.0)]),  # a fallback: nothing measured
