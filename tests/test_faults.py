@@ -140,6 +140,20 @@ def test_a_right_product_passes_with_room(problem):
         assert verdict.ok and verdict.worst < 0.5, verdict.reason()
 
 
+def test_a_float16_output_among_the_subnormals_may_be_one_step_off():
+    """Below float16's smallest normal its values are 2^-24 apart, whatever their size: a product
+    one step from the float64 one is right there, though far beyond relative rounding (a k = 1
+    product of 7.36e-6 computed as 7.33e-6 once failed a right kernel); three steps are not."""
+    problem = Problem(1, 4, 1, "float16", "nn")
+    step = 2.0 ** -24
+    a = torch.tensor([[2.0 ** -12]], dtype=torch.float16)
+    b = torch.tensor([[3.0, 17.0, 100.0, 123.0]], dtype=torch.float16) * 2.0 ** -12  # products of 3-123 steps
+    inputs = verify.inputs_of(problem, a, b, None)
+    for steps, right in ((1, True), (-1, True), (3, False)):
+        out = (inputs.reference - steps * step).to(torch.float16)
+        assert verify.judge(out, problem, inputs).ok is right, (steps, verify.judge(out, problem, inputs).reason())
+
+
 def test_a_verdict_names_the_element():
     problem = BF16
     inputs = verify.make_inputs(problem, "cpu", seed=5)

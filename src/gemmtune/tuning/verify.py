@@ -193,10 +193,19 @@ def _bound(problem: Problem, pre: torch.Tensor, scale: torch.Tensor, bias, ref: 
         bound.add_(pre.abs() if bias is None else (pre - bias.double()).abs_(), alpha=rounding)
     if problem.activation != "none":
         bound.mul_(LIPSCHITZ)
-    # the smallest normal float32: an exact zero must not demand an exact zero of fp32 rounding.
     # Kept in float32 (a bound needs no more digits): the two input sets of an 8192 x 28672
     # product hold 1.9 GB of float64 references already.
-    return bound.add_(ref.abs(), alpha=rounding).add_(torch.finfo(torch.float32).tiny).float()
+    return bound.add_(ref.abs(), alpha=rounding).add_(_least_step(problem.out_dtype)).float()
+
+
+def _least_step(dtype: str) -> float:
+    """The rounding no element's bound goes below: a unit in the last place among the output
+    dtype's subnormals, where relative rounding no longer holds (float16's are 2^-24 apart, and a
+    k = 1 product of 7.36e-6 came out 7.33e-6, one step down, from a right kernel), and at least
+    the smallest normal float32, so that an exact zero does not demand an exact zero of fp32
+    rounding."""
+    info = torch.finfo(TORCH_DTYPES[dtype])
+    return max(info.tiny * info.eps, torch.finfo(torch.float32).tiny)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
