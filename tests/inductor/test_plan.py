@@ -149,14 +149,25 @@ def test_warm_kernel_times_scale_every_way_of_a_product_by_the_library_calls(lib
     """The library call's warm time over its flushed trial's, never above 1 (a warm kernel is no
     slower: a ratio above is noise); unmeasured, the trials' times as they are."""
     found = (way(LIBRARY, 0.020), way(TEMPLATE, 0.024))
-    warm = plan.warmed(found, library_ms)
+    warm = plan.warmed(found, library_ms, 0.020)
     assert [w.kernel_ms for w in warm] == pytest.approx(expected)
     assert [(w.kind, w.choice, w.host_ms) for w in warm] == [(w.kind, w.choice, w.host_ms) for w in found]
 
 
+def test_a_library_way_timed_by_a_calls_cost_is_not_a_kernel_time_to_scale_by():
+    """Where no trial of the library call was stored, its way's time is the call's cost (``ways``:
+    ``choice.cublas_ms``, host time included: 107 us for a 31 us kernel on a slow host); scaling
+    the template's kernel time by warm over that cost made a 45 us kernel read 11 us. The warm
+    time stands for the library call; the others stay as tuned."""
+    found = plan.ways(Choice("cublas", {}, 0.107, 0.107), trials(tiled=0.045), graphs=False)
+    assert [(w.kind, w.kernel_ms) for w in found] == [(LIBRARY, 0.107), (TEMPLATE, 0.045)]
+    warm = plan.warmed(found, 0.027, None)
+    assert [(w.kind, w.kernel_ms) for w in warm] == [(LIBRARY, 0.027), (TEMPLATE, 0.045)]
+
+
 def test_without_a_library_call_there_is_nothing_to_scale_warm_times_by():
     found = (way(CALLED, 0.020),)
-    assert plan.warmed(found, 0.005) == found
+    assert plan.warmed(found, 0.005, 0.010) == found
 
 
 @pytest.mark.parametrize("measured,expected", [(None, [1.0, 0.5, 2.0, 4.0]), (2.0, [2.0, 1.6, 4.0])])

@@ -154,11 +154,14 @@ class GemmtuneChoices(hooks.InductorChoices):
 
     def _warm_ways(self, problem: Problem, device_index: int) -> tuple[Way, ...]:
         """``ways``, their kernel times as a model runs them where the host's time counts: the
-        library call's measured warm (``warm_library_ms``) over its tuning's, the same for every
-        way of the product (``plan.warmed``). Replayed as CUDA graphs, only the ways' order
+        library call's measured warm (``warm_library_ms``) over its stored trial's, the same for
+        every way of the product (``plan.warmed``). Replayed as CUDA graphs, only the ways' order
         counts, which that keeps."""
         found = self.ways(problem, device_index)
-        return found if self.graphs else plan.warmed(found, warm_library_ms(problem, device_index))
+        if self.graphs:
+            return found
+        flushed = self._asked(problem, device_index)[1].get(REFERENCE)
+        return plan.warmed(found, warm_library_ms(problem, device_index), flushed.median_ms if flushed else None)
 
     def _asked(self, problem: Problem, device_index: int) -> tuple[Choice, dict[str, Trial]]:
         """gemmtune's choice for ``problem`` and its tuning's trials, asked once per compile. A

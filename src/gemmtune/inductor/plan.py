@@ -130,14 +130,17 @@ def host_scales(measured: float | None) -> tuple[float, ...]:
     return measured, measured / FASTER_BY, measured * SLOWER_BY
 
 
-def warmed(found: tuple[Way, ...], library_ms: float | None) -> tuple[Way, ...]:
+def warmed(found: tuple[Way, ...], library_ms: float | None, flushed_ms: float | None) -> tuple[Way, ...]:
     """A product's ways (``ways``) with their kernel times as a model runs them: each times the
-    library call's warm ``library_ms`` over its L2-flushed trial's (at most 1: a warm kernel is
-    no slower). The ways as they are where either is unknown."""
-    library = next((way for way in found if way.kind == LIBRARY), None)
-    if library_ms is None or library is None or not library.kernel_ms:
+    library call's warm kernel time ``library_ms`` over its L2-flushed trial's ``flushed_ms`` (at
+    most 1: a warm kernel is no slower). Where the tuning stored no trial of the library call,
+    its way's time is a call's cost, host time included, which no kernel time divides: the warm
+    time stands for the library call alone. The ways as they are where nothing was measured warm."""
+    if library_ms is None or not any(way.kind == LIBRARY for way in found):
         return found
-    ratio = min(1.0, library_ms / library.kernel_ms)
+    if not flushed_ms:
+        return tuple(replace(way, kernel_ms=library_ms) if way.kind == LIBRARY else way for way in found)
+    ratio = min(1.0, library_ms / flushed_ms)
     return tuple(replace(way, kernel_ms=way.kernel_ms * ratio) for way in found)
 
 
