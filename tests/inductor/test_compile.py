@@ -138,7 +138,7 @@ def test_a_graph_is_planned_about_the_speed_measured_on_its_host(chosen, monkeyp
         assert "queues a library call" not in caplog.text
     else:
         assert f"queues a library call in {measured * 13.1:.1f} us ({measured:.1f}x the nominal)" in caplog.text
-    assert f"planned 12 x {problem.describe()} {expected}: {LIBRARY} 6.0 us, {TEMPLATE} 6.5 us" in caplog.text
+    assert f"planned 12 x {problem.describe()} {expected}: {LIBRARY} 6.0 us, {TEMPLATE} 6.5 us\n" in caplog.text
 
 
 WARM = [Problem(4096, 768, 768, "bfloat16", "linear", True), Problem(7, 33, 64, "float16", "nn"),
@@ -158,6 +158,19 @@ def test_the_hosts_speed_and_warm_library_times_are_measured_on_a_gpu_and_not_wh
         measured = choices.host_scale(0), choices.warm_library_ms(WARM[0], 0)
         x.add_(1)
     assert measured == (None, None)
+
+
+def test_a_library_way_without_a_stored_trial_of_cublas_is_said(chosen, monkeypatch, caplog):
+    """Its time is then the call's cost, not a kernel time: the debug line says so."""
+    chosen.answer = CUBLAS
+    problem = Problem(16, 768, 768, "bfloat16", "linear", True)
+    monkeypatch.setattr(choices, "kernel_times", lambda problem, index: {
+        t.label(): t for t in tiled_trials(0.006, 0.0065).values() if t.backend != "cublas"})
+    monkeypatch.setattr(choices, "graph_problems", lambda graph: [(None, problem, 0)] * 12)
+    monkeypatch.setattr(choices, "graph_rest", lambda graph, weighed, index: Rest(host_ms=0.3, gpu_ms=0.5))
+    with caplog.at_level(logging.DEBUG, logger="gemmtune"):
+        choices.GemmtuneChoices().choose_ahead(None)
+    assert f"{LIBRARY} 13.0 us" in caplog.text and "(no stored trial of cuBLAS)" in caplog.text
 
 
 def test_the_kernel_times_come_from_the_trials_stored_with_the_choice(fresh_dispatch):

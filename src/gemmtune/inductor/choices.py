@@ -218,9 +218,11 @@ class GemmtuneChoices(hooks.InductorChoices):
                  ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())),
                  f" ({unchecked} where cuBLAS failed gemmtune's check)" if unchecked else "",
                  host, others.host_ms, gpu, others.gpu_ms, " (replayed as a CUDA graph)" if self.graphs else "", speed)
-        for ((problem, _), n), gemm, way in zip(counts.items(), gemms, picks):
-            log.debug("gemmtune: planned %d x %s %s: %s", n, problem.describe(), way.kind,
-                      ", ".join(f"{w.kind} {w.kernel_ms * 1e3:.1f} us" for w in gemm.ways))
+        for ((problem, index), n), gemm, way in zip(counts.items(), gemms, picks):
+            untried = REFERENCE not in self._asked(problem, index)[1]  # the library way timed otherwise
+            log.debug("gemmtune: planned %d x %s %s: %s%s", n, problem.describe(), way.kind,
+                      ", ".join(f"{w.kind} {w.kernel_ms * 1e3:.1f} us" for w in gemm.ways),
+                      " (no stored trial of cuBLAS)" if untried else "")
 
     def uuid(self) -> str:
         """Part of the compiler's cache key: a graph compiled with gemmtune's choices is not one
