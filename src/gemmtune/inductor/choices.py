@@ -90,9 +90,15 @@ def host_scale(device_index: int) -> float | None:
     the speed the plan weighs hosts about; None where it is not measured: under Triton's
     interpreter (no GPU to queue on) and while a CUDA graph is being captured (the measure
     synchronizes)."""
-    if current(device_index).interpreter or torch.cuda.is_current_stream_capturing():
+    if not _measurable(device_index):
         return None
     return host_library_ms(device_index) / plan.HOST_MS[LIBRARY]
+
+
+def _measurable(device_index: int) -> bool:
+    """Whether this host and GPU can be timed now: not under Triton's interpreter (no GPU), nor
+    while a CUDA graph is being captured (a measure synchronizes)."""
+    return not current(device_index).interpreter and not torch.cuda.is_current_stream_capturing()
 
 
 def warm_library_ms(problem: Problem, device_index: int) -> float | None:
@@ -101,10 +107,9 @@ def warm_library_ms(problem: Problem, device_index: int) -> float | None:
     (``b``, one of enough copies to pass through the L2 twice; a batched product's ``b`` is an
     activation, warm too), calls replayed back to back (``measure.replay_ms``). None under
     Triton's interpreter, for an fp8 product, and while a CUDA graph is being captured."""
-    device = current(device_index)
-    if device.interpreter or problem.scaled or torch.cuda.is_current_stream_capturing():
+    if problem.scaled or not _measurable(device_index):
         return None
-    where = f"cuda:{device_index}"
+    device, where = current(device_index), f"cuda:{device_index}"
     with hooks.unset_fake_temporarily(), matmul_precision(problem):  # real tensors, as the problem is keyed
         a, b, bias = make_operands(problem, where)
         copies = 1 if problem.batch > 1 else min(MAX_COPIES, -(-2 * device.l2_bytes // (b.numel() * b.element_size())))

@@ -48,7 +48,9 @@ HOST_MS = {LIBRARY: 0.0131, CALLED: 0.0158, TEMPLATE: 0.0053}
 WRAPPED_MS = 0.0052
 LAUNCH_MS = 0.0053
 GRAPH_MS = 0.021
-HOST_SCALES = (0.5, 1.0, 2.0, 4.0)  # the host speeds a mix must not lose at (x HOST_MS: slower hosts)
+# the host speeds a mix must not lose at where this host's is not measured (x HOST_MS: above 1,
+# slower hosts), the nominal one first: a move's gain is weighed there
+HOST_SCALES = (1.0, 0.5, 2.0, 4.0)
 # Where this host's speed was measured, the speeds weighed are from FASTER_BY faster to SLOWER_BY
 # slower than it. The measure is the fastest of five loops, and a graph may run under more load
 # than it was compiled under: a host rarely runs faster than measured, often slower (BERT-base on
@@ -126,7 +128,7 @@ def host_scales(measured: float | None) -> tuple[float, ...]:
     gain is weighed at first: about this host's ``measured`` one (FASTER_BY, SLOWER_BY), where it
     was measured, else HOST_SCALES about the nominal one."""
     if measured is None:
-        return (1.0,) + tuple(scale for scale in HOST_SCALES if scale != 1.0)
+        return HOST_SCALES
     return measured, measured / FASTER_BY, measured * SLOWER_BY
 
 
