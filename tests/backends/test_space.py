@@ -3,7 +3,7 @@
 import pytest
 
 from gemmtune.backends import get
-from gemmtune.backends.triton_tiled import TiledConfig, space
+from gemmtune.backends.triton_tiled import FFMA_CONFIGS, TiledConfig, space
 from gemmtune.device import Device
 from gemmtune.problem import Problem
 
@@ -49,6 +49,32 @@ def test_grids_that_leave_most_sms_idle_are_dropped():
     tiles = lambda c: -(-problem.n // c.block_n)  # noqa: E731
     configs = space(problem, H100)
     assert min(tiles(c) for c in configs) >= max(tiles(c) for c in configs) / 4
+
+
+def _shape(config: TiledConfig) -> tuple:
+    return config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages
+
+
+def test_float32_without_tf32_gets_the_cuda_cores_configs_all_measured():
+    """FMAs on the CUDA cores: FFMA_CONFIGS, which no cost model ranks (all are measured);
+    with TF32 the tensor cores' tiles, ranked."""
+    backend = get("triton_tiled")
+    ieee, tf32 = (Problem(128, 128, 64, "float32", "nn", tf32=tf32, batch=384) for tf32 in (False, True))
+    configs = space(ieee, H100)
+    assert configs and {_shape(c) for c in configs} <= set(FFMA_CONFIGS)
+    assert all(backend.predict_ms(ieee, H100, c) is None for c in configs)
+    ranked = space(tf32, H100)
+    assert not {_shape(c) for c in ranked} <= set(FFMA_CONFIGS)
+    assert all(backend.predict_ms(tf32, H100, c) is not None for c in ranked)
+
+
+def test_float32_too_small_for_the_cuda_cores_configs_keeps_the_ranked_tiles():
+    """A product of a few rows fits none of FFMA_CONFIGS (32 rows and more): its space is the
+    tensor cores' thin tiles, ranked as before."""
+    problem = Problem(4, 4096, 4096, "float32", "linear")
+    configs = space(problem, H100)
+    assert configs and all(c.block_m == 16 for c in configs)
+    assert get("triton_tiled").predict_ms(problem, H100, configs[0]) is not None
 
 
 def test_the_tiniest_device_still_gets_a_config():

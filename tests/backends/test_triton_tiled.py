@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from gemmtune.backends.triton_tiled import BACKEND, TiledConfig
+from gemmtune.backends.triton_tiled import BACKEND, FFMA_CONFIGS, TiledConfig
 from gemmtune.device import current
 from gemmtune.problem import Problem
 from gemmtune.tuning import verify
@@ -43,6 +43,18 @@ def test_fused_activations_match_reference(act, layout):
     for config in CONFIGS:
         err = verify.check(BACKEND.build(problem, config, current()), problem, inputs)
         assert err.ok, (config, act, err.reason())
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bm,bn,bk,warps,stages", FFMA_CONFIGS)
+def test_the_cuda_core_configs_match_reference(bm, bn, bk, warps, stages):
+    """Each float32 config of the CUDA cores' space, on a product that leaves every tile partial
+    (a bias, K not a multiple of BLOCK_K) and on a batch of products, against float64."""
+    config = TiledConfig(bm, bn, bk, 8, warps, stages)
+    for problem in (Problem(133, 71, 35, "float32", "linear", bias=True), Problem(37, 65, 33, "float32", "nn", batch=3)):
+        inputs = verify.make_inputs(problem, DEVICE)
+        err = verify.check(BACKEND.build(problem, config, current()), problem, inputs)
+        assert err.ok, (config, problem.describe(), err.reason())
 
 
 @pytest.mark.interpreter

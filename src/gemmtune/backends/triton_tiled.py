@@ -35,6 +35,15 @@ STAGE_CHOICES = (3, 4)
 # stages 10.6 us against 11.2 on four, small-h200-20261122-sweep.json) want loads in flight.
 STREAMING_STAGES = (5,)
 SMALL_TILE = 64 * 32
+# float32 without TF32 (tl.dot's "ieee") multiplies with FMAs on the CUDA cores, where the tiles
+# that run fastest are not the tensor cores' that the cost model ranks: on an H100 its first six
+# for BERT-base's attention scores (384 x 128x128x64) ran 1.31x the fastest of 168 configs
+# probed. So these are measured whole, unranked: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+# num_stages), chosen over seven float32 products on an H100 so that each one's fastest probed
+# config is within 2% among them (within 7% for the product left out of the choosing, in turn:
+# docs/performance.md, float32 on the CUDA cores).
+FFMA_CONFIGS = ((128, 64, 16, 4, 4), (64, 64, 16, 4, 4), (128, 64, 32, 4, 2), (32, 64, 16, 4, 3),
+                (128, 128, 32, 4, 2), (128, 64, 32, 8, 3), (128, 64, 16, 4, 3), (64, 64, 32, 4, 3))
 INTERPRETER_TILES = ((16, 16, 16, 1), (32, 32, 32, 1), (16, 32, 64, 1))
 
 
@@ -86,29 +95,44 @@ def space(problem: Problem, device: Device) -> list[TiledConfig]:
     Dropped before compiling: configs whose pipeline needs more shared memory than a block may
     have (inductor compiles those and fails), accumulators that would spill registers, tiles
     larger than the problem, and tiles so large that the grid leaves most SMs idle while a
-    smaller tile would fill them. Never empty: the smallest tiles always fit.
+    smaller tile would fill them. A product on the CUDA cores (``on_cuda_cores``) gets
+    FFMA_CONFIGS where any of them is left, the tensor cores' tiles otherwise. Never empty: the
+    smallest tiles always fit.
     """
-    if device.interpreter:
-        tiles, stages = INTERPRETER_TILES, (1,)
-    else:
-        tiles, stages = TILES, STAGE_CHOICES
-    fit_m, fit_n, fit_k = (max(16, next_pow2(v)) for v in (problem.m, problem.n, problem.k))
-    configs = []
-    for bm, bn, bk, warps in tiles:
-        if bm > fit_m or bn > fit_n or bk > fit_k:
-            continue
-        for s in stages + (STREAMING_STAGES if deep_tile(bm, bn) and not device.interpreter else ()):
-            config = TiledConfig(bm, bn, bk, 8, warps, s)
-            if config.smem_bytes(problem.element_size) > device.smem_per_block:
-                continue
-            if config.acc_regs_per_thread() > MAX_ACC_REGS:
-                continue
-            configs.append(config)
+    configs = _fitting(problem, device, FFMA_CONFIGS) if on_cuda_cores(problem, device) else []
+    if not configs:
+        configs = _fitting(problem, device, _tensor_core_configs(device))
     if not configs:  # a tiny device: fall back to the smallest tile with the shallowest pipeline
         configs = [TiledConfig(16, 16, 16, 8, 2, 2)]
     occupancy = {c: min(1.0, _tiles(problem, c) / device.sm_count) for c in configs}
     best = max(occupancy.values())
     return [c for c in configs if occupancy[c] >= best / 4]
+
+
+def on_cuda_cores(problem: Problem, device: Device) -> bool:
+    """Whether ``problem`` multiplies on the CUDA cores (float32 without TF32), on a GPU."""
+    return problem.dtype == "float32" and not problem.tf32 and not device.interpreter
+
+
+def _tensor_core_configs(device: Device) -> list[tuple[int, int, int, int, int]]:
+    """TILES with their stages, as (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    if device.interpreter:
+        return [(*tile, 1) for tile in INTERPRETER_TILES]
+    return [(bm, bn, bk, warps, s) for bm, bn, bk, warps in TILES
+            for s in STAGE_CHOICES + (STREAMING_STAGES if deep_tile(bm, bn) else ())]
+
+
+def _fitting(problem: Problem, device: Device, configs) -> list[TiledConfig]:
+    """Those of ``configs`` (as FFMA_CONFIGS) that fit the problem, the shared memory and the registers."""
+    fit_m, fit_n, fit_k = (max(16, next_pow2(v)) for v in (problem.m, problem.n, problem.k))
+    fitting = []
+    for bm, bn, bk, warps, stages in configs:
+        config = TiledConfig(bm, bn, bk, 8, warps, stages)
+        if bm <= fit_m and bn <= fit_n and bk <= fit_k \
+                and config.smem_bytes(problem.element_size) <= device.smem_per_block \
+                and config.acc_regs_per_thread() <= MAX_ACC_REGS:
+            fitting.append(config)
+    return fitting
 
 
 def _constexprs(problem: Problem, config: TiledConfig) -> dict:
@@ -206,6 +230,10 @@ class TritonTiledBackend:
         return space(problem, device) if self.supports(problem) else []
 
     def predict_ms(self, problem: Problem, device: Device, config) -> float | None:
+        """The roofline's time; None for FFMA_CONFIGS on the CUDA cores, which are all measured."""
+        if on_cuda_cores(problem, device) and (config.block_m, config.block_n, config.block_k, config.num_warps,
+                                                config.num_stages) in FFMA_CONFIGS:
+            return None
         return costmodel.tile_gemm_ms(problem, device, config.block_m, config.block_n, config.block_k,
                                       config.num_stages)
 
