@@ -402,6 +402,18 @@ def test_the_compilers_sm_gate_warning_is_explained_once_instead(caplog, monkeyp
     assert caplog.text.count("under the compiler's SM gate") == 1
 
 
+@pytest.mark.parametrize("mode,options,on", [(None, None, False), ("reduce-overhead", None, False),
+                                              ("max-autotune-no-cudagraphs", None, True), ("max-autotune", None, True),
+                                              (None, {"max_autotune_gemm": True}, True), (None, {"max_autotune": True}, True)])
+def test_the_plan_knows_when_the_caller_switched_the_templates_on(mode, options, on):
+    """A max-autotune mode switches the compiler's GEMM templates on through ``max_autotune``:
+    there every addmm's library call is already the wrapped one, which the plan must not weigh
+    as a cost of taking a template (it kept BERT-base's faster float32 bmm templates off)."""
+    from gemmtune.inductor.backend import Backend
+
+    assert Backend(mode, options).templates_asked is on
+
+
 def test_bad_arguments_name_what_is_accepted():
     with pytest.raises(ValueError, match="mode='fast' is not a torch.compile mode; accepted: None, default"):
         gemmtune.compile(mlp(), mode="fast")

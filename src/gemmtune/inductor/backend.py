@@ -61,7 +61,8 @@ class Backend:
 
         self.patches = {**hooks.list_mode_options(mode or "default"), **(options or {}),
                         **_PATCHES, "inductor_choices_class": GemmtuneChoices}
-        self.templates_asked = bool(self.patches.get("max_autotune_gemm"))  # by the caller's options
+        # by the caller's mode or options: max_autotune switches the GEMM templates on as well
+        self.templates_asked = bool(self.patches.get("max_autotune_gemm") or self.patches.get("max_autotune"))
         self.graphs = bool(self.patches.get("triton.cudagraphs"))  # reduce-overhead, max-autotune
         self.epilogues: dict = {}  # the products of the graph compiling -> the activation alone after
 
