@@ -44,6 +44,7 @@ SMALL_TILE = 64 * 32
 # docs/performance.md, float32 on the CUDA cores).
 FFMA_CONFIGS = ((128, 64, 16, 4, 4), (64, 64, 16, 4, 4), (128, 64, 32, 4, 2), (32, 64, 16, 4, 3),
                 (128, 128, 32, 4, 2), (128, 64, 32, 8, 3), (128, 64, 16, 4, 3), (64, 64, 32, 4, 3))
+FFMA_MIN = 32  # a product of at most this many rows or columns keeps the ranked space's thin tiles
 INTERPRETER_TILES = ((16, 16, 16, 1), (32, 32, 32, 1), (16, 32, 64, 1))
 
 
@@ -95,11 +96,11 @@ def space(problem: Problem, device: Device) -> list[TiledConfig]:
     Dropped before compiling: configs whose pipeline needs more shared memory than a block may
     have (inductor compiles those and fails), accumulators that would spill registers, tiles
     larger than the problem, and tiles so large that the grid leaves most SMs idle while a
-    smaller tile would fill them. A product on the CUDA cores (``on_cuda_cores``) gets
+    smaller tile would fill them. A product on the CUDA cores (``takes_ffma``) gets
     FFMA_CONFIGS where any of them is left, the tensor cores' tiles otherwise. Never empty: the
     smallest tiles always fit.
     """
-    configs = _fitting(problem, device, FFMA_CONFIGS) if on_cuda_cores(problem, device) else []
+    configs = _fitting(problem, device, FFMA_CONFIGS) if takes_ffma(problem, device) else []
     if not configs:
         configs = _fitting(problem, device, _tensor_core_configs(device))
     if not configs:  # a tiny device: fall back to the smallest tile with the shallowest pipeline
@@ -109,9 +110,12 @@ def space(problem: Problem, device: Device) -> list[TiledConfig]:
     return [c for c in configs if occupancy[c] >= best / 4]
 
 
-def on_cuda_cores(problem: Problem, device: Device) -> bool:
-    """Whether ``problem`` multiplies on the CUDA cores (float32 without TF32), on a GPU."""
-    return problem.dtype == "float32" and not problem.tf32 and not device.interpreter
+def takes_ffma(problem: Problem, device: Device) -> bool:
+    """Whether ``problem``'s space is FFMA_CONFIGS, measured whole: a float32 product without TF32
+    (FMAs on the CUDA cores) on a GPU, of more than FFMA_MIN rows and columns (those the configs
+    were chosen on)."""
+    return problem.dtype == "float32" and not problem.tf32 and not device.interpreter \
+        and min(problem.m, problem.n) > FFMA_MIN
 
 
 def _tensor_core_configs(device: Device) -> list[tuple[int, int, int, int, int]]:
@@ -230,9 +234,8 @@ class TritonTiledBackend:
         return space(problem, device) if self.supports(problem) else []
 
     def predict_ms(self, problem: Problem, device: Device, config) -> float | None:
-        """The roofline's time; None for FFMA_CONFIGS on the CUDA cores, which are all measured."""
-        if on_cuda_cores(problem, device) and (config.block_m, config.block_n, config.block_k, config.num_warps,
-                                                config.num_stages) in FFMA_CONFIGS:
+        """The roofline's time; None on the CUDA cores (``takes_ffma``), where every config is measured."""
+        if takes_ffma(problem, device):
             return None
         return costmodel.tile_gemm_ms(problem, device, config.block_m, config.block_n, config.block_k,
                                       config.num_stages)
