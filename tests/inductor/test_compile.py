@@ -408,10 +408,14 @@ def test_the_compilers_sm_gate_warning_is_explained_once_instead(caplog, monkeyp
 def test_the_plan_knows_when_the_caller_switched_the_templates_on(mode, options, on):
     """A max-autotune mode switches the compiler's GEMM templates on through ``max_autotune``:
     there every addmm's library call is already the wrapped one, which the plan must not weigh
-    as a cost of taking a template (it kept BERT-base's faster float32 bmm templates off)."""
+    as a cost of taking a template (it kept BERT-base's faster float32 bmm templates off). Read
+    under the patches ``compile_fx`` applies around each graph's compile."""
     from gemmtune.inductor.backend import Backend
 
-    assert Backend(mode, options).templates_asked is on
+    with hooks.config.patch(Backend(mode, options).patches):
+        assert hooks.gemm_templates_on() is on
+    with hooks.config.patch(max_autotune=True):  # set for the whole process, not by the caller's call
+        assert hooks.gemm_templates_on()
 
 
 def test_bad_arguments_name_what_is_accepted():

@@ -61,8 +61,6 @@ class Backend:
 
         self.patches = {**hooks.list_mode_options(mode or "default"), **(options or {}),
                         **_PATCHES, "inductor_choices_class": GemmtuneChoices}
-        # by the caller's mode or options: max_autotune switches the GEMM templates on as well
-        self.templates_asked = bool(self.patches.get("max_autotune_gemm") or self.patches.get("max_autotune"))
         self.graphs = bool(self.patches.get("triton.cudagraphs"))  # reduce-overhead, max-autotune
         self.epilogues: dict = {}  # the products of the graph compiling -> the activation alone after
 
@@ -83,8 +81,9 @@ class Backend:
         bias_addmm); any other compiles as a default compile does, gemmtune's kernels aside."""
         from gemmtune.inductor.choices import GemmtuneChoices
 
-        handler = GemmtuneChoices(self.graphs, self.epilogues, self.templates_asked)
-        templates = handler.choose_ahead(graph) or self.templates_asked
+        asked = hooks.gemm_templates_on()  # by the caller, through the patches compile_fx applies
+        handler = GemmtuneChoices(self.graphs, self.epilogues, asked)
+        templates = handler.choose_ahead(graph) or asked
         with hooks.config.patch(max_autotune_gemm=templates), hooks.V.set_choices_handler(handler), \
                 _gate_warning_explained():
             return hooks.compile_fx_inner(graph, example_inputs, **kwargs)

@@ -270,7 +270,7 @@ class GemmtuneChoices(hooks.InductorChoices):
         """The compiler's Triton GEMM template with ``config``'s tiles, or None where it cannot
         take them. Below 68 SMs the compiler offers no template of its own; gemmtune's config
         stands for its own benchmark there."""
-        if not (hooks.config.max_autotune or hooks.config.max_autotune_gemm) or kernel_inputs.device().type != "cuda":
+        if not hooks.gemm_templates_on() or kernel_inputs.device().type != "cuda":
             return None  # a GEMM not chosen ahead, in a graph compiled without templates; not a GPU
         own = hooks.bmm_template if op_name == "bmm" else hooks.mm_template
         template = next((t for t in templates if t.uid == own.uid), own)

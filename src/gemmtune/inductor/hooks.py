@@ -72,6 +72,13 @@ def missing() -> str | None:
     return None
 
 
+def gemm_templates_on() -> bool:
+    """Whether the compiler's GEMM templates are switched on where it compiles now: by
+    ``max_autotune_gemm``, or by ``max_autotune`` (a max-autotune mode, the caller's options, or
+    the compiler's config as the process set it)."""
+    return bool(config.max_autotune or config.max_autotune_gemm)
+
+
 def extern_choice(fn, name: str):
     """``fn`` as a candidate the compiler's generated code calls by ``name``, returning its
     output (no ``out=``). One per name and process: the compiler keeps a table of them."""
