@@ -102,7 +102,7 @@ def space(problem: Problem, device: Device) -> list[TiledConfig]:
     """
     configs = _fitting(problem, device, FFMA_CONFIGS) if takes_ffma(problem, device) else []
     if not configs:
-        configs = _fitting(problem, device, _tensor_core_configs(device))
+        configs = _fitting(problem, device, _tensor_core_configs(device.interpreter))
     if not configs:  # a tiny device: fall back to the smallest tile with the shallowest pipeline
         configs = [TiledConfig(16, 16, 16, 8, 2, 2)]
     occupancy = {c: min(1.0, _tiles(problem, c) / device.sm_count) for c in configs}
@@ -118,9 +118,10 @@ def takes_ffma(problem: Problem, device: Device) -> bool:
         and min(problem.m, problem.n) > FFMA_MIN
 
 
-def _tensor_core_configs(device: Device) -> list[tuple[int, int, int, int, int]]:
-    """TILES with their stages, as (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
-    if device.interpreter:
+def _tensor_core_configs(interpreter: bool) -> list[tuple[int, int, int, int, int]]:
+    """TILES with their stages (INTERPRETER_TILES under Triton's interpreter), as (BLOCK_M,
+    BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    if interpreter:
         return [(*tile, 1) for tile in INTERPRETER_TILES]
     return [(bm, bn, bk, warps, s) for bm, bn, bk, warps in TILES
             for s in STAGE_CHOICES + (STREAMING_STAGES if deep_tile(bm, bn) else ())]
@@ -221,7 +222,7 @@ def within_int32(*matrices: tuple[int, int, int, int]) -> bool:
 
 class TritonTiledBackend:
     name = "triton_tiled"
-    space_size = len(TILES) * len(STAGE_CHOICES) + sum(deep_tile(t[0], t[1]) for t in TILES) * len(STREAMING_STAGES)
+    space_size = len(_tensor_core_configs(interpreter=False))
 
     def is_available(self, device: Device) -> bool:
         return triton_runs(device) and (device.interpreter or device.capability >= (7, 0))
