@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import gemmtune
 from gemmtune import backends
+from gemmtune.backends.triton_tiled import FFMA_CONFIGS, TiledConfig
 from gemmtune.device import current
 from gemmtune.problem import Problem
 from gemmtune.results import TuneResult
@@ -298,6 +299,21 @@ def test_each_triton_wrapper_reads_every_view_of_its_operands(name, data):
     problem, config, a, b, bias = data.draw(kernel_cases(name))
     kernel = backends.build(problem, name, config.as_dict(), current())
     assert_within_rounding(kernel(a, b, bias), problem, a, b, bias)
+
+
+@pytest.mark.interpreter
+@settings(max_examples=20, deadline=None, database=None)
+@given(data=st.data(), config=st.sampled_from(FFMA_CONFIGS), m=st.integers(1, 150), n=st.integers(1, 150),
+       k=st.integers(1, 90), layout=st.sampled_from(["linear", "nn"]), bias=st.booleans())
+def test_the_cuda_core_configs_read_every_view_of_their_operands(data, config, m, n, k, layout, bias):
+    """The float32 configs of the CUDA cores' space (``triton_tiled.FFMA_CONFIGS``), which the
+    space on this device may not hold, at any size and on views of a, b and the bias."""
+    problem, where = Problem(m, n, k, "float32", layout, bias=bias), "cuda" if torch.cuda.is_available() else "cpu"
+    a = data.draw(operands((m, k), torch.float32, device=where))
+    b = data.draw(operands((n, k) if layout == "linear" else (k, n), torch.float32, device=where))
+    c = data.draw(operands((n,), torch.float32, device=where)) if bias else None
+    kernel = backends.build(problem, "triton_tiled", TiledConfig(*config[:3], 8, *config[3:]).as_dict(), current())
+    assert_within_rounding(kernel(a, b, c), problem, a, b, c)
 
 
 @pytest.mark.interpreter

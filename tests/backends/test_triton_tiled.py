@@ -5,8 +5,6 @@ import re
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from gemmtune.backends.triton_tiled import BACKEND, FFMA_CONFIGS, TiledConfig
 from gemmtune.device import current
@@ -57,37 +55,6 @@ def test_the_cuda_core_configs_match_reference(bm, bn, bk, warps, stages):
         inputs = verify.make_inputs(problem, DEVICE)
         err = verify.check(BACKEND.build(problem, config, current()), problem, inputs)
         assert err.ok, (config, problem.describe(), err.reason())
-
-
-def _viewed(rows: int, cols: int, view: str) -> torch.Tensor:
-    """A (rows, cols) float32 matrix of fresh random values, laid out as ``view`` says."""
-    if view == "transposed":
-        return torch.randn(cols, rows, device=DEVICE).t()
-    if view == "strided":
-        return torch.randn(rows, 2 * cols, device=DEVICE)[:, ::2]
-    if view == "offset":
-        return torch.randn(rows * cols + 3, device=DEVICE)[3:].view(rows, cols)
-    return torch.randn(rows, cols, device=DEVICE)
-
-
-VIEWS = st.sampled_from(["contiguous", "transposed", "strided", "offset"])
-
-
-@pytest.mark.interpreter
-@given(config=st.sampled_from(FFMA_CONFIGS), m=st.integers(1, 150), n=st.integers(1, 150), k=st.integers(1, 90),
-       layout=st.sampled_from(["linear", "nn"]), bias=st.booleans(), a_view=VIEWS, b_view=VIEWS)
-@settings(max_examples=20, deadline=None)
-def test_the_cuda_core_configs_match_float64_on_any_view(config, m, n, k, layout, bias, a_view, b_view):
-    """A CUDA-core config of any size and any operand view a caller can pass, against float64."""
-    kernel = BACKEND.build(Problem(m, n, k, "float32", layout, bias=bias), TiledConfig(*config[:3], 8, *config[3:]),
-                           current())
-    a = _viewed(m, k, a_view)
-    b = _viewed(n, k, b_view) if layout == "linear" else _viewed(k, n, b_view)
-    c = torch.randn(2 * n, device=DEVICE)[::2] if bias else None  # a strided bias
-    ref = a.double() @ (b.double().t() if layout == "linear" else b.double())
-    if bias:
-        ref += c.double()
-    assert verify.rel_err(kernel(a, b, c), ref) < 1e-5
 
 
 @pytest.mark.interpreter
