@@ -6,13 +6,14 @@ warps, 2-4 stages; those the device's shared memory and the registers take), wit
 backend's own space besides, is compiled ahead, verified, and screened beside cuBLAS (the
 screening's ratio to cuBLAS in the same rounds); the fastest screened are then timed again side
 by side with cuBLAS. Each config's row says the cost model's prediction and whether the tuner's
-plan (its first ``DEFAULT_TOPK``) holds it. Written as JSON, one line per problem printed.
+plan (its first ``DEFAULT_TOPK``) holds it. Written as JSON, one line per problem logged.
 
     PYTHONPATH=src python3 benchmarks/probes/ffma_tiles.py OUT.json [--quick]
 """
 import argparse
 import itertools
 import json
+import logging
 import time
 
 import torch
@@ -34,6 +35,7 @@ PROBLEMS = (
     Problem(2048, 2048, 2048, "float32", "nn"),
 )
 FINALISTS = 12
+log = logging.getLogger("ffma_tiles")
 
 
 def grid(problem: Problem, device) -> list[triton_tiled.TiledConfig]:
@@ -89,6 +91,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--quick", action="store_true", help="the first two problems only")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.backends.cuda.matmul.allow_tf32 = False
     device = current(0)
     results = []
@@ -96,9 +99,10 @@ def main() -> None:
         result = probe(problem, device)
         results.append(result)
         best, planned = result["best"], result["best_planned"]
-        print(f"{result['problem']}: {result['configs']} configs in {result['probe_s']:.1f} s; best "
-              f"{best and best['config']} at {best and best['final_vs_cublas']:.3f} of cuBLAS; best planned "
-              f"{planned and planned['config']} at {planned and planned['screen_vs_cublas']:.3f} (screened)", flush=True)
+        log.info("%s: %d configs in %.1f s; best %s at %.3f of cuBLAS; best planned %s at %.3f (screened)",
+                 result["problem"], result["configs"], result["probe_s"], best and best["config"],
+                 best["final_vs_cublas"] if best else float("nan"), planned and planned["config"],
+                 planned["screen_vs_cublas"] if planned else float("nan"))
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "results": results}, f, indent=1)
 
