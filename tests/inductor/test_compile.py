@@ -10,6 +10,7 @@ import copy
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -331,6 +332,9 @@ def test_the_log_line_says_where_cublas_failed_gemmtunes_check(chosen, caplog):
 
 
 def dynamo_graph(model, *inputs):
+    """Dynamo's graph of ``model`` on ``inputs``, static: traced afresh (a second shape of one
+    forward would be traced with dynamic sizes)."""
+    torch._dynamo.reset()
     graphs = []
     torch.compile(model, backend=lambda gm, example: (graphs.append(gm), gm.forward)[1])(*inputs)
     return graphs[0]
@@ -361,6 +365,24 @@ def test_the_activation_alone_after_a_product_is_read_from_dynamos_graph():
                                                      56: "silu"}
     assert {(p.m, p.k, p.bias, p.activation) for p in found} == {(6, 16, True, "none")}
     assert epilogues.activations(dynamo_graph(Block(), torch.randn(2, 3, 16)), ("cuda",), tf32=False) == {}
+
+
+def test_where_the_compiler_cannot_fuse_through_a_view_only_2d_products_take_their_activation(monkeypatch):
+    """A linear on 3-D input decomposes into addmm and a view, which torch 2.11's scheduler does
+    not fuse a template's epilogue across: such a product is tuned alone. On 2-D input, or on
+    a torch that fuses through the view, it is tuned with its activation."""
+    monkeypatch.setattr(hooks, "fuses_through_views", lambda: False)
+    assert epilogues.activations(dynamo_graph(Block(), torch.randn(2, 3, 16)), ("cpu",), tf32=False) == {}
+    found = epilogues.activations(dynamo_graph(Block(), torch.randn(6, 16)), ("cpu",), tf32=False)
+    assert {p.n: act for p, act in found.items()} == {32: "gelu", 48: "gelu_tanh", 40: "relu", 72: "relu",
+                                                     56: "silu"}
+
+
+@pytest.mark.parametrize("version,fuses", [("2.11.0+cu130", False), ("2.12.1", False), ("2.13.0+cpu", True),
+                                           ("2.14.0.dev20270101", True)])
+def test_fusing_through_a_view_is_taken_from_213_on(monkeypatch, version, fuses):
+    monkeypatch.setattr(torch, "__version__", version)
+    assert hooks.fuses_through_views() is fuses
 
 
 def test_a_product_an_activation_alone_follows_is_tuned_with_it_fused(chosen):
@@ -434,6 +456,13 @@ def gpu_mlp(dtype, k=768, hidden=3072, act=nn.GELU):
     return nn.Sequential(nn.Linear(k, hidden), act(), nn.Linear(hidden, k)).to("cuda", dtype).eval()
 
 
+def templates_computing(code: str, op: str) -> list[str]:
+    """The GEMM templates of generated ``code`` whose kernel body calls ``op``. A template's name
+    lists its inputs' origins too (fc2's reads GELU's output), so the name alone proves nothing."""
+    bodies = re.finditer(r"def (triton_tem_\w+)\(.*?(?=\n''')", code, re.S)
+    return [body.group(1) for body in bodies if op in body.group(0)]
+
+
 def relative_error(out, ref):
     return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
 
@@ -444,8 +473,7 @@ def test_a_triton_config_becomes_the_compilers_template_with_the_activation_fuse
     model, x = gpu_mlp(torch.bfloat16), torch.randn(64, 768, device="cuda", dtype=torch.bfloat16)
     out, code = compiled_run(model, x)
     assert "extern_kernels.gemmtune_" not in code and "extern_kernels.mm(" not in code
-    fused = [line for line in code.splitlines() if line.startswith("def triton_tem_fused")]
-    assert any("gelu" in line for line in fused), fused  # the GELU is in the GEMM's epilogue
+    assert templates_computing(code, "erf(")  # the GELU is in the GEMM's epilogue, not only in its name
     assert "BLOCK_M : tl.constexpr = 64" in code and "BLOCK_N : tl.constexpr = 32" in code
     with torch.no_grad():
         reference = model.double()(x.double())
@@ -459,8 +487,7 @@ def test_a_gemm_taken_for_its_launch_is_the_compilers_template(chosen, monkeypat
     model, x = gpu_mlp(torch.bfloat16), torch.randn(16, 768, device="cuda", dtype=torch.bfloat16)
     out, code = compiled_run(model, x)
     assert "extern_kernels.mm(" not in code and "addmm(" not in code  # both GEMMs on the template
-    fused = [line for line in code.splitlines() if line.startswith("def triton_tem_fused")]
-    assert any("gelu" in line for line in fused), fused
+    assert templates_computing(code, "erf(")  # the GELU is in the GEMM's epilogue, not only in its name
     with torch.no_grad():
         reference = model.double()(x.double())
     assert relative_error(out, reference) < 2e-2

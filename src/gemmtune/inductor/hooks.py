@@ -13,8 +13,9 @@ torch 2.11 to 2.13 give what gemmtune needs to choose the compiler's GEMMs:
 
 They are private to torch, so ``missing()`` checks every one, and the signatures gemmtune
 calls, before anything is compiled: where one moved, ``gemmtune.compile`` says so once and
-compiles as ``torch.compile`` does. ``tests/inductor/test_hooks.py`` fails on a torch where
-one moved.
+compiles as ``torch.compile`` does. A test of ``tests/inductor/test_compile.py`` fails on a
+torch where one moved. What the compiler does differently between releases is read here too
+(``gemm_templates_on``, ``fuses_through_views``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,15 @@ def gemm_templates_on() -> bool:
     ``max_autotune_gemm``, or by ``max_autotune`` (a max-autotune mode, the caller's options, or
     the compiler's config as the process set it)."""
     return bool(config.max_autotune or config.max_autotune_gemm)
+
+
+def fuses_through_views() -> bool:
+    """Whether the compiler can fuse a GEMM template's output into the activation that reads it
+    through a view (a linear on more than 2-D input decomposes into addmm and a view). torch
+    2.11 cannot: the two nodes' memory score reads 0 and the fusion is refused, measured
+    (docs/compile.md, the activation after fc1). torch 2.13 matches a template's buffers by name
+    across the view, read in its source; 2.12 is taken as 2.11."""
+    return torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 
 
 def extern_choice(fn, name: str):
