@@ -24,6 +24,13 @@ alternating rounds:
                                 the user's swap, the compiler's pointwise and reduction tuning
                                 (and coordinate descent) on both sides, the GEMMs gemmtune's
 
+Each side is compiled once per way, and every mode that times it reuses it. So a
+gemmtune.compile side timed against both a default compile and max-autotune's was planned
+before max-autotune compiled in the process, and one such run slowed after it: the same
+gemmtune graph ran 3.53 ms per forward beside the default compile, then 4.38 ms beside
+max-autotune's (docs/compile.md). Time the modes whose baseline is max-autotune's in their own
+invocation; a run that mixes them says so.
+
 With ``--profile`` each row also says where both sides' GPU time goes (``kernels``: ms per call
 by kind of kernel, from torch.profiler over a few calls, and the costliest kernels).
 
@@ -1082,6 +1089,12 @@ def main(argv=None) -> int:
         print("no CUDA GPU: eager rows only, CPU timings (NOT GPU timings)", file=sys.stderr)
     elif any(m not in ("eager", "graph") for m in args.modes):
         doc["compile_warmup_s"] = throwaway_compile(device)
+    baselines = {way: {MODES[m][0] for m in args.modes if MODES[m][1] == way} for way in GEMMTUNE_COMPILE}
+    if any(len(b) > 1 and "max-autotune-no-cudagraphs" in b for b in baselines.values()):
+        logging.getLogger(__name__).warning(
+            "gemmtune.compile's side is timed against max-autotune and another baseline in one process: "
+            "it is planned once, before max-autotune's compile, and times after it may not compare "
+            "(see this file's docstring)")
     budget = Budget(args.time_budget_s)
     started = time.perf_counter()
 
