@@ -54,11 +54,11 @@ from pathlib import Path
 
 import torch
 
-from gemmtune.backends import costmodel
+from gemmtune.backends import cluster_occupancy, costmodel
 from gemmtune.backends.base import FieldConfig, KernelBase, config_from_mapping
 from gemmtune.backends.launch import unit_stride_bias
 from gemmtune.backends.triton_persistent import tma_ready
-from gemmtune.device import Device, kernel_library_versions
+from gemmtune.device import Device, current, kernel_library_versions
 from gemmtune.problem import Problem
 from gemmtune.settings import cache_dir
 
@@ -308,6 +308,7 @@ def _quack() -> _Quack:
     from quack.gemm_config import GemmConfig
     from quack.gemm_interface import _gemm_execute, gemm_tuned
 
+    cluster_occupancy.install(current)
     return _Quack(GemmConfig, gemm_tuned.fn, _gemm_execute, linear_act_mod)
 
 

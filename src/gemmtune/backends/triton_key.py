@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
-import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
 
+from gemmtune.backends import memo_file
 from gemmtune.settings import cache_dir
-
-log = logging.getLogger("gemmtune")
 
 MEMO_FILENAME = "triton-key.json"
 _HASHED = ("compiler", "backends", "language")  # the packages triton_key() hashes, with libtriton and its own file
@@ -51,11 +48,11 @@ def memoized(compute: Callable[[], str], root: Path, own_file: Path, memo: Path)
     @functools.lru_cache(maxsize=None)
     def triton_key() -> str:
         stamp = file_stamp(root, own_file)
-        stored = _read(memo)
+        stored = memo_file.read(memo)
         if stored is not None and stored.get("stamp") == stamp and isinstance(stored.get("key"), str):
             return stored["key"]
         key = compute()
-        _write(memo, {"stamp": stamp, "key": key})
+        memo_file.write(memo, {"stamp": stamp, "key": key})
         return key
 
     triton_key.gemmtune_memo = True
@@ -74,24 +71,3 @@ def file_stamp(root: Path, own_file: Path) -> str:
         info = path.stat()
         digest.update(f"{path}\0{info.st_size}\0{info.st_mtime_ns}\n".encode())
     return digest.hexdigest()
-
-
-def _read(memo: Path) -> dict | None:
-    try:
-        found = json.loads(memo.read_text())
-    except (OSError, ValueError):
-        return None
-    return found if isinstance(found, dict) else None
-
-
-def _write(memo: Path, doc: dict) -> None:
-    """Atomically: a process reading meanwhile sees the old file or the new one."""
-    partial = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(doc))
-        os.replace(partial, memo)
-    except OSError as exc:
-        log.debug("gemmtune: could not keep Triton's cache key in %s (%s)", memo, exc)
-        if partial.is_file():
-            partial.unlink()
