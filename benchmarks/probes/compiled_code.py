@@ -5,8 +5,9 @@ on the GELU after fc1).
 
 BERT-base (transformers, random weights, bf16, 32 x 128 tokens; ``--layers`` of them). Each
 side's generated Python source is written under OUT_DIR whole, with a summary as JSON: per side,
-the kernels its ``call`` launches in order (a Triton kernel's name, or an extern call) and the
-ones whose names hold an activation. Nothing timed.
+the kernels its ``call`` launches in order (a Triton kernel's name, or an extern call), the
+ones whose names hold an activation, and the GEMM templates whose bodies compute one. Nothing
+timed.
 
     PYTHONPATH=src python3 benchmarks/probes/compiled_code.py OUT_DIR [--layers 1] [--mode MODE]
 """
@@ -22,12 +23,22 @@ from transformers import BertConfig, BertModel
 import gemmtune
 
 LAUNCH = re.compile(r"^\s+(\w+)\.run\(|^\s+(extern_kernels\.\w+|torch\.ops\.\w+\.\w+(?:\.\w+)?)\(", re.M)
+TEMPLATE = re.compile(r"def (triton_tem_\w+)\(.*?(?=\n''')", re.S)
 ACTIVATIONS = ("gelu", "relu", "silu", "tanh")
+# what a kernel body calls where it computes an activation (exact GELU, tanh and tanh-GELU, SiLU)
+ACTIVATION_CALLS = ("erf(", "tanh(", "sigmoid(")
 
 
 def launches(code: str) -> list[str]:
     """The kernels a generated module launches, in the order its source names them."""
     return [triton or extern for triton, extern in LAUNCH.findall(code)]
+
+
+def templates_computing(code: str, calls=ACTIVATION_CALLS) -> list[str]:
+    """The GEMM templates of a generated module whose body makes one of ``calls``. A template's
+    name lists its inputs' origins too (fc2's names the GELU whose output it reads), so a name
+    proves nothing."""
+    return [body.group(1) for body in TEMPLATE.finditer(code) if any(call in body.group(0) for call in calls)]
 
 
 def side(compiled, ids) -> tuple[list[str], list[str]]:
@@ -53,7 +64,8 @@ def main() -> None:
         for i, code in enumerate(sources):
             (args.out / f"{name}-{i}.py").write_text(code)
         summary[name] = {"kernels": kernels,
-                         "with_an_activation": [k for k in kernels if any(a in k for a in ACTIVATIONS)]}
+                         "with_an_activation": [k for k in kernels if any(a in k for a in ACTIVATIONS)],
+                         "templates_computing_an_activation": [t for code in sources for t in templates_computing(code)]}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
 
 

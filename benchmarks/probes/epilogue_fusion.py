@@ -17,15 +17,13 @@ import argparse
 import copy
 import json
 import logging
-import re
 import statistics
 
 import torch
+from compiled_code import launches, templates_computing  # this folder's: how generated code is read
 from torch._inductor.choices import InductorChoices
 from torch._inductor.utils import run_and_get_code
 
-TEMPLATE = re.compile(r"def (triton_tem_\w+)\(.*?(?=\n''')", re.S)
-LAUNCH = re.compile(r"^\s+(\w+)\.run\(|^\s+(extern_kernels\.\w+)\(", re.M)
 
 
 class Records(logging.Handler):
@@ -59,12 +57,11 @@ def compiled_case(model, reference, x, choices_class, records):
     with torch.no_grad():
         out, sources = run_and_get_code(fn, x)
     code = "\n".join(sources)
-    templates = dict((name, body) for name, body in ((m.group(1), m.group(0)) for m in TEMPLATE.finditer(code)))
     with torch.no_grad():
         ref = reference(x.double())
     return fn, {
-        "kernels": [a or b for a, b in LAUNCH.findall(code)],
-        "templates_computing_erf": [name for name, body in templates.items() if "erf(" in body],
+        "kernels": launches(code),
+        "templates_computing_erf": templates_computing(code, ("erf(",)),
         "fusion_log_naming_a_template": sorted({line for line in records.lines if "template" in line.lower()})[:20],
         "max_abs_error": (out.double() - ref).abs().max().item(),
         "ref_max_abs": ref.abs().max().item(),
