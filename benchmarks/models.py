@@ -36,7 +36,8 @@ by kind of kernel, from torch.profiler over a few calls, and the costliest kerne
 
 A gemmtune.compile row also says what its graphs' GEMMs became (``compile_choices``: gemmtune's
 log line per compiled graph, then its debug line per product: the way planned and each way's
-kernel time). With ``--caches DIR`` the gemmtune store and the compiler's caches
+kernel time), and how fast the host queued a library call just before its rounds
+(``host_scale_at_rounds``, in the plan's units: the log line gives the speed it planned at). With ``--caches DIR`` the gemmtune store and the compiler's caches
 live in DIR and stay on: run twice, the second run's ``setup_s`` and ``baseline_setup_s`` are
 both sides' warm starts (a new process, every cache filled).
 
@@ -922,6 +923,10 @@ def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budg
                 b = runner("base", base_way)
                 t = runner("plain" if tuned_way in GEMMTUNE_COMPILE else "tuned", tuned_way)
                 c = runner("control", base_way).call if mode in CONTROLLED else None  # graphs: no host noise
+                if tuned_way in GEMMTUNE_COMPILE and device == "cuda":  # beside the plan's own measure
+                    from gemmtune.inductor.choices import host_scale
+
+                    row["host_scale_at_rounds"] = host_scale(torch.cuda.current_device())
                 timing = paired_rounds(b.call, t.call, args.rounds, args.round_ms, device, control=c)
             row |= timing | {"setup_s": t.setup_s + (0 if tuned_way in GEMMTUNE_COMPILE else tune_s),
                              "baseline_setup_s": b.setup_s,
