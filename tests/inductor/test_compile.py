@@ -82,8 +82,10 @@ def test_a_gemmtune_kernel_is_called_from_the_generated_code(chosen, rows):
     with torch.no_grad():
         torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
     m = x.numel() // 33
+    fusable = x.dim() == 2 or hooks.fuses_through_views()  # 3-D: where the compiler fuses through the view
     assert {(p.m, p.n, p.k, p.layout, p.bias, p.activation) for p in chosen.asked} == {
-        (m, 64, 33, "linear", True, "gelu"), (m, 64, 33, "linear", True, "none"), (m, 7, 64, "linear", False, "none")}
+        (m, 64, 33, "linear", True, "none"), (m, 7, 64, "linear", False, "none")} | \
+        ({(m, 64, 33, "linear", True, "gelu")} if fusable else set())
 
 
 def test_a_cublas_choice_keeps_the_compilers_library_call(chosen):
