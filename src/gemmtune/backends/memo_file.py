@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
+
+from gemmtune import atomic_file
 
 log = logging.getLogger("gemmtune")
 
@@ -24,13 +25,8 @@ def read(memo: Path) -> dict | None:
 
 
 def write(memo: Path, doc: dict) -> None:
-    """``doc`` as the file's whole content, atomically."""
-    partial = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+    """``doc`` as the file's whole content (``atomic_file``)."""
     try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(doc))
-        os.replace(partial, memo)
+        atomic_file.write(memo, json.dumps(doc))
     except OSError as exc:
         log.debug("gemmtune: could not keep %s (%s)", memo, exc)
-        if partial.is_file():
-            partial.unlink()

@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import random
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from gemmtune import backends, kernel_config
+from gemmtune import atomic_file, backends, kernel_config
 from gemmtune.errors import StoreError
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing, Trial, TuneResult
@@ -189,27 +187,11 @@ def _parse_config(backend: Any, config: Any) -> tuple[dict | None, str | None]:
         return None, f"config: {exc}"
 
 
-def write_atomically(path: Path, text: str) -> None:
-    # A reader (or a crash) never sees half a file: write beside it, then rename over it.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Not mkstemp: its 0600 mode would make a file meant for sharing unreadable to others.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{random.getrandbits(32):08x}.tmp")
-    try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def export_document(path: Path, results: list[TuneResult]) -> int:
     """Write ``results`` as an export file (JSON, written whole or not at all); how many."""
     entries = [entry_of_result(result) for result in results]
     document = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "gemmtune": __version__, "choices": entries}
-    write_atomically(path, json.dumps(document, indent=1, allow_nan=False) + "\n")
+    atomic_file.write(path, json.dumps(document, indent=1, allow_nan=False) + "\n")
     return len(entries)
 
 
