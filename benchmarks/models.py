@@ -37,9 +37,10 @@ by kind of kernel, from torch.profiler over a few calls, and the costliest kerne
 A gemmtune.compile row also says what its graphs' GEMMs became (``compile_choices``: gemmtune's
 log line per compiled graph, then its debug line per product: the way planned and each way's
 kernel time), and how fast the host queued a library call just before its rounds
-(``host_scale_at_rounds``, in the plan's units: the log line gives the speed it planned at). With ``--caches DIR`` the gemmtune store and the compiler's caches
-live in DIR and stay on: run twice, the second run's ``setup_s`` and ``baseline_setup_s`` are
-both sides' warm starts (a new process, every cache filled).
+(``host_scale_at_rounds``, in the plan's units: the log line gives the speed it planned at).
+With ``--caches DIR`` the gemmtune store and the compiler's caches live in DIR and stay on: run
+twice, the second run's ``setup_s`` and ``baseline_setup_s`` are both sides' warm starts (a new
+process, every cache filled).
 
 ``speedup = baseline_ms / gemmtune_ms`` is the median of the per-round ratios (a GPU machine's
 host speed drifts by tens of percent within a run: only ratios timed side by side compare),

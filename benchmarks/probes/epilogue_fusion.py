@@ -25,7 +25,6 @@ from torch._inductor.choices import InductorChoices
 from torch._inductor.utils import run_and_get_code
 
 
-
 class Records(logging.Handler):
     def __init__(self):
         super().__init__(logging.DEBUG)

@@ -16,8 +16,8 @@ time of its GEMMs' calls and of the rest of its kernels, against their GPU time 
 ``rest.estimate``). How fast a host queues varies from machine to machine (twice as fast on one
 H100 host as on another), so a mix is taken only where it costs no more than the one it
 replaces at every host speed the plan weighs (``host_scales``): from this host's, measured when
-compiling, to twice as slow, else from half to four times the nominal one. Under CUDA graphs only the GPU time
-counts.
+compiling, to twice as slow, else from half to four times the nominal one. Under CUDA graphs
+only the GPU time counts.
 """
 
 from __future__ import annotations
