@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from gemmtune.backends import cluster_occupancy, costmodel
+from gemmtune.backends import cluster_occupancy, costmodel, quack_source_key
 from gemmtune.backends.base import FieldConfig, KernelBase, config_from_mapping
 from gemmtune.backends.launch import unit_stride_bias
 from gemmtune.backends.triton_persistent import tma_ready
@@ -309,6 +309,7 @@ def _quack() -> _Quack:
     from quack.gemm_interface import _gemm_execute, gemm_tuned
 
     cluster_occupancy.install(current)
+    quack_source_key.install()
     return _Quack(GemmConfig, gemm_tuned.fn, _gemm_execute, linear_act_mod)
 
 

@@ -1,13 +1,16 @@
 """A small JSON file in gemmtune's cache directory that keeps an answer across processes (Triton's
-cache key, the GPU's cluster occupancy): read as data, never executed, and replaced whole, so that
-a process reading meanwhile sees the old file or the new one. A file that cannot be read counts
-as absent; one that cannot be written is left as it was.
+cache key, QuACK's source fingerprint, the GPU's cluster occupancy): read as data, never executed,
+and replaced whole, so that a process reading meanwhile sees the old file or the new one. A file
+that cannot be read counts as absent; one that cannot be written is left as it was. An answer
+computed from files is kept with their ``stamp``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 
 from gemmtune import atomic_file
@@ -30,3 +33,15 @@ def write(memo: Path, doc: dict) -> None:
         atomic_file.write(memo, json.dumps(doc))
     except OSError as exc:
         log.debug("gemmtune: could not keep %s (%s)", memo, exc)
+
+
+def stamp(files: Iterable[Path], *extra: str) -> str:
+    """A digest of the path, size and modification time of each of ``files`` (what build tools'
+    direct mode trusts) and of the ``extra`` strings: it changes where any of them does."""
+    digest = hashlib.sha256()
+    for value in extra:
+        digest.update(f"{value}\n".encode())
+    for path in files:
+        info = path.stat()
+        digest.update(f"{path}\0{info.st_size}\0{info.st_mtime_ns}\n".encode())
+    return digest.hexdigest()

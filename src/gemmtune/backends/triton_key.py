@@ -14,7 +14,6 @@ is executed, and a file that cannot be read or written is ignored.
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -66,8 +65,4 @@ def file_stamp(root: Path, own_file: Path) -> str:
     for package in _HASHED:
         for folder, _, names in sorted(os.walk(root / package)):
             files += [Path(folder) / name for name in sorted(names) if name.endswith((".py", ".so"))]
-    digest = hashlib.sha256()
-    for path in files:
-        info = path.stat()
-        digest.update(f"{path}\0{info.st_size}\0{info.st_mtime_ns}\n".encode())
-    return digest.hexdigest()
+    return memo_file.stamp(files)
