@@ -102,6 +102,17 @@ def test_a_memo_that_cannot_be_written_still_answers_once_a_process(package, tmp
     assert compute.calls == 1
 
 
+def test_a_file_gone_while_stamping_computes_without_keeping(package, tmp_path, monkeypatch):
+    """A source file listed and then removed before its stat (an upgrade under way): QuACK's own
+    fingerprint answers, and nothing is kept under a stamp that could not be taken."""
+    compute = Counting()
+    listed = quack_source_key.python_files([package])
+    (package / "gemm.py").unlink()
+    monkeypatch.setattr(quack_source_key, "python_files", lambda roots: listed)
+    assert process(compute, [package], tmp_path)() == "fingerprint-1"
+    assert not (tmp_path / "memo" / "key.json").exists()
+
+
 @pytest.fixture
 def quack(monkeypatch, package):
     """QuACK's package, its cache package and the module that computes the fingerprint, as fakes."""

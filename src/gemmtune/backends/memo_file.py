@@ -2,7 +2,7 @@
 cache key, QuACK's source fingerprint, the GPU's cluster occupancy): read as data, never executed,
 and replaced whole, so that a process reading meanwhile sees the old file or the new one. A file
 that cannot be read counts as absent; one that cannot be written is left as it was. An answer
-computed from files is kept with their ``stamp``.
+computed from files is kept with their ``stamp`` (``kept_answer``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from gemmtune import atomic_file
@@ -45,3 +45,19 @@ def stamp(files: Iterable[Path], *extra: str) -> str:
         info = path.stat()
         digest.update(f"{path}\0{info.st_size}\0{info.st_mtime_ns}\n".encode())
     return digest.hexdigest()
+
+
+def kept_answer(memo: Path, stamp: Callable[[], str], compute: Callable[[], str]) -> str:
+    """``compute()``'s string, as ``memo`` keeps it under ``stamp()``: the stored one where the
+    stamp matches, else computed and stored with it. Where the stamp cannot be taken (a file
+    gone while the folders are read), computed and not kept."""
+    try:
+        current = stamp()
+    except OSError:
+        return compute()
+    stored = read(memo)
+    if stored is not None and stored.get("stamp") == current and isinstance(stored.get("key"), str):
+        return stored["key"]
+    key = compute()
+    write(memo, {"stamp": current, "key": key})
+    return key

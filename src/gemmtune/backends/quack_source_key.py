@@ -54,16 +54,13 @@ def memoized(compute: Callable[[], str], sources: Callable[[], Sequence[Path]], 
     """``compute`` (QuACK's fingerprint) answered from ``memo`` where the Python files under the
     ``sources`` folders and the ``versions`` are as they were when it was stored."""
 
+    def stamp() -> str:
+        roots = list(sources())
+        return memo_file.stamp(python_files(roots), *versions, *map(str, roots))
+
     @functools.lru_cache(maxsize=1)
     def _compute_source_fingerprint() -> str:
-        roots = list(sources())
-        stamp = memo_file.stamp(python_files(roots), *versions, *map(str, roots))
-        stored = memo_file.read(memo)
-        if stored is not None and stored.get("stamp") == stamp and isinstance(stored.get("key"), str):
-            return stored["key"]
-        key = compute()
-        memo_file.write(memo, {"stamp": stamp, "key": key})
-        return key
+        return memo_file.kept_answer(memo, stamp, compute)
 
     _compute_source_fingerprint.gemmtune_memo = True
     return _compute_source_fingerprint

@@ -46,13 +46,7 @@ def memoized(compute: Callable[[], str], root: Path, own_file: Path, memo: Path)
 
     @functools.lru_cache(maxsize=None)
     def triton_key() -> str:
-        stamp = file_stamp(root, own_file)
-        stored = memo_file.read(memo)
-        if stored is not None and stored.get("stamp") == stamp and isinstance(stored.get("key"), str):
-            return stored["key"]
-        key = compute()
-        memo_file.write(memo, {"stamp": stamp, "key": key})
-        return key
+        return memo_file.kept_answer(memo, lambda: file_stamp(root, own_file), compute)
 
     triton_key.gemmtune_memo = True
     return triton_key
