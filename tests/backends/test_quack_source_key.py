@@ -14,6 +14,8 @@ import pytest
 import gemmtune
 from gemmtune.backends import cute, quack_source_key
 
+from .test_triton_key import Counting  # a computed answer, counted: key-1, key-2, ...
+
 VERSIONS = ("py3.12", "cutlass=4.8.1", "tvm_ffi=0.1.6")
 
 
@@ -27,15 +29,6 @@ def package(tmp_path):
     return root
 
 
-class Counting:
-    def __init__(self):
-        self.calls = 0
-
-    def __call__(self):
-        self.calls += 1
-        return f"fingerprint-{self.calls}"
-
-
 def process(compute, roots, tmp_path, versions=VERSIONS):
     """The fingerprint as a new process sees it: nothing answered in memory yet."""
     return quack_source_key.memoized(compute, lambda: roots, versions, tmp_path / "memo" / "key.json")
@@ -43,8 +36,8 @@ def process(compute, roots, tmp_path, versions=VERSIONS):
 
 def test_a_new_process_takes_the_stored_fingerprint_without_computing_it(package, tmp_path):
     compute = Counting()
-    assert process(compute, [package], tmp_path)() == "fingerprint-1"
-    assert process(compute, [package], tmp_path)() == "fingerprint-1"
+    assert process(compute, [package], tmp_path)() == "key-1"
+    assert process(compute, [package], tmp_path)() == "key-1"
     assert compute.calls == 1
 
 
@@ -57,22 +50,22 @@ def test_any_change_to_a_hashed_file_computes_it_again(package, tmp_path, change
     path.parent.mkdir(exist_ok=True)
     path.write_text("changed, one byte longer" if path.exists() else "new")
     os.utime(path, ns=(1, 1))  # an older time than the first: only the size and the time say so
-    assert process(compute, [package], tmp_path)() == "fingerprint-2"
-    assert process(compute, [package], tmp_path)() == "fingerprint-2"
+    assert process(compute, [package], tmp_path)() == "key-2"
+    assert process(compute, [package], tmp_path)() == "key-2"
 
 
 def test_a_file_quack_does_not_hash_changes_nothing(package, tmp_path):
     compute = Counting()
     process(compute, [package], tmp_path)()
     (package / "README.md").write_text("a longer readme than before")
-    assert process(compute, [package], tmp_path)() == "fingerprint-1"
+    assert process(compute, [package], tmp_path)() == "key-1"
 
 
 @pytest.mark.parametrize("versions", [("py3.13", *VERSIONS[1:]), (VERSIONS[0], "cutlass=4.9.0", VERSIONS[2])])
 def test_another_version_computes_it_again(package, tmp_path, versions):
     compute = Counting()
     process(compute, [package], tmp_path)()
-    assert process(compute, [package], tmp_path, versions)() == "fingerprint-2"
+    assert process(compute, [package], tmp_path, versions)() == "key-2"
 
 
 def test_an_extra_source_folder_computes_it_again_even_empty(package, tmp_path):
@@ -80,7 +73,7 @@ def test_an_extra_source_folder_computes_it_again_even_empty(package, tmp_path):
     process(compute, [package], tmp_path)()
     extra = tmp_path / "extra"
     extra.mkdir()
-    assert process(compute, [package, extra], tmp_path)() == "fingerprint-2"
+    assert process(compute, [package, extra], tmp_path)() == "key-2"
 
 
 @pytest.mark.parametrize("content", ["not json", json.dumps(["a list"]), json.dumps({"stamp": 1, "key": 2}), ""])
@@ -89,8 +82,8 @@ def test_a_memo_file_that_cannot_be_read_is_computed_again_and_replaced(package,
     process(compute, [package], tmp_path)()
     memo = tmp_path / "memo" / "key.json"
     memo.write_text(content)
-    assert process(compute, [package], tmp_path)() == "fingerprint-2"
-    assert json.loads(memo.read_text())["key"] == "fingerprint-2"
+    assert process(compute, [package], tmp_path)() == "key-2"
+    assert json.loads(memo.read_text())["key"] == "key-2"
 
 
 def test_a_memo_that_cannot_be_written_still_answers_once_a_process(package, tmp_path):
@@ -98,7 +91,7 @@ def test_a_memo_that_cannot_be_written_still_answers_once_a_process(package, tmp
     blocked.write_text("a file where the memo's folder would be")
     compute = Counting()
     kept = quack_source_key.memoized(compute, lambda: [package], VERSIONS, blocked / "key.json")
-    assert kept() == kept() == "fingerprint-1"
+    assert kept() == kept() == "key-1"
     assert compute.calls == 1
 
 
@@ -109,7 +102,7 @@ def test_a_file_gone_while_stamping_computes_without_keeping(package, tmp_path, 
     listed = quack_source_key.python_files([package])
     (package / "gemm.py").unlink()
     monkeypatch.setattr(quack_source_key, "python_files", lambda roots: listed)
-    assert process(compute, [package], tmp_path)() == "fingerprint-1"
+    assert process(compute, [package], tmp_path)() == "key-1"
     assert not (tmp_path / "memo" / "key.json").exists()
 
 
@@ -133,8 +126,8 @@ def test_install_makes_quack_take_the_kept_fingerprint(quack, monkeypatch, tmp_p
     monkeypatch.setenv("GEMMTUNE_CACHE_DIR", str(tmp_path))
     quack_source_key.install()
     installed = jit._compute_source_fingerprint
-    assert installed is not compute and installed() == "fingerprint-1"
-    assert json.loads((tmp_path / quack_source_key.MEMO_FILENAME).read_text())["key"] == "fingerprint-1"
+    assert installed is not compute and installed() == "key-1"
+    assert json.loads((tmp_path / quack_source_key.MEMO_FILENAME).read_text())["key"] == "key-1"
     quack_source_key.install()  # once a process: not wrapped again
     assert jit._compute_source_fingerprint is installed
 
