@@ -132,6 +132,16 @@ def test_install_makes_quack_take_the_kept_fingerprint(quack, monkeypatch, tmp_p
     assert jit._compute_source_fingerprint is installed
 
 
+@pytest.mark.parametrize("moved", ["cutlass", "tvm_ffi", "EXTRA_SOURCE_DIRS"])
+def test_a_quack_laid_out_otherwise_is_left_as_it_is(quack, monkeypatch, tmp_path, moved):
+    """Where what the stamp reads is not where quack-kernels 0.6.5 has it, QuACK hashes as before."""
+    jit, compute = quack
+    monkeypatch.setenv("GEMMTUNE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delattr(sys.modules["quack.cache"] if moved == "EXTRA_SOURCE_DIRS" else jit, moved)
+    quack_source_key.install()
+    assert jit._compute_source_fingerprint is compute
+
+
 def test_without_quack_install_changes_nothing(monkeypatch):
     monkeypatch.setitem(sys.modules, "quack", None)  # import fails
     quack_source_key.install()

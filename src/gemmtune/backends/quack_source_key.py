@@ -30,7 +30,8 @@ MODULE, FUNCTION = "quack.cache.jit", "_compute_source_fingerprint"  # quack-ker
 
 def install() -> None:
     """QuACK's cache lookups take the fingerprint kept across processes. Once a process; a QuACK
-    without the function there is left as it is."""
+    that does not compute it from what this module stamps (the function, the extra folders'
+    setting, the versions, where quack-kernels 0.6.5 has them) is left as it is."""
     try:
         import quack
         import quack.cache as state
@@ -38,15 +39,17 @@ def install() -> None:
     except ImportError:
         return
     original = getattr(jit, FUNCTION, None)
-    if original is None or getattr(original, "gemmtune_memo", False):
+    versions = {name: getattr(getattr(jit, name, None), "__version__", None) for name in ("cutlass", "tvm_ffi")}
+    if original is None or getattr(original, "gemmtune_memo", False) or None in versions.values() \
+            or not hasattr(state, "EXTRA_SOURCE_DIRS"):
         return
 
     def sources() -> list[Path]:  # read when first asked, as QuACK reads its extra folders
         return [Path(quack.__file__).resolve().parent, *(Path(d).resolve() for d in state.EXTRA_SOURCE_DIRS)]
 
-    versions = (f"py{sys.version_info.major}.{sys.version_info.minor}",
-                f"cutlass={jit.cutlass.__version__}", f"tvm_ffi={jit.tvm_ffi.__version__}")
-    setattr(jit, FUNCTION, memoized(original, sources, versions, cache_dir() / MEMO_FILENAME))
+    stamped = (f"py{sys.version_info.major}.{sys.version_info.minor}",
+               *(f"{name}={version}" for name, version in versions.items()))
+    setattr(jit, FUNCTION, memoized(original, sources, stamped, cache_dir() / MEMO_FILENAME))
 
 
 def memoized(compute: Callable[[], str], sources: Callable[[], Sequence[Path]], versions: Sequence[str],
