@@ -7,10 +7,10 @@ versions. That was 21 ms of the 28 ms first call of a stored CuTe DSL choice in 
 on an H200 (``cute-h200-20261128.json``), most of it pathlib's work per file rather than hashing.
 
 ``install`` makes QuACK take the fingerprint from a small file in gemmtune's cache directory,
-stamped with the path, size and modification time of every file QuACK hashes and with those
-versions (``memo_file.stamp``, as for Triton's key): a new process stats the files and takes the
-stored fingerprint where the stamp matches; anywhere else QuACK computes it and the file keeps it.
-The file holds one string; nothing read from it is executed.
+stamped with the path, size and modification time of every file QuACK hashes, with those
+versions and QuACK's own (``memo_file.stamp``, as for Triton's key): a new process stats the
+files and takes the stored fingerprint where the stamp matches; anywhere else QuACK computes it
+and the file keeps it. The file holds one string; nothing read from it is executed.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def install() -> None:
     def sources() -> list[Path]:  # read when first asked, as QuACK reads its extra folders
         return [Path(quack.__file__).resolve().parent, *(Path(d).resolve() for d in state.EXTRA_SOURCE_DIRS)]
 
-    stamped = (f"py{sys.version_info.major}.{sys.version_info.minor}",
+    stamped = (f"py{sys.version_info.major}.{sys.version_info.minor}", f"quack={getattr(quack, '__version__', '')}",
                *(f"{name}={version}" for name, version in versions.items()))
     setattr(jit, FUNCTION, memoized(original, sources, stamped, cache_dir() / MEMO_FILENAME))
 
