@@ -186,10 +186,47 @@ def test_a_forward_that_branches_on_training_fuses_only_what_both_modes_show():
     assert torch.allclose(model(x), reference(x), rtol=1e-5, atol=1e-6)
 
 
-def test_a_hooked_activation_is_not_fused():
-    model = made(Mlp)
-    model.act.register_forward_hook(lambda *args: None)
-    assert gemmtune.optimize(model).fc1.activation == "none"
+def _doubled(module, args, output):
+    return output * 2
+
+
+@pytest.mark.parametrize("hook", ["forward", "backward", "backward_pre"])
+@pytest.mark.parametrize("on", ["layer", "activation"])
+@pytest.mark.parametrize("parent", ["traced", "sequential"])
+def test_a_pair_with_a_hook_that_would_see_the_fusion_is_not_fused(hook, on, parent):
+    """A forward hook of the layer would get the activation's output (this one changes it: the
+    model's output would too), a backward hook its gradient; the activation's would not run."""
+    if parent == "traced":
+        model, reference = made(Mlp), made(Mlp)
+        pick = (lambda m: m.fc1) if on == "layer" else (lambda m: m.act)
+    else:
+        model, reference = (made(lambda: nn.Sequential(nn.Linear(16, 32), nn.GELU())) for _ in range(2))
+        pick = (lambda m: m[0]) if on == "layer" else (lambda m: m[1])
+    for m in (model, reference):
+        if hook == "forward":
+            pick(m).register_forward_hook(_doubled)
+        elif hook == "backward":
+            pick(m).register_full_backward_hook(lambda *args: None)
+        else:
+            pick(m).register_full_backward_pre_hook(lambda *args: None)
+    gemmtune.optimize(model, check=False)
+    layer = model.fc1 if parent == "traced" else model[0]
+    assert layer.activation == "none"
+    x = torch.randn(4, 16)
+    model.eval(), reference.eval()
+    assert torch.allclose(model(x), reference(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_forward_pre_hook_of_the_layer_does_not_keep_it_apart():
+    """It sees the layer's input, which fusing does not change."""
+    model, reference = made(Mlp), made(Mlp)
+    for m in (model, reference):
+        m.fc1.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    gemmtune.optimize(model, check=False)
+    assert model.fc1.activation == "gelu"
+    x = torch.randn(4, 16)
+    model.eval(), reference.eval()
+    assert torch.allclose(model(x), reference(x), rtol=1e-5, atol=1e-6)
 
 
 def test_a_forward_fx_cannot_trace_is_left_alone(caplog):

@@ -21,8 +21,11 @@ with every tensor's ``dtype`` reading as each of float16, bfloat16 and float32 (
 layers clamp float16 outputs); a pair must show in all six traces. A pair there is a call of the
 layer whose output has one user, a call of the activation on it alone, where the layer and the
 activation are each called once in the graph and each registered in the model once, under that
-parent, and the activation has no hooks. A module between them (a dropout, a no-op in eval mode)
-makes them no pair. A forward wrapped by a decorator that keeps ``__wrapped__`` (transformers'
+parent. Neither, there or in an ``nn.Sequential``, may have a hook that would see the fusion:
+the layer's forward and backward hooks (they would get the activation's output or its
+gradient), the activation's hooks of any kind (it would no longer be called); hooks registered
+after ``optimize`` on a fused layer do see its activation's output. A module between them (a
+dropout, a no-op in eval mode) makes them no pair. A forward wrapped by a decorator that keeps ``__wrapped__`` (transformers'
 checkpointing layers) is read as the function it wraps; a ``**kwargs`` parameter is traced as
 empty, and a forward that reads it (rather than passing it on) is not traced. A forward that fx
 cannot trace (control flow on tensor values or shapes, calls of modules not registered) gets no
@@ -141,12 +144,16 @@ def _in_sequence(parent: nn.Sequential, is_layer: Callable, registered: dict) ->
         if layer is None or act is None or not is_layer(layer) or len(registered[id(layer)]) != 1:
             continue
         name = epilogue(act)
-        if name is not None and not _hooked(act):
+        if name is not None and not _hooked(layer, act):
             yield Pair(parent, first, second, name)
 
 
-def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
+def _hooked(layer: nn.Module, act: nn.Module) -> bool:
+    """Whether a hook would see the pair's fusion: a forward or backward hook of the layer (it
+    would get the activation's output, or its gradient, in place of the layer's) or any hook of
+    the activation (its module would no longer be called)."""
+    return bool(layer._forward_hooks or layer._backward_hooks or layer._backward_pre_hooks
+                or act._forward_hooks or act._forward_pre_hooks or act._backward_hooks or act._backward_pre_hooks)
 
 
 class _Proxy(fx.Proxy):
@@ -255,7 +262,7 @@ def _in_graph(graph: fx.Graph, parent: nn.Module, is_layer: Callable, registered
             continue
         (user,) = node.users
         act = child(user)
-        if act is None or is_layer(act) or user.args != (node,) or user.kwargs or _hooked(act):
+        if act is None or is_layer(act) or user.args != (node,) or user.kwargs or _hooked(layer, act):
             continue
         name = epilogue(act)
         if name is not None:
