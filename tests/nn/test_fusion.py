@@ -217,6 +217,51 @@ def test_a_pair_with_a_hook_that_would_see_the_fusion_is_not_fused(hook, on, par
     assert torch.allclose(model(x), reference(x), rtol=1e-5, atol=1e-6)
 
 
+class StoresAside(nn.Module):
+    """fc -> act, with fc's output also kept where the graph does not show it: as an attribute,
+    in a list or dict attribute, or on the layer itself."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.fc, self.act, self.where = nn.Linear(8, 8), nn.GELU(), where
+        self.cache, self.seen, self.by_name = None, [], {"kept": None}
+
+    def forward(self, x):
+        y = self.fc(x)
+        if self.where == "attribute":
+            self.cache = y
+        elif self.where == "list":
+            self.seen.append(y)
+        elif self.where == "dict":
+            self.by_name["fc"] = y
+        elif self.where == "child":
+            self.fc.last = y
+        return self.act(y)
+
+
+@pytest.mark.parametrize("where", ["attribute", "list", "dict", "child"])
+def test_a_forward_that_stores_an_output_aside_is_not_fused_and_its_state_is_put_back(where):
+    """Fused, what it keeps would be the activation's output; traced, it would keep fx proxies."""
+    model, reference = made(StoresAside, where), made(StoresAside, where)
+    gemmtune.optimize(model, check=False)
+    assert model.fc.activation == "none" and type(model.act) is nn.GELU
+    assert model.cache is None and model.seen == [] and model.by_name == {"kept": None}
+    assert not hasattr(model.fc, "last")
+    x = torch.randn(4, 8)
+    assert torch.allclose(model(x), reference(x), rtol=1e-5, atol=1e-6)
+    kept = {"attribute": lambda m: m.cache, "list": lambda m: m.seen[-1], "dict": lambda m: m.by_name["fc"],
+            "child": lambda m: m.fc.last}[where]
+    assert torch.allclose(kept(model), kept(reference), rtol=1e-5, atol=1e-6)  # the layer's own output
+
+
+def test_a_forward_that_reads_its_state_without_changing_it_is_fused():
+    model, reference = made(StoresAside, "nowhere"), made(StoresAside, "nowhere")
+    gemmtune.optimize(model, check=False)
+    assert model.fc.activation == "gelu"
+    x = torch.randn(4, 8)
+    assert torch.allclose(model(x), reference(x), rtol=1e-5, atol=1e-6)
+
+
 def test_a_forward_pre_hook_of_the_layer_does_not_keep_it_apart():
     """It sees the layer's input, which fusing does not change."""
     model, reference = made(Mlp), made(Mlp)

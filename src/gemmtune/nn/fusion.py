@@ -29,9 +29,11 @@ dropout, a no-op in eval mode) makes them no pair. A forward wrapped by a decora
 checkpointing layers) is read as the function it wraps; a ``**kwargs`` parameter is traced as
 empty, and a forward that reads it (rather than passing it on) is not traced. A forward that fx
 cannot trace (control flow on tensor values or shapes, calls of modules not registered) gets no
-fusion (a debug log line). The trace runs the forward's Python code on fx proxies: side effects
-of that code happen once more, and an output the code stores aside (an attribute, a list) is
-not seen as a use.
+fusion (a debug log line). The trace runs the forward's Python code on fx proxies. A forward
+that changes the state of its module or of its children while traced (an attribute set, a list
+or dict attribute changed: an output stored aside, which the graph would not show as a use) gets
+no fusion either, and that state is put back as it was before the trace. Side effects elsewhere
+(a global list) are not seen.
 """
 
 from __future__ import annotations
@@ -222,9 +224,11 @@ def _traceable(parent: nn.Module) -> tuple[nn.Module, dict | None]:
 
 def _traced(parent: nn.Module, is_layer: Callable, registered: dict) -> list[Pair]:
     """The pairs that ``parent``'s forward shows in every trace (both training modes, each
-    floating dtype gemmtune serves); none where it cannot be traced."""
+    floating dtype gemmtune serves); none where it cannot be traced, or where tracing it changed
+    the state of ``parent`` or its children (put back)."""
     found = None
     training = parent.training
+    before = _State(parent)
     try:
         traced, concrete = _traceable(parent)
         for mode in (training, not training):
@@ -239,7 +243,67 @@ def _traced(parent: nn.Module, is_layer: Callable, registered: dict) -> list[Pai
         return []
     finally:
         parent.training = training
+        changed = before.restore()
+    if changed:
+        log.debug("gemmtune.optimize: %s's forward changes its module's state when called (%s), so nothing in "
+                  "it is fused", type(parent).__name__, changed)
+        return []
     return sorted(found, key=lambda pair: list(parent._modules).index(pair.layer))
+
+
+class _State:
+    """The attributes of a module and of its children, and the items of those that are lists or
+    dicts, as they were when taken; ``restore`` puts back what a traced forward changed."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.modules = [module, *module.children()]
+        self.attributes = [dict(vars(m)) for m in self.modules]
+        self.items = [{name: _items(value) for name, value in attributes.items()} for attributes in self.attributes]
+
+    def restore(self) -> str:
+        """Each attribute set, added or changed in place since, put back; their names."""
+        changed = []
+        for module, attributes, items in zip(self.modules, self.attributes, self.items):
+            now = vars(module)
+            for name in [name for name in now if name not in attributes]:
+                changed.append(name)
+                del now[name]
+            for name, value in attributes.items():
+                if now.get(name) is not value:
+                    changed.append(name)
+                    now[name] = value
+                elif items[name] is not None and not _same(value, items[name]):
+                    changed.append(name)
+                    _put_back(value, items[name])
+        return ", ".join(changed)
+
+
+def _items(value: object) -> list | None:
+    """A list's items or a dict's (key, item) pairs; None for anything else."""
+    if isinstance(value, dict):
+        return list(value.items())
+    if isinstance(value, list):
+        return list(value)
+    return None
+
+
+def _same(value: list | dict, taken: list) -> bool:
+    """Whether a list or dict holds the very items it held when taken (``_items``)."""
+    now = _items(value)
+    if len(now) != len(taken):
+        return False
+    if isinstance(value, dict):
+        return all(key == was_key and item is was for (key, item), (was_key, was) in zip(now, taken))
+    return all(item is was for item, was in zip(now, taken))
+
+
+def _put_back(value: list | dict, items: list) -> None:
+    """A list or dict given back the items it held (``_items``)."""
+    if isinstance(value, list):
+        value[:] = items
+    else:
+        value.clear()
+        value.update(items)
 
 
 def _in_graph(graph: fx.Graph, parent: nn.Module, is_layer: Callable, registered: dict) -> Iterable[Pair]:
