@@ -2,8 +2,10 @@
 
 What falls back to torch (documented, never a wrong result): tensors not on a CUDA device,
 dtypes other than float16/bfloat16/float32, a zero-size dimension, a store miss during
-CUDA-graph capture (no tuning while capturing), and for ``matmul`` operands that are not both
-2-D (``torch.matmul``'s broadcasting rules apply). Everything else that is malformed raises an
+CUDA-graph capture (no tuning while capturing), calls while ``torch.autocast`` is on (torch's
+op, which autocast casts as it would without gemmtune; under torch.compile, gemmtune's op takes
+operands of one dtype only), and for ``matmul`` operands that are not both 2-D
+(``torch.matmul``'s broadcasting rules apply). Everything else that is malformed raises an
 error naming the argument. Inputs that require a gradient go through autograd functions whose
 backward GEMMs are gemmtune's too (``gemmtune.serving.autograd``; an activation then runs as
 torch's own op after the GEMM), and calls that torch.compile traces through gemmtune's custom ops
@@ -23,7 +25,8 @@ from gemmtune.problem import Problem
 from gemmtune.results import Trial, TuneResult
 from gemmtune.serving import autograd
 from gemmtune.serving import recording as recorder
-from gemmtune.serving.calls import check_linear, check_mm_2d, front_key, matmul_forward, require_tensor, serve_linear
+from gemmtune.serving.calls import (any_autocast, autocast_linear, check_linear, check_mm_2d, front_key,
+                                    matmul_forward, require_tensor, serve_linear)
 from gemmtune.serving.dispatch import DISPATCHER
 from gemmtune.store import ServerStore, Store, open_store
 from gemmtune.tuning.tuner import TuneOptions, tune_many
@@ -67,7 +70,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     when an operand requires a gradient."""
     require_tensor("a", a)
     require_tensor("b", b)
-    if a.dim() != 2 or b.dim() != 2:
+    if a.dim() != 2 or b.dim() != 2 or not _is_compiling() and any_autocast():
         return torch.matmul(a, b)
     check_mm_2d(a, b)
     if torch.compiler.is_compiling():
@@ -90,19 +93,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # every check below, since they passed then, and goes straight to what served it, which gets
     # the operands' addresses too (launch.front_entry). One key, one dict lookup.
     front = call = None
-    if not _is_compiling() and recorder.active() is None:
-        try:
-            # autograd.needs_grad and uses_tf32 (in front_key), written out: a frame each on every call
-            if not (_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                         or (bias is not None and bias.requires_grad))):
-                px, pw = x.data_ptr(), weight.data_ptr()
-                pb = 0 if bias is None else bias.data_ptr()
-                front = front_key(x, weight, bias, activation, px, pw, pb)
-                call = DISPATCHER.front.get(front)
-        except (AttributeError, TypeError, RuntimeError):  # not tensors, no storage, an unhashable
-            front = call = None                               # activation: the checks below say which
-        if call is not None:
-            return call(x, weight, bias, px, pw, pb)
+    if not _is_compiling():
+        if any_autocast():  # torch's op, whose operands autocast casts: those casts are not gemmtune's to make
+            return autocast_linear(x, weight, bias, activation)
+        if recorder.active() is None:
+            try:
+                # autograd.needs_grad and uses_tf32 (in front_key), written out: a frame each on every call
+                if not (_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                             or (bias is not None and bias.requires_grad))):
+                    px, pw = x.data_ptr(), weight.data_ptr()
+                    pb = 0 if bias is None else bias.data_ptr()
+                    front = front_key(x, weight, bias, activation, px, pw, pb)
+                    call = DISPATCHER.front.get(front)
+            except (AttributeError, TypeError, RuntimeError):  # not tensors, no storage, an unhashable
+                front = call = None                               # activation: the checks below say which
+            if call is not None:
+                return call(x, weight, bias, px, pw, pb)
     act = check_linear(x, weight, bias, activation)
     if torch.compiler.is_compiling():
         from gemmtune.serving import torch_ops

@@ -39,7 +39,7 @@ from gemmtune.serving.dispatch import DISPATCHER
 from gemmtune.tuning.tuner import TuneOptions
 
 log = logging.getLogger("gemmtune")
-_is_compiling, _capturing = keep.is_compiling, keep.capturing
+_is_compiling, _capturing, _autocast = keep.is_compiling, keep.capturing, keep.any_autocast
 
 
 class Linear(keep.TakenOver, nn.Linear):
@@ -71,7 +71,8 @@ class JoinedLinear(Linear):
     siblings: sibling_layers.Siblings
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _is_compiling() or self.torch_when_capturing is not None and self.torch_when_capturing == _capturing():
+        if _is_compiling() or _autocast() or self.torch_when_capturing is not None \
+                and self.torch_when_capturing == _capturing():
             return self.torch_forward(x)
         out = self.siblings.output(self, x)
         return super().forward(x) if out is None else out
@@ -85,7 +86,8 @@ class AlignedLinear(Linear):
     aligned: aligned_layers.Aligned
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _is_compiling() or self.torch_when_capturing is not None and self.torch_when_capturing == _capturing():
+        if _is_compiling() or _autocast() or self.torch_when_capturing is not None \
+                and self.torch_when_capturing == _capturing():
             return self.torch_forward(x)
         out = self.aligned.output(self, x)
         return super().forward(x) if out is None else out

@@ -9,8 +9,9 @@ as ``nn.TransformerEncoderLayer`` and torchvision's ViT ask), no masks, no ``bia
 or zero attention, no dropout while training. There it runs the input projection through
 ``gemmtune.linear``, attention through ``F.scaled_dot_product_attention`` and the output
 projection through ``gemmtune.linear``; any other call runs torch's own forward, as do calls
-while torch.compile traces it (the compiler chooses those GEMMs) and, where ``optimize``'s check
-found torch's faster there, calls captured in a CUDA graph.
+while torch.compile traces it (the compiler chooses those GEMMs) or torch.autocast is on (it
+casts torch's operands) and, where ``optimize``'s check found torch's faster there, calls
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 from gemmtune import api
 from gemmtune.nn import keep, refused
 
-_is_compiling, _capturing = keep.is_compiling, keep.capturing
+_is_compiling, _capturing, _autocast = keep.is_compiling, keep.capturing, keep.any_autocast
 
 
 class MultiheadAttention(keep.TakenOver, nn.MultiheadAttention):
@@ -33,7 +34,8 @@ class MultiheadAttention(keep.TakenOver, nn.MultiheadAttention):
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
         if not self._serves(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal) \
-                or _is_compiling() or self.torch_when_capturing is not None and self.torch_when_capturing == _capturing():
+                or _is_compiling() or _autocast() \
+                or self.torch_when_capturing is not None and self.torch_when_capturing == _capturing():
             return nn.MultiheadAttention.forward(self, query, key, value, key_padding_mask, need_weights, attn_mask,
                                                  average_attn_weights, is_causal)
         return self.served_forward(query), None
@@ -57,6 +59,7 @@ class MultiheadAttention(keep.TakenOver, nn.MultiheadAttention):
         attended = attended.permute((2, 0, 1, 3) if seq_first else (0, 2, 1, 3)).reshape(*x.shape[:2], embed)
         out = api.linear(attended, self.out_proj.weight, self.out_proj.bias)
         return out.squeeze(1) if query.dim() == 2 else out
+
 
 def reason(module: nn.MultiheadAttention, held: Counter) -> str | None:
     """Why ``module`` is left to torch, or None where ``optimize`` can take it over."""

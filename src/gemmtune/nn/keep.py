@@ -39,6 +39,7 @@ GEMMTUNE_ATTRIBUTES = ("activation", "fused", "siblings", "aligned", "torch_when
 # what a taken-over layer's forward asks on every call, looked up once
 is_compiling = torch.compiler.is_compiling
 capturing = torch.cuda.is_current_stream_capturing
+any_autocast = torch._C._is_any_autocast_enabled  # where on, torch's forward: autocast casts its operands
 
 
 class TakenOver:

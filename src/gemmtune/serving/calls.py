@@ -17,6 +17,7 @@ from gemmtune.serving.modes import ByMode
 
 DTYPE_NAMES = {dtype: name for name, dtype in torch_dtypes().items()}
 _FLOAT32 = torch.float32
+any_autocast = torch._C._is_any_autocast_enabled  # torch.autocast on for some device (looked up once)
 
 
 def matmul_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -49,11 +50,11 @@ def check_mm_2d(a: torch.Tensor, b: torch.Tensor) -> None:
     require_same("b", b, a)
 
 
-def check_linear(x, weight, bias, activation) -> str:
+def check_linear(x, weight, bias, activation, *, mixed_dtypes: bool = False) -> str:
     """What ``linear`` requires, and ``torch.ops.gemmtune.linear`` (and its fake) too: x (..., K),
-    weight (N, K) and bias (N,) or None, tensors of one dtype on one device, and a known
-    activation (None or its name). Returns the activation's name ("none" for None); raises an
-    error naming the argument."""
+    weight (N, K) and bias (N,) or None, tensors of one dtype (unless ``mixed_dtypes``) on one
+    device, and a known activation (None or its name). Returns the activation's name ("none" for
+    None); raises an error naming the argument."""
     act = "none" if activation is None else activation
     if act not in ACTIVATIONS:
         raise ValueError(f"linear: activation={activation!r} is not supported; accepted: None, "
@@ -67,13 +68,21 @@ def check_linear(x, weight, bias, activation) -> str:
     x_shape = x.shape
     if not x_shape or x_shape[-1] != k:
         raise ValueError(f"linear: x has shape {tuple(x_shape)}; its last dimension must be weight's K={k}")
-    require_same("weight", weight, x)
+    require_same("weight", weight, x, dtype=not mixed_dtypes)
     if bias is not None:
         require_tensor("bias", bias)
         if bias.shape != (n,):
             raise ValueError(f"linear: bias must have shape ({n},), got {tuple(bias.shape)}")
-        require_same("bias", bias, x)
+        require_same("bias", bias, x, dtype=not mixed_dtypes)
     return act
+
+
+def autocast_linear(x, weight, bias, activation) -> torch.Tensor:
+    """``linear`` while torch.autocast is on: torch's ``F.linear``, whose operands autocast casts
+    (their dtypes may differ: an autocast op's output meets a float32 weight), then the activation
+    as torch's op, as the model without gemmtune computes them. gemmtune serves none of it."""
+    act = check_linear(x, weight, bias, activation, mixed_dtypes=True)
+    return activations.apply(F.linear(x, weight, bias), act, inplace=False)
 
 
 def front_key(x, weight, bias, activation, px: int, pw: int, pb: int) -> tuple:
@@ -180,10 +189,10 @@ def same_device(tensor: torch.Tensor, like: torch.Tensor) -> bool:
                                                          or tensor.device == like.device)
 
 
-def require_same(name: str, tensor: torch.Tensor, like: torch.Tensor) -> None:
-    """Same device (``same_device``) and dtype as the first operand; a clear error where torch's
-    would be vague."""
+def require_same(name: str, tensor: torch.Tensor, like: torch.Tensor, *, dtype: bool = True) -> None:
+    """Same device (``same_device``) and, where ``dtype``, dtype as the first operand; a clear
+    error where torch's would be vague."""
     if not same_device(tensor, like):
         raise ValueError(f"{name} is on {tensor.device} but the first operand is on {like.device}; move both to one device")
-    if tensor.dtype != like.dtype:
+    if dtype and tensor.dtype != like.dtype:
         raise TypeError(f"{name} has dtype {tensor.dtype} but the first operand has {like.dtype}; gemmtune does not mix dtypes")
