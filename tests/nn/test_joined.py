@@ -173,3 +173,23 @@ def test_parameters_replaced_or_converted_after_joining_run_alone(compiled):
         model.to(torch.float64)
         run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
         assert torch.allclose(run(x.double()), fresh.double()(x.double()), rtol=1e-6, atol=1e-8)
+
+
+def test_under_inference_mode_each_layer_runs_alone_and_outputs_stay(monkeypatch):
+    """An inference tensor keeps no version counter, so a change between sibling calls could not
+    be seen: each layer runs alone (reading the counter used to raise)."""
+    reference, model = Block(), Block()
+    gemmtune.optimize(model, (torch.randn(2, 16),), siblings=True, check=False)
+    assert type(model.q) is gnn.JoinedLinear
+    calls = counted_linear(monkeypatch)
+    with torch.inference_mode():
+        x = torch.randn(3, 16)
+        assert torch.allclose(model(x), reference(x), rtol=1e-5, atol=1e-6)
+    assert calls == [(16, 16), (8, 16), (8, 16), (32, 16), (32, 16), (16, 32)]
+
+
+def test_an_example_run_under_inference_mode_joins_nothing():
+    model = Block()
+    with torch.inference_mode():
+        gemmtune.optimize(model, (torch.randn(2, 16),), siblings=True, check=False)
+    assert type(model.q) is gnn.Linear

@@ -9,7 +9,8 @@ tensor, so no memory is added and a weight updated in place updates the fused on
 layer's call computes the fused GEMM and keeps it; each later layer called on the same input
 returns its own columns of it (a view whose rows are the fused width apart), and the last one
 lets it go. Any call that cannot be served so (gradients wanted, another input, an input
-changed in place since, a weight that no longer views the fused tensor) runs the layer alone,
+changed in place since, a weight that no longer views the fused tensor, an input or parameter
+made under ``torch.inference_mode``, which keeps no count of its changes) runs the layer alone,
 and so does every call on more than MAX_ROWS rows: joining pays where the GEMMs stream their
 weights (decoding), while a prefill's GEMMs are compute-bound already and the joined output's
 strided columns cost the operators after them (the Llama's prefill read 0.96x with them joined).
@@ -48,8 +49,9 @@ def watching(layer_type: type) -> Iterator[list]:
         if type(module) is not layer_type or not args or not isinstance(args[0], torch.Tensor):
             return
         x = args[0]
-        calls.append((module, previous[0] is x and previous[1] == x._version))
-        previous[:] = [x, x._version]
+        version = None if x.is_inference() else x._version  # an inference tensor keeps no counter
+        calls.append((module, previous[0] is x and version is not None and previous[1] == version))
+        previous[:] = [x, version]
 
     handle = nn.modules.module.register_module_forward_pre_hook(note)
     try:
@@ -116,10 +118,11 @@ class Siblings:
         compiling = torch.compiler.is_compiling()
         if layer is self.layers[0]:
             self._pending = None
-            if not self._joined() or not compiling and not self._in_place():
+            versions = None if compiling else self._versions(x)
+            if not self._joined() or not compiling and (versions is None or not self._in_place()):
                 return None
             out = api.linear(x, self.weight, self.bias, self.activation)
-            self._pending = (x, None if compiling else self._versions(x), out)
+            self._pending = (x, versions, out)
         else:
             pending = self._pending
             if pending is None or pending[0] is not x or (not compiling and pending[1] != self._versions(x)):
@@ -130,11 +133,16 @@ class Siblings:
         start, stop = self.columns[layer]
         return out[..., start:stop]
 
-    def _versions(self, x: torch.Tensor) -> tuple:
+    def _versions(self, x: torch.Tensor) -> tuple | None:
         """What an in-place change of the input or of a layer's weight or bias since the first
-        layer's call would change (a parameter whose ``.data`` is a view keeps its own counter)."""
-        return (x._version, *(layer.weight._version for layer in self.layers),
-                *(() if self.bias is None else (layer.bias._version for layer in self.layers)))
+        layer's call would change (a parameter whose ``.data`` is a view keeps its own counter);
+        None where one of them keeps no counter (an inference tensor, made under
+        ``torch.inference_mode``), whose changes cannot be seen: such calls run alone."""
+        try:
+            return (x._version, *(layer.weight._version for layer in self.layers),
+                    *(() if self.bias is None else (layer.bias._version for layer in self.layers)))
+        except RuntimeError:
+            return None
 
     def _joined(self) -> bool:
         """Whether every layer still holds the parameters that were joined, of the joined
