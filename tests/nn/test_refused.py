@@ -1,6 +1,7 @@
 """What optimize leaves untouched (gemmtune.nn.refused): shared parameters, meta weights, dtypes
-gemmtune does not serve, non-contiguous weights, a Conv1D computing something else, and a CPU
-model beside a GPU; one log line, outputs unchanged, the other layers taken."""
+gemmtune does not serve, non-contiguous weights, a forward set on the instance, a Conv1D computing
+something else, and a CPU model beside a GPU; one log line, outputs unchanged, the other layers
+taken."""
 
 import copy
 import logging
@@ -123,3 +124,45 @@ def test_a_cpu_model_beside_a_gpu_is_left_unchanged(monkeypatch, caplog):
 def test_the_summary_names_a_few_layers_per_reason():
     text = refused.summary({f"l{i}": "why" for i in range(5)} | {"": "other"})
     assert text == "gemmtune.optimize: 6 layers left to torch (why: l0, l1, l2 and 2 more; other: (the model itself))"
+
+
+def wrapped(module: nn.Module) -> nn.Module:
+    """A forward set on the instance, as accelerate's hooks set one on a model dispatched over
+    devices: it calls the forward the module had."""
+    old = module.forward
+
+    def forward(*args, **kwargs):
+        return old(*args, **kwargs)
+
+    module.forward = forward
+    return module
+
+
+def test_a_layer_whose_forward_is_set_on_the_instance_is_left_to_torch(caplog):
+    """Its calls go to that forward, never to gemmtune's: taken over, the ReLU fused into it
+    was lost (the model's output changed)."""
+    model = two_layers()
+    wrapped(model[0])
+    reference = copy.deepcopy(model)
+    messages = optimized(model, caplog)
+    assert type(model[0]) is nn.Linear and type(model[1]) is nn.ReLU and type(model[2]) is gnn.Linear
+    assert messages == ["gemmtune.optimize: 1 layer left to torch (a forward set on the module itself "
+                        "(a wrapper, such as accelerate's hooks): 0)"]
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(model(x), reference(x))
+
+
+def test_an_activation_whose_forward_is_set_on_the_instance_is_not_fused():
+    model = two_layers()
+    wrapped(model[3])
+    reference = copy.deepcopy(model)
+    gemmtune.optimize(model, check=False)
+    assert model[0].activation == "relu" and model[2].activation == "none" and type(model[3]) is nn.GELU
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(model(x), reference(x))
+
+
+def test_attention_whose_forward_is_set_on_the_instance_is_left_to_torch():
+    model = wrapped(nn.MultiheadAttention(8, 2))
+    gemmtune.optimize(model, check=False)
+    assert type(model) is nn.MultiheadAttention

@@ -111,7 +111,8 @@ def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
     model. A Conv1D keeps its class's behaviour and parameters, its weight stored as the transposed
     view of an (N, K) buffer (``gemmtune.nn.conv1d`` says which layers, and how). A layer gemmtune
     cannot take (a parameter shared with another module, meta weights, a dtype it does not serve,
-    a non-contiguous weight) is left untouched, and one log line names it and why; a model whose
+    a non-contiguous weight, a forward set on the instance) is left untouched, and one log line
+    names it and why; a model whose
     parameters all lie on the CPU while a GPU is present is left unchanged, with one log line
     (``gemmtune.nn.refused``).
 

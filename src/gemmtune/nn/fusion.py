@@ -23,11 +23,12 @@ layer whose output has one user, a call of the activation on it alone, where the
 activation are each called once in the graph and each registered in the model once, under that
 parent. Neither, there or in an ``nn.Sequential``, may have a hook that would see the fusion:
 the layer's forward and backward hooks (they would get the activation's output or its
-gradient), the activation's hooks of any kind (it would no longer be called); hooks registered
-after ``optimize`` on a fused layer do see its activation's output. A module between them (a
-dropout, a no-op in eval mode) makes them no pair. A forward wrapped by a decorator that keeps ``__wrapped__`` (transformers'
-checkpointing layers) is read as the function it wraps; a ``**kwargs`` parameter is traced as
-empty, and a forward that reads it (rather than passing it on) is not traced. A forward that fx
+gradient), the activation's hooks of any kind or a forward set on its instance (it would no
+longer be called); hooks registered after ``optimize`` on a fused layer do see its activation's
+output. A module between them (a dropout, a no-op in eval mode) makes them no pair. A forward
+wrapped by a decorator that keeps ``__wrapped__`` (transformers' checkpointing layers) is read
+as the function it wraps; a ``**kwargs`` parameter is traced as empty, and a forward that reads
+it (rather than passing it on) is not traced. A forward that fx
 cannot trace (control flow on tensor values or shapes, calls of modules not registered) gets no
 fusion (a debug log line). The trace runs the forward's Python code on fx proxies. A forward
 that changes the state of its module or of its children while traced (an attribute set, a list
@@ -153,9 +154,11 @@ def _in_sequence(parent: nn.Sequential, is_layer: Callable, registered: dict) ->
 def _hooked(layer: nn.Module, act: nn.Module) -> bool:
     """Whether a hook would see the pair's fusion: a forward or backward hook of the layer (it
     would get the activation's output, or its gradient, in place of the layer's) or any hook of
-    the activation (its module would no longer be called)."""
+    the activation, or a forward set on the activation module itself (a wrapper: its module would
+    no longer be called)."""
     return bool(layer._forward_hooks or layer._backward_hooks or layer._backward_pre_hooks
-                or act._forward_hooks or act._forward_pre_hooks or act._backward_hooks or act._backward_pre_hooks)
+                or act._forward_hooks or act._forward_pre_hooks or act._backward_hooks or act._backward_pre_hooks
+                or "forward" in vars(act))
 
 
 class _Proxy(fx.Proxy):

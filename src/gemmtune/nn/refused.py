@@ -10,6 +10,9 @@ wrong output or a slower call.
 - A weight that is not contiguous (an ``nn.Linear``'s; a Conv1D's is contiguous once transposed):
   gemmtune serves any strides, but a layout it was not tuned for costs a copy or a slower kernel
   on every call.
+- A forward set on the module itself (accelerate's hooks for a model dispatched over devices, any
+  wrapper put on the instance): calls go to it, not to the class's, so gemmtune's forward would
+  never run, and an activation fused into the layer would be lost.
 
 A model whose parameters all lie on the CPU while a CUDA GPU is present is left unchanged as a
 whole (``on_the_cpu``): its calls would run torch's kernels, so optimize after ``model.cuda()``.
@@ -36,6 +39,8 @@ def reason(layer: nn.Module, held: Counter, *, restored: bool = False,
     when taken, so its layout does not matter) is left to torch, or None where gemmtune can take
     it; ``held``: ``holders`` of the model. ``weight``: the one its GEMM reads, where it is not
     ``layer.weight`` (an attention's input projection)."""
+    if "forward" in vars(layer):
+        return "a forward set on the module itself (a wrapper, such as accelerate's hooks)"
     weight = layer.weight if weight is None else weight
     own = [p for p in layer._parameters.values() if p is not None]
     if any(held[id(p)] > 1 for p in own):
