@@ -25,7 +25,7 @@ from gemmtune import backends
 from gemmtune.device import current
 from gemmtune.problem import Problem
 from gemmtune.results import TuneResult
-from gemmtune.serving import recording
+from gemmtune.serving import calls, recording
 from gemmtune.tuning import measure
 
 log = logging.getLogger("gemmtune")
@@ -39,7 +39,7 @@ GEMMTUNE_ATTRIBUTES = ("activation", "fused", "siblings", "aligned", "torch_when
 # what a taken-over layer's forward asks on every call, looked up once
 is_compiling = torch.compiler.is_compiling
 capturing = torch.cuda.is_current_stream_capturing
-any_autocast = torch._C._is_any_autocast_enabled  # where on, torch's forward: autocast casts its operands
+any_autocast = calls.any_autocast  # where on, torch's forward: autocast casts its operands
 
 
 class TakenOver:
