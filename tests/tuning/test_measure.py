@@ -296,6 +296,60 @@ def test_the_gpu_path_stops_after_its_pricing_rounds_and_takes_at_least_its_mini
         assert [rounds for _, rounds in asked] == ([2] if expected == 2 else [2, expected - 2])
 
 
+def test_session_rounds_split_the_rounds_evenly_with_the_pricing_rounds_in_the_first():
+    assert measure.session_rounds(20, 1) == [20]
+    assert measure.session_rounds(20, 3) == [7, 7, 6]
+    assert measure.session_rounds(21, 4) == [6, 5, 5, 5]
+    assert measure.session_rounds(5, 4) == [3, 2]  # a block has two rounds at least
+    assert measure.session_rounds(2, 4) == [2]
+    for rounds in range(2, 60):
+        for sessions in range(1, 7):
+            blocks = measure.session_rounds(rounds, sessions)
+            assert sum(blocks) == rounds and min(blocks) >= 2 and len(blocks) <= sessions
+
+
+def test_each_session_captures_its_graphs_and_flush_buffer_anew(monkeypatch, clock, fake_cuda):
+    """sessions=3 over a budget of 20 rounds: the pricing rounds and 5 more on the first graphs,
+    then 7 and 6 rounds each on graphs captured again, every block warmed up and given a flush
+    buffer of its own, each block's order drawn from the next seed."""
+    asked, captures = [], []
+
+    def fake_round(fns, flush, *, rounds, rng):
+        asked.append((sorted(fns), rounds, rng.random()))
+        clock.advance(2.0 * rounds)
+        return {name: [float(len(captures))] * rounds for name in fns}
+
+    def fake_graphed(fns):
+        captures.append(sorted(fns))
+        return {name: (lambda name=name, n=len(captures): warmed.append((name, n))) for name in fns}
+
+    monkeypatch.setattr(measure, "_cuda_round", fake_round)
+    monkeypatch.setattr(measure, "graphed", fake_graphed)
+    warmed = []
+    timings = measure.measure({"a": lambda: None, "b": lambda: None}, GPU, budget_ms=40.0, min_rounds=10, seed=3,
+                              sessions=3)
+    assert captures == [["a", "b"]] * 3 and len(fake_cuda.buffers) == 3
+    assert sorted(warmed) == [("a", 1), ("a", 2), ("a", 3), ("b", 1), ("b", 2), ("b", 3)]
+    assert [(rounds, seed) for _, rounds, seed in asked] == [
+        (2, random.Random(3).random()), (5, random.Random(4).random()), (7, random.Random(5).random()),
+        (6, random.Random(6).random())]
+    assert timings["a"].samples == (1.0,) * 7 + (2.0,) * 7 + (3.0,) * 6  # each session's graphs timed
+
+
+def test_where_capture_failed_the_later_sessions_time_plain_calls_without_trying_again(monkeypatch, clock,
+                                                                                        fake_cuda):
+    captures = []
+
+    def fake_round(fns, flush, *, rounds, rng):
+        clock.advance(2.0 * rounds)
+        return {name: [1.0] * rounds for name in fns}
+
+    monkeypatch.setattr(measure, "_cuda_round", fake_round)
+    monkeypatch.setattr(measure, "graphed", lambda fns: captures.append(1) or dict(fns))  # as when capture fails
+    timings = measure.measure({"a": lambda: None}, GPU, budget_ms=40.0, min_rounds=10, sessions=4)
+    assert captures == [1] and len(timings["a"].samples) == 20
+
+
 # ----- the host's cost of a call ----------------------------------------------------------------
 
 def test_host_times_is_the_fastest_repeat_per_call_without_the_warm_up(clock):

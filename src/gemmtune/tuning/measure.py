@@ -6,11 +6,18 @@ reads 2-3x faster than it will inside a model. Candidates are measured in interl
 (each round times every candidate once, in a shuffled order) so clock and thermal drift hit
 all of them alike. Raw samples are kept; selection reads their median and spread.
 
-Each candidate is captured once into a CUDA graph and the graph is replayed between the events:
+Each candidate is captured into a CUDA graph and the graph is replayed between the events:
 otherwise any host stall between the start event and the kernel's launch (a slow Python path,
 the vCPU descheduled) lands in the sample, and did, by up to 3x on 10 µs GEMMs. What the host
 path costs is measured apart, by ``host_loop_ms``. A candidate that cannot be captured (a host
 sync inside) sends the whole comparison back to plain launches, so all sides stay alike.
+
+A measurement may be taken in ``sessions``: its rounds split into blocks, each candidate captured
+anew (and the flush buffer allocated anew) for each. A captured graph of a short kernel keeps an
+offset of its own for as long as it is replayed: two measurements of the same graphs' candidates
+on the same buffers, one after the other, read a 7-14 µs kernel's ratio to cuBLAS a median 0.8%
+apart, twice what their rounds' spread says (docs/tuning-time.md, "What moves a reading"). In
+sessions those offsets are averaged over, and the rounds' spread shows them.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ MIN_FLUSH_BYTES = 256 << 20
 
 def measure(fns: Mapping[str, Callable[[], object]], device: Device, *, budget_ms: float = 400.0,
             min_rounds: int = MIN_ROUNDS, seed: int = 0, graphs: bool = True,
-            stop: Callable[[dict[str, Timing]], bool] | None = None) -> dict[str, Timing]:
+            stop: Callable[[dict[str, Timing]], bool] | None = None, sessions: int = 1) -> dict[str, Timing]:
     """Time each zero-argument callable; returns their samples in milliseconds. ``budget_ms``
     of wall time, at least ``min_rounds`` rounds, except that rounds too long to take that
     many within LONG_ROUNDS budgets take fewer (at least FEWEST_ROUNDS, or min_rounds if fewer):
@@ -48,6 +55,8 @@ def measure(fns: Mapping[str, Callable[[], object]], device: Device, *, budget_m
     ends the measurement there when it answers True (a candidate that cannot win).
 
     ``graphs`` replays each callable from a CUDA graph (GPU time alone); False times plain calls.
+    ``sessions``: the rounds split into that many blocks (at most one a round), the graphs
+    captured anew for each (see the module's docstring).
     """
     if not fns:
         return {}
@@ -60,33 +69,57 @@ def measure(fns: Mapping[str, Callable[[], object]], device: Device, *, budget_m
     try:
         if device.interpreter:
             return _measure_cpu(fns, rounds=max(3, min_rounds // 3), seed=seed, stop=stop)
-        runners = graphed(fns) if graphs else dict(fns)
-        return _measure_cuda(runners, device, budget_ms=budget_ms, min_rounds=min_rounds, seed=seed, stop=stop)
+        return _measure_cuda(fns, device, budget_ms=budget_ms, min_rounds=min_rounds, seed=seed, stop=stop,
+                             graphs=graphs, sessions=sessions)
     finally:
         if was_enabled:
             gc.enable()
 
 
-def _measure_cuda(fns, device, *, budget_ms, min_rounds, seed, stop) -> dict[str, Timing]:
+def _measure_cuda(fns, device, *, budget_ms, min_rounds, seed, stop, graphs, sessions) -> dict[str, Timing]:
     """Two rounds first, timed on the host's clock: what a round really costs (the flush
     included, which takes longer on fewer SMs), so the rest fills ``budget_ms`` of wall time
-    at any SM count. Those two rounds are samples too."""
+    at any SM count. Those two rounds are samples too, the first session's first."""
     import torch
 
-    flush = torch.empty(max(2 * device.l2_bytes, MIN_FLUSH_BYTES) // 4, dtype=torch.int32, device="cuda")
-    for fn in fns.values():  # warm-up: compiles, loads modules, creates handles
-        fn()
-    torch.cuda.synchronize()
+    runners, flush = _session(fns, device, graphs)
+    graphs = graphs and not any(runners.get(name) is fn for name, fn in fns.items())  # False: capture failed
     started = time.perf_counter()
-    samples = _cuda_round(fns, flush, rounds=2, rng=random.Random(seed))
+    samples = _cuda_round(runners, flush, rounds=2, rng=random.Random(seed))
     per_round_ms = (time.perf_counter() - started) * 1e3 / 2
     if stop is not None and stop(_timings(samples)):
         return _timings(samples)
     rounds = _rounds(budget_ms, min_rounds, per_round_ms)
-    if rounds > 2:
-        more = _cuda_round(fns, flush, rounds=rounds - 2, rng=random.Random(seed + 1))
-        samples = {name: samples[name] + more[name] for name in samples}
+    for index, count in enumerate(session_rounds(rounds, sessions)):
+        if index:
+            del runners, flush  # the last session's graphs and buffer go before the next are made
+            torch.cuda.synchronize()
+            runners, flush = _session(fns, device, graphs)
+        count -= 2 if index == 0 else 0
+        if count > 0:
+            more = _cuda_round(runners, flush, rounds=count, rng=random.Random(seed + 1 + index))
+            samples = {name: samples[name] + more[name] for name in samples}
     return _timings(samples)
+
+
+def session_rounds(rounds: int, sessions: int) -> list[int]:
+    """``rounds`` split into ``sessions`` blocks as even as can be, the larger first; one block a
+    round at most, and the first at least the two rounds that measure a round's cost."""
+    count = max(1, min(sessions, rounds // 2))
+    return [rounds // count + (1 if index < rounds % count else 0) for index in range(count)]
+
+
+def _session(fns, device, graphs: bool):
+    """The callables to time (each captured in a CUDA graph where ``graphs``), warmed up, and a
+    flush buffer: what one session of a measurement times with."""
+    import torch
+
+    runners = graphed(fns) if graphs else dict(fns)
+    flush = torch.empty(max(2 * device.l2_bytes, MIN_FLUSH_BYTES) // 4, dtype=torch.int32, device="cuda")
+    for fn in runners.values():  # warm-up: compiles, loads modules, creates handles
+        fn()
+    torch.cuda.synchronize()
+    return runners, flush
 
 
 def _rounds(budget_ms: float, min_rounds: int, per_round_ms: float) -> int:
