@@ -14,10 +14,10 @@ sync inside) sends the whole comparison back to plain launches, so all sides sta
 
 A measurement may be taken in ``sessions``: its rounds split into blocks, each candidate captured
 anew (and the flush buffer allocated anew) for each. A captured graph of a short kernel keeps an
-offset of its own for as long as it is replayed: two measurements of the same graphs' candidates
-on the same buffers, one after the other, read a 7-14 µs kernel's ratio to cuBLAS a median 0.8%
-apart, twice what their rounds' spread says (docs/tuning-time.md, "What moves a reading"). In
-sessions those offsets are averaged over, and the rounds' spread shows them.
+offset of its own for as long as it is replayed: two measurements of the same candidates on the
+same buffers, one after the other, read a 7-100 µs kernel's ratio to cuBLAS a median 0.8% apart,
+twice what their rounds' spread leads one to expect (docs/tuning-time.md, "What moves a
+reading"). In sessions those offsets are averaged over, and the rounds' spread shows them.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def measure(fns: Mapping[str, Callable[[], object]], device: Device, *, budget_m
     ends the measurement there when it answers True (a candidate that cannot win).
 
     ``graphs`` replays each callable from a CUDA graph (GPU time alone); False times plain calls.
-    ``sessions``: the rounds split into that many blocks (at most one a round), the graphs
+    ``sessions``: the rounds split into that many blocks (of two rounds at least), the graphs
     captured anew for each (see the module's docstring).
     """
     if not fns:
@@ -103,8 +103,8 @@ def _measure_cuda(fns, device, *, budget_ms, min_rounds, seed, stop, graphs, ses
 
 
 def session_rounds(rounds: int, sessions: int) -> list[int]:
-    """``rounds`` split into ``sessions`` blocks as even as can be, the larger first; one block a
-    round at most, and the first at least the two rounds that measure a round's cost."""
+    """``rounds`` split into at most ``sessions`` blocks as even as can be, the larger first, each
+    of two rounds at least (the first holds the two that measure a round's cost)."""
     count = max(1, min(sessions, rounds // 2))
     return [rounds // count + (1 if index < rounds % count else 0) for index in range(count)]
 
