@@ -24,7 +24,9 @@ and the file says:
   side by side with cuBLAS on GPU 0, in rounds like the tuner's final ones; ``kernel`` and
   ``cost`` are the other choice's over plain's (medians of per-round ratios, with their noise),
   and ``within_noise`` counts the differences where both are level (see ``crosscheck``); each
-  difference says where it ``started`` (the final rounds, a screening cut, or screening).
+  difference says where it ``started`` (the final rounds, a screening cut, or screening). The
+  ``--gpus all`` run's differences are crosschecked on each other GPU too (``on_gpu1``, ...):
+  half its problems were tuned there, and two chips of one model need not read alike.
 
     PYTHONPATH=src python3 benchmarks/fleet.py --out fleet.json [--count 200] [--keep DIR]
 
@@ -181,41 +183,50 @@ def graph_kernel(store, record) -> str:
     return (pick or record).label()
 
 
-def crosscheck(comparison: dict, budget_ms: float) -> None:
-    """Each difference's two choices timed side by side on GPU 0 with cuBLAS, as the tuner's final
-    rounds time its finalists: ``kernel`` and ``cost`` (a user's call, the time selection judges)
-    of the other choice over plain's, each the median of per-round ratios with its ``*_noise``
-    (the half inter-quartile range of those ratios), and ``host``, the host's time per call, where
-    the kernels are short enough for it to be measured. A difference is within noise where both
-    its kernel and its cost are level (within max(MIN_GAIN, noise)) with plain's."""
+def crosscheck(comparison: dict, budget_ms: float, gpu: int = 0) -> None:
+    """Each difference's two choices timed side by side on ``gpu`` with cuBLAS, as the tuner's
+    final rounds time its finalists: ``kernel`` and ``cost`` (a user's call, the time selection
+    judges) of the other choice over plain's, each the median of per-round ratios with its
+    ``*_noise`` (the half inter-quartile range of those ratios), and ``host``, the host's time per
+    call, where the kernels are short enough for it to be measured. A difference is within noise
+    where both its kernel and its cost are level (within max(MIN_GAIN, noise)) with plain's. On
+    GPU 0 the readings are the difference's own fields and ``within_noise`` the comparison's
+    count; on another GPU they go under ``on_gpu<N>`` (each difference's and the comparison's):
+    whether two GPUs of one model read the same two choices alike."""
     from gemmtune.device import current
     from gemmtune.problem import Problem
     from gemmtune.results import Status, Trial
     from gemmtune.tuning.runner import LocalRunner
     from gemmtune.tuning.tuner import MIN_GAIN, MIN_ROUNDS_FINAL
 
-    runner = LocalRunner(current())
+    if torch.cuda.is_available():
+        torch.cuda.set_device(gpu)
+    runner = LocalRunner(current(gpu if torch.cuda.is_available() else None))
     within = 0
     for difference in comparison["differences"]:
         if difference.get("missing"):
             continue
+        readings = difference if gpu == 0 else difference.setdefault(f"on_gpu{gpu}", {})
         runner.start(Problem.from_key(difference["problem"]), seed=0)
         pair = [tuple(difference["plain"]), tuple(difference["other"])]
         final = runner.final([("cublas", {}), *pair], budget_ms, MIN_ROUNDS_FINAL)
         mine, theirs = (final.get(Trial(backend, config, Status.OK).label()) for backend, config in pair)
         if mine is None or theirs is None:
-            difference["failed"] = "a choice failed its build or check in the crosscheck"
+            readings["failed"] = "a choice failed its build or check in the crosscheck"
             continue
         level = True
         for i, what in enumerate(("kernel", "cost")):
             ratio, noise = theirs[i].ratio_to(mine[i]), theirs[i].spread_against(mine[i])
-            difference[what], difference[f"{what}_noise"] = ratio, noise
+            readings[what], readings[f"{what}_noise"] = ratio, noise
             level = level and abs(ratio - 1.0) <= max(MIN_GAIN, noise)
         if mine[2] is not None and theirs[2] is not None:
-            difference["host"] = theirs[2].ratio_to(mine[2])
-        difference["within_noise"] = level
+            readings["host"] = theirs[2].ratio_to(mine[2])
+        readings["within_noise"] = level
         within += level
-    comparison["within_noise"] = within
+    if gpu == 0:
+        comparison["within_noise"] = within
+    else:
+        comparison[f"on_gpu{gpu}"] = {"within_noise": within}
 
 
 def scale_file(result: dict) -> dict:
@@ -285,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_CACHE_DIR"] = str(work / "crosscheck-triton")
         for comparison in (result, result["repeat"]):
             crosscheck(comparison, args.crosscheck_ms)
+            out.write_text(json.dumps(result, indent=1))
+        for other in range(1, gpus if gpu else 1):  # the --gpus all run's differences, on each other GPU
+            crosscheck(result, args.crosscheck_ms, other)
             out.write_text(json.dumps(result, indent=1))
     if args.scale_out:
         args.scale_out.write_text(json.dumps(scale_file(result), indent=1))

@@ -77,3 +77,23 @@ def test_a_difference_says_where_it_started(tmp_path):
                                 ("screening.sqlite", (1, 2, 3), "screening")):
         store = other(name, cut)
         assert module.started(first, store, ours, store.choices()[0]) == expected, name
+
+
+def test_the_crosscheck_reads_each_difference_on_gpu_0_in_place_and_on_another_gpu_apart():
+    """Under the interpreter (both 'GPUs' the CPU): a difference between cuBLAS and a tiled kernel
+    gets its kernel and cost ratios with their noise on GPU 0 as its own fields, and on GPU 1
+    under ``on_gpu1``; a missing problem is left alone; each comparison counts what was level."""
+    key = Problem(7, 16, 16, "float32", "linear").key()
+    comparison = {"differences": [{"problem": key, "plain": ["cublas", {}], "other": ["triton_tiled", tile(16)]},
+                                  {"problem": key, "missing": True}]}
+    crosscheck = fleet().crosscheck
+    crosscheck(comparison, 5.0)
+    crosscheck(comparison, 5.0, gpu=1)
+    first, missing = comparison["differences"]
+    assert set(missing) == {"problem", "missing"}
+    for readings in (first, first["on_gpu1"]):
+        assert readings["kernel"] > 0 and readings["cost"] > 0 and readings["kernel_noise"] >= 0
+        assert isinstance(readings["within_noise"], bool)
+    assert "on_gpu1" not in first["on_gpu1"]
+    assert comparison["within_noise"] == int(first["within_noise"])
+    assert comparison["on_gpu1"] == {"within_noise": int(first["on_gpu1"]["within_noise"])}
