@@ -7,6 +7,7 @@ computed from files is kept with their ``stamp`` (``kept_answer``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -61,3 +62,15 @@ def kept_answer(memo: Path, stamp: Callable[[], str], compute: Callable[[], str]
     key = compute()
     write(memo, {"stamp": current, "key": key})
     return key
+
+
+def remembered(memo: Path, stamp: Callable[[], str], compute: Callable[[], str]) -> Callable[[], str]:
+    """A stand-in for ``compute``, a library's own zero-argument function: ``kept_answer`` once a
+    process, then that answer. Marked ``gemmtune_memo``, so that installing it twice is seen."""
+
+    @functools.lru_cache(maxsize=1)
+    def answer() -> str:
+        return kept_answer(memo, stamp, compute)
+
+    answer.gemmtune_memo = True
+    return answer

@@ -15,7 +15,6 @@ and the file keeps it. The file holds one string; nothing read from it is execut
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -61,12 +60,7 @@ def memoized(compute: Callable[[], str], sources: Callable[[], Sequence[Path]], 
         roots = list(sources())
         return memo_file.stamp(python_files(roots), *versions, *map(str, roots))
 
-    @functools.lru_cache(maxsize=1)
-    def _compute_source_fingerprint() -> str:
-        return memo_file.kept_answer(memo, stamp, compute)
-
-    _compute_source_fingerprint.gemmtune_memo = True
-    return _compute_source_fingerprint
+    return memo_file.remembered(memo, stamp, compute)
 
 
 def python_files(roots: Sequence[Path]) -> list[Path]:

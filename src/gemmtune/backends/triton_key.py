@@ -13,7 +13,6 @@ is executed, and a file that cannot be read or written is ignored.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -43,13 +42,7 @@ def install() -> None:
 def memoized(compute: Callable[[], str], root: Path, own_file: Path, memo: Path) -> Callable[[], str]:
     """``compute`` (Triton's ``triton_key``) answered from ``memo`` where the files under ``root``
     it hashes are as they were when the key was stored."""
-
-    @functools.lru_cache(maxsize=None)
-    def triton_key() -> str:
-        return memo_file.kept_answer(memo, lambda: file_stamp(root, own_file), compute)
-
-    triton_key.gemmtune_memo = True
-    return triton_key
+    return memo_file.remembered(memo, lambda: file_stamp(root, own_file), compute)
 
 
 def file_stamp(root: Path, own_file: Path) -> str:
