@@ -61,3 +61,21 @@ def _block_amax(t: torch.Tensor, rows: int) -> torch.Tensor:
     padded = torch.nn.functional.pad(t.abs(), (0, pad_k, 0, pad_r))
     view = padded.reshape((r + pad_r) // rows, rows, (k + pad_k) // SCALE_BLOCK, SCALE_BLOCK)
     return view.amax(dim=(1, 3)).contiguous()
+
+
+def check_scales(scaling: str, m: int, n: int, k: int, scale_a, scale_b) -> None:
+    """Scales of the shapes ``Problem.scaling`` lays (the kernels read them unchecked: a smaller
+    tensor would be read past its end), else a ValueError naming the argument."""
+    if scaling == "block":
+        blocks_k = -(-k // SCALE_BLOCK)
+        expected = {"scale_a": ((m, blocks_k), scale_a), "scale_b": ((-(-n // SCALE_BLOCK), blocks_k), scale_b)}
+        for name, (shape, scale) in expected.items():
+            if tuple(scale.shape) != shape:
+                raise ValueError(f"{name} of shape {tuple(scale.shape)} for block scaling of a {m}x{n}x{k} "
+                                 f"product; accepted: {shape}")
+        return
+    for name, scale, count in (("scale_a", scale_a, m), ("scale_b", scale_b, n)):
+        count = 1 if scaling == "tensor" else count
+        if scale.numel() != count:
+            raise ValueError(f"{name} has {scale.numel()} elements for {scaling} scaling of a "
+                             f"{m}x{n}x{k} product; accepted: {count}")

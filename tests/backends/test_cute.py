@@ -30,15 +30,16 @@ def test_the_spaces_of_hopper_and_blackwell():
 
 
 @pytest.mark.parametrize("arch", [9, 10])
-def test_every_config_round_trips_through_the_store(arch):
+@pytest.mark.parametrize("scaled", [False, True])
+def test_every_config_round_trips_through_the_store(arch, scaled):
     backend = get("cute")
-    for config in cute.space_of(arch):
+    for config in cute.space_of(arch, scaled):
         assert backend.parse_config(config.as_dict()) == config
         assert config.key().startswith(f"arch={arch},tile_m=")
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"tile_n": 96}, "not in sm_90's space"),
+    ({"tile_n": 112}, "not in sm_90's space"),
     ({"tile_m": 256, "pingpong": True}, "not in sm_90's space"),
     ({"cluster_m": 4}, "not in sm_90's space"),
     ({"dynamic_persistent": True}, "not in sm_90's space"),
@@ -134,6 +135,52 @@ def test_a_config_counts_as_compiled_once_its_first_call_left_its_marker(monkeyp
     kernel_library_versions.cache_clear()
 
 
+def test_fp8_products_scaled_per_tensor_or_row_run_as_themselves_on_tiles_of_their_own():
+    """An fp8 product runs as itself (a row's scales would lie along the other side of the
+    transpose), on the tiles whose two float32 accumulators fit a thread's registers on sm_90
+    (Blackwell: its 16-bit tiles); none where it has few rows, block scales or an activation, or
+    K rows of other than 16 bytes."""
+    fp8 = list(cute.space_of(9, scaled=True))
+    assert len(fp8) == 20 and not any(c.swap_ab for c in fp8)
+    assert all(c.tile_m * c.tile_n // (128 if c.pingpong else 256) <= 104 for c in fp8)
+    assert {(c.tile_m, c.tile_n, c.pingpong) for c in cute.space_of(10, scaled=True)} == set(cute.TILES[10])
+    for dtype in cute.SCALED_DTYPES:
+        for scaling in cute.SCALINGS:
+            problem = Problem(2048, 4096, 4096, dtype, bias=True, scaling=scaling)
+            assert cute.takes(problem) and cute.space(problem, H100) == fp8
+    # 128 fp8 elements of K a stage, as many bytes as 64 16-bit ones: a wider output alone prunes more
+    assert len(cute.space(Problem(2048, 4096, 4096, "float8_e4m3fn", scaling="row", out_dtype="float32"),
+                          SMALL_SMEM)) < len(cute.space(Problem(2048, 4096, 4096, "float8_e4m3fn", scaling="row"),
+                                                        SMALL_SMEM))
+    for problem in (Problem(32, 4096, 4096, "float8_e4m3fn", scaling="row"),
+                    Problem(2048, 4096, 4096, "float8_e4m3fn", scaling="block"),
+                    Problem(2048, 4096, 4096, "float8_e4m3fn", scaling="tensor", activation="gelu"),
+                    Problem(2048, 4096, 4104, "float8_e4m3fn", scaling="tensor")):
+        assert cute.space(problem, H100) == [], problem.describe()
+
+
+def test_fp8_configs_are_ranked_as_tiles_of_their_own_k_and_rate():
+    backend, problem = get("cute"), Problem(8192, 4096, 4096, "float8_e4m3fn", scaling="row")
+    for config in cute.space(problem, H100):
+        assert 0 < backend.predict_ms(problem, H100, config) < backend.predict_ms(Problem(8192, 4096, 4096), H100, config)
+
+
+def test_an_fp8_kernel_is_compiled_once_per_scaling_and_output(monkeypatch):
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.0")
+    kernel_library_versions.cache_clear()
+    try:
+        config = cute.space(Problem(2048, 4096, 4096), H100)[0]
+        kinds = [Problem(2048, 4096, 4096, dtype, scaling=scaling, out_dtype=out)
+                 for dtype in cute.SCALED_DTYPES for scaling in cute.SCALINGS for out in ("bfloat16", "float32")]
+        markers = {cute.marker(p, config) for p in kinds + [Problem(2048, 4096, 4096)]}
+        assert len(markers) == len(kinds) + 1
+        # another shape of the same kind: the same kernel
+        assert cute.marker(Problem(128, 1024, 512, "float8_e4m3fn", scaling="row"), config) == \
+            cute.marker(Problem(2048, 4096, 4096, "float8_e4m3fn", scaling="row"), config)
+    finally:
+        kernel_library_versions.cache_clear()
+
+
 class _Pending(BaseException):
     """What QuACK's compile cache raises while a worker compiles the call's kernel (a
     BaseException, as QuACK's ``CompilePending``)."""
@@ -220,6 +267,35 @@ class _TorchQuack:
 
         return Mod()
 
+    @property
+    def scaled_mods(self):
+        """The fp8 epilogues: gemmtune's own epilogue functions, on the float64 sums of torch."""
+        quack = self
+
+        class Plan:
+            def __init__(self, layout, epilogue):
+                self.layout, self.epilogue = layout, epilogue
+
+            def run(self, a, b_kn, *, out, tile_count_semaphore, scale_a, scale_b, **bias):
+                assert (a.shape, a.stride(), scale_a.shape, scale_b.shape, tuple(bias)) == self.layout
+                assert scale_a.is_contiguous() and scale_b.is_contiguous()
+                quack.launched += 1
+                acc = a.double() @ b_kn.double()
+                vectors = {"scale_a": scale_a.double().reshape(-1, 1), "scale_b": scale_b.double().reshape(1, -1)}
+                vectors.update({name: v.double() for name, v in bias.items()})
+                out["D"].copy_(self.epilogue(acc, **vectors)["D"])
+
+        class Mod:
+            def __init__(self, epilogue):
+                self.epilogue = epilogue
+
+            def plan(self, a, b_kn, *, out, config, scale_a, scale_b, **bias):
+                quack.resolved += 1
+                return Plan((a.shape, a.stride(), scale_a.shape, scale_b.shape, tuple(bias)), self.epilogue)
+
+        return {(scaling, bias): Mod(cute.scaled_bias_epilogue if bias else cute.scaled_epilogue)
+                for scaling in cute.SCALINGS for bias in (False, True)}
+
 
 _GEMMTUNE_NAME = {quack: name for name, quack in cute.EPILOGUES.items()}
 
@@ -265,6 +341,45 @@ def test_each_layout_of_operands_is_resolved_once_then_replayed(monkeypatch, act
     assert kernel.bind(*operands(5)) is None
     a, b, bias_t = operands(11, 3)
     assert kernel.bind(a.transpose(0, 1), b, bias_t) is None
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_an_fp8_product_is_scaled_in_the_epilogue_and_replayed_per_layout(monkeypatch, scaling, bias):
+    """The fp8 kernel's epilogue functions (gemmtune's, run here on torch's sums) against the
+    float64 product of the dequantized operands: scales given as ``Problem.scaling`` lays them
+    ((M, 1) and (N, 1) per row, even as strided views), a layout seen before replayed, the output
+    written into ``out`` where given, in the problem's output dtype where not."""
+    from gemmtune.scaling import dequantize, quantize
+
+    quack = _TorchQuack()
+    monkeypatch.setattr(cute, "_quack", lambda: quack)
+    monkeypatch.setattr(cute, "_leave", lambda path: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    m, n, k = 70, 48, 64
+    problem = Problem(m, n, k, "float8_e4m3fn", bias=bias, scaling=scaling, out_dtype="float32")
+    kernel = get("cute").build(problem, cute.space(problem, H100)[0], H100)
+    assert isinstance(kernel, cute.CuteScaledKernel) and kernel.bind(None, None, None) is None
+
+    def operands(strided_scales=False):
+        (a, sa), (b, sb) = (quantize(torch.randn(rows, k), torch.float8_e4m3fn, scaling, weight)
+                            for rows, weight in ((m, False), (n, True)))
+        if strided_scales and scaling == "row":
+            sa = torch.zeros(m, 2)[:, :1].copy_(sa)
+        bias_t = torch.randn(n) if bias else None
+        expected = dequantize(a, sa, scaling, False) @ dequantize(b, sb, scaling, True).t()
+        return (a, b, bias_t, sa, sb), expected + (bias_t.double() if bias else 0)
+
+    for resolved, strided in [(1, False), (1, False), (1, True)]:
+        inputs, expected = operands(strided)
+        out = kernel(*inputs)
+        assert out.dtype == torch.float32 and (out.double() - expected).abs().max() < 1e-4 * expected.abs().max()
+        assert quack.resolved == resolved
+    inputs, expected = operands()
+    given = torch.full((m, n), float("nan"))
+    assert kernel(*inputs, out=given) is given and (given.double() - expected).abs().max() < 1e-4 * expected.abs().max()
+    with pytest.raises(ValueError, match="scale_a"):
+        kernel(inputs[0], inputs[1], inputs[2], torch.ones(m + 1, 1), inputs[4])
 
 
 def test_the_cost_model_ranks_the_transpose_as_the_tiles_it_walks():
@@ -436,3 +551,62 @@ def test_replayed_launches_match_float64_on_fresh_operands_eagerly_and_in_a_cuda
             static.copy_(new)
     graph.replay()
     assert relative_error(captured, expected(a, b, bias_t)) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cute.installed(), reason="needs gemmtune[cute] (quack-kernels, nvidia-cutlass-dsl)")
+@pytest.mark.parametrize("dtype", cute.SCALED_DTYPES)
+@pytest.mark.parametrize("scaling", cute.SCALINGS)
+@pytest.mark.parametrize("m,out_dtype,bias", [(64, "bfloat16", True), (200, "float32", False), (512, "float16", True)])
+def test_each_kind_of_fp8_config_matches_the_dequantized_float64_product(dtype, scaling, m, out_dtype, bias):
+    """Each kind of config (cooperative or ping-pong, cluster along M or N) within the fp8 bound
+    of the float64 product of the dequantized inputs, as triton_scaled's kernels are held: on
+    contiguous operands, a transposed and a strided ``a`` with a strided bias, into a poisoned
+    ``out`` (an element never written fails)."""
+    from .test_triton_scaled import assert_close, operands, poisoned, reference, views
+
+    problem = Problem(m, 264, 528, dtype, bias=bias, scaling=scaling, out_dtype=out_dtype)
+    inputs = operands(problem, seed=m)
+    ref, bound = reference(problem, *inputs)
+    kinds = {(c.pingpong, c.cluster_m): c for c in cute.space(problem, _current())}
+    assert len(kinds) == 4
+    # each kind once (e4m3, 512 rows), the first config otherwise: each is a compile of its own
+    for config in list(kinds.values())[:4 if (dtype, m) == ("float8_e4m3fn", 512) else 1]:
+        kernel = get("cute").build(problem, config, _current())
+        for what, given in {"contiguous": inputs, **views(problem, *inputs)}.items():
+            out = poisoned(problem)
+            assert kernel(*given, out=out) is out
+            assert_close(out, ref, bound, (config.key(), what))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cute.installed(), reason="needs gemmtune[cute] (quack-kernels, nvidia-cutlass-dsl)")
+@pytest.mark.parametrize("scaling", cute.SCALINGS)
+def test_an_fp8_kernel_replays_in_a_cuda_graph_on_fresh_operands(scaling):
+    from .test_triton_scaled import assert_close, operands, reference
+
+    problem = Problem(256, 512, 1024, "float8_e4m3fn", bias=True, scaling=scaling)
+    kernel = get("cute").build(problem, cute.space(problem, _current())[0], _current())
+    static = operands(problem, seed=1)
+    kernel(*static)  # resolved (compiled or loaded) before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernel(*static)
+    for into, fresh in zip(static, operands(problem, seed=2)):
+        into.copy_(fresh)
+    graph.replay()
+    assert_close(captured, *reference(problem, *static), "replayed")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cute.installed(), reason="needs gemmtune[cute] (quack-kernels, nvidia-cutlass-dsl)")
+def test_the_tuner_times_cute_candidates_on_an_fp8_prefill_shape():
+    """Compiled ahead together, verified against float64 and screened beside _scaled_mm: no cute
+    trial fails."""
+    from gemmtune.tuning.tuner import TuneOptions, tune_problem
+
+    problem = Problem(2048, 6144, 4096, "float8_e4m3fn", scaling="row")
+    result = tune_problem(problem, _current(), options=TuneOptions(backends=("cublas", "cute")))
+    trials = [t for t in result.trials if t.backend == "cute"]
+    assert trials and all(t.ok for t in trials), [t.reason for t in trials if not t.ok]
+

@@ -29,7 +29,7 @@ CACHED_COMPILES = ("cute",)
 # the backends of fp8 (scaled) products alone; the reference takes both kinds
 SCALED = ("scaled_mm_fast", "triton_scaled", "triton_scaled_stream")
 # backends asked for both kinds, whose kernels take scales where the problem has them
-EITHER = ("cublaslt",)
+EITHER = ("cublaslt", "cute")
 # the backends of batched products (``Problem.batch`` > 1, torch.bmm's): torch's own and the tiled
 # kernel the compiler's batched template stands for; no other's kernel takes a batch
 BATCHED = ("cublas", "triton_tiled")

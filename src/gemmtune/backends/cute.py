@@ -11,12 +11,17 @@ of timm's and transformers' MLP blocks included, which cuBLASLt's epilogues appr
 Such a kernel runs as the product itself, never as its transpose (``swap_ab`` would turn the bias
 into a column), so a fused problem with fewer than SMALL rows has no candidates here.
 
-A config is one CuTe DSL kernel: its CTA tile (M x N; K is 64 per stage for 16-bit operands, as
+A config is one CuTe DSL kernel: its CTA tile (M x N; K is 128 bytes per stage, as
 many stages as the shared memory holds), its cluster shape, cooperative or ping-pong warpgroups,
 a static or dynamic persistent schedule, and whether A and B trade places (``swap_ab``: a
 problem with few rows runs as its transpose, its rows on the tile's N side). Blackwell's family
 (sm_100: 128- and 256-row tiles, 2-CTA instructions with an even cluster M) is defined and its
 configs validated, but not run here: ``is_available`` offers the backend on sm_90 only.
+
+An fp8 product scaled per tensor or per row (``SCALINGS``) runs QuACK's GEMM with precise
+accumulation (each K tile's fp8 sums added into a second float32 accumulator) and an epilogue of
+gemmtune's (``scaled_epilogue``: the sums times A's and B's scales, plus the bias), as itself
+only, on tiles of its own (``SCALED_TILES``: the two accumulators of a larger tile spill).
 
 CuTe DSL compiles one kernel at a time in a process: compiled from several threads at once (the
 tuner compiles candidates ahead in threads, and tunes several GPUs from a thread each), every
@@ -59,15 +64,18 @@ from gemmtune.backends.base import FieldConfig, KernelBase, config_from_mapping
 from gemmtune.backends.launch import unit_stride_bias
 from gemmtune.backends.triton_persistent import tma_ready
 from gemmtune.device import Device, current, kernel_library_versions
-from gemmtune.problem import Problem
+from gemmtune.problem import Problem, torch_dtypes
+from gemmtune.scaling import check_scales
 from gemmtune.settings import cache_dir
 
 NAME = "cute"
-TILE_K = 64  # one 128-byte swizzled row of 16-bit K per pipeline stage
+STAGE_K_BYTES = 128  # one 128-byte swizzled row of K per pipeline stage: 64 16-bit or 128 fp8 elements
 MIN_STAGES = 2  # a pipeline of fewer stages cannot overlap TMA loads with the matrix instructions
 BARRIER_BYTES = 1024  # the pipeline's mbarriers and the tile scheduler's state
 RUNNABLE_ARCHS = (9,)  # the compute capabilities the backend is offered on (sm_100: defined only)
 DTYPES = ("bfloat16", "float16")
+SCALED_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # fp8 products, their partial sums promoted to float32
+SCALINGS = ("tensor", "row")  # the fp8 scalings its epilogue applies (``scaled_epilogue``)
 SMALL = 64  # a side shorter than this runs on the tile's N side (swap_ab) or not at all
 # gemmtune's activations -> the names of QuACK's epilogue activations (quack.activation.act_fn_map)
 EPILOGUES = {"none": None, "relu": "relu", "gelu": "gelu_erf", "gelu_tanh": "gelu_tanh_approx", "silu": "silu"}
@@ -79,6 +87,17 @@ TILES = {
     9: tuple([(256, n, False) for n in (128, 160, 192, 208)] + [(128, 224, False), (128, 256, False)]
              + [(128, n, True) for n in (128, 160, 192, 208)] + [(192, 128, True)]),
     10: tuple((m, n, False) for m in (128, 256) for n in (16, 32, 64, 128, 160, 192, 224, 256)),
+}
+# The tiles of fp8 products. On sm_90 their partial sums are promoted: QuACK adds each K tile's
+# wgmma sums into a second float32 accumulator, so each thread of the MMA warps holds two, and
+# where one passes 104 registers the kernel spills them to local memory (the frame size of each
+# cubin, compiled for sm_90a: 256x128 and 128x224 cooperative, 128x112 and 128x128 ping-pong
+# spill 224-448 bytes a thread; benchmarks/probes/cute_spills.py). Blackwell accumulates in
+# tensor memory: its 16-bit tiles.
+SCALED_TILES = {
+    9: tuple([(128, n, False) for n in (128, 160, 192, 208)] + [(256, n, False) for n in (64, 80, 96)]
+             + [(128, n, True) for n in (64, 80, 96)]),
+    10: TILES[10],
 }
 CLUSTERS = {9: ((1, 2), (2, 1)), 10: ((1, 1), (1, 2), (2, 1), (2, 2))}
 PERSISTENT = {9: (False,), 10: (True, False)}  # sm_90: a static persistent schedule only
@@ -100,8 +119,8 @@ class CuteConfig(FieldConfig):
     swap_ab: bool = False
 
     def __post_init__(self) -> None:
-        """Only a config of the space (``space_of``): a config read from a store or a file is
-        untrusted, and an invalid one would fail to compile or fault."""
+        """Only a config of a space (``space_of``, 16-bit or fp8): a config read from a store or a
+        file is untrusted, and an invalid one would fail to compile or fault."""
         if any(isinstance(v, bool) or not isinstance(v, int) for v in (self.arch, self.tile_m, self.tile_n,
                                                                       self.cluster_m, self.cluster_n)):
             raise ValueError(f"{NAME} config: arch, tile and cluster sizes must be ints, got {self.as_dict()}")
@@ -111,37 +130,42 @@ class CuteConfig(FieldConfig):
         if self.arch not in TILES:
             raise ValueError(f"{NAME} arch={self.arch} is not one of {tuple(TILES)} (sm_90, sm_100)")
         tile, cluster = (self.tile_m, self.tile_n, self.pingpong), (self.cluster_m, self.cluster_n)
-        if tile not in TILES[self.arch] or cluster not in CLUSTERS[self.arch] \
-                or self.dynamic_persistent not in PERSISTENT[self.arch]:
+        tiles = tuple(dict.fromkeys(TILES[self.arch] + SCALED_TILES[self.arch]))
+        if tile not in tiles or cluster not in CLUSTERS[self.arch] or self.dynamic_persistent not in PERSISTENT[self.arch]:
             raise ValueError(f"{NAME} config {self.key()} is not in sm_{self.arch}0's space: tiles (M, N, "
-                             f"pingpong) {TILES[self.arch]}, clusters {CLUSTERS[self.arch]}, dynamic persistent "
+                             f"pingpong) {tiles}, clusters {CLUSTERS[self.arch]}, dynamic persistent "
                              f"{PERSISTENT[self.arch]}")
 
-    def stages(self, element_size: int, smem_bytes: int) -> int:
+    def stages(self, out_element_size: int, smem_bytes: int) -> int:
         """The pipeline stages the shared memory holds beside the epilogue's output subtile."""
-        stage = (self.tile_m + self.tile_n) * TILE_K * element_size
-        epilogue = self.tile_m * min(self.tile_n, 64) * element_size
+        stage = (self.tile_m + self.tile_n) * STAGE_K_BYTES
+        epilogue = self.tile_m * min(self.tile_n, 64) * out_element_size
         return max(0, (smem_bytes - epilogue - BARRIER_BYTES) // stage)
 
 
 @functools.lru_cache(maxsize=None)
-def space_of(arch: int) -> tuple[CuteConfig, ...]:
-    """Every config of compute capability ``arch``'s family."""
-    return tuple(CuteConfig(arch, m, n, cm, cn, pp, dyn, swap) for m, n, pp in TILES[arch]
-                 for cm, cn in CLUSTERS[arch] for dyn in PERSISTENT[arch] for swap in (False, True))
+def space_of(arch: int, scaled: bool = False) -> tuple[CuteConfig, ...]:
+    """Every config of compute capability ``arch``'s family, for 16-bit products or for fp8 ones
+    (``scaled``: their own tiles, never as the transpose)."""
+    tiles, swaps = (SCALED_TILES[arch], (False,)) if scaled else (TILES[arch], (False, True))
+    return tuple(CuteConfig(arch, m, n, cm, cn, pp, dyn, swap) for m, n, pp in tiles
+                 for cm, cn in CLUSTERS[arch] for dyn in PERSISTENT[arch] for swap in swaps)
 
 
 def space(problem: Problem, device: Device) -> list[CuteConfig]:
     """The configs for this problem on this device: its family's, those whose pipeline fits the
     shared memory with MIN_STAGES stages or more, and by the problem's shape: a problem with
     fewer than SMALL rows only as its transpose (swap_ab), one with fewer than SMALL columns only
-    as itself; none for a problem the kernels do not take (``takes``)."""
+    as itself; none for a problem the kernels do not take (``takes``). A problem with an
+    activation or scales in its epilogue runs as itself only: as its transpose the bias and a
+    row's scales would lie along the other side. fp8 products have tiles of their own
+    (SCALED_TILES)."""
     arch = device.capability[0]
     if arch not in TILES or not takes(problem):
         return []
     configs = []
-    for config in space_of(arch):
-        if config.stages(problem.element_size, device.smem_per_block) < MIN_STAGES:
+    for config in space_of(arch, problem.scaled):
+        if config.stages(problem.out_element_size, device.smem_per_block) < MIN_STAGES:
             continue
         if config.cluster_m * config.cluster_n > device.sm_count:
             continue
@@ -154,10 +178,15 @@ def space(problem: Problem, device: Device) -> list[CuteConfig]:
 
 
 def takes(problem: Problem) -> bool:
-    """Whether the kernels take ``problem``: 16-bit operands, an activation QuACK's epilogue has
-    (``EPILOGUES``), and TMA's 16-byte alignment of every row (K and N multiples of 8)."""
-    return (problem.dtype in DTYPES and problem.activation in EPILOGUES and problem.k % 8 == 0
-            and problem.n % 8 == 0 and problem.layout in ("linear", "nn"))
+    """Whether the kernels take ``problem``: 16-bit operands with an activation QuACK's epilogue
+    has (``EPILOGUES``), or an fp8 product scaled per tensor or per row without one; and TMA's
+    16-byte alignment of every row (K a multiple of 16 bytes, N of 8 elements)."""
+    if problem.scaled:
+        kind = problem.scaling in SCALINGS and problem.activation == "none"
+    else:
+        kind = problem.dtype in DTYPES and problem.activation in EPILOGUES
+    return (kind and problem.k * problem.element_size % 16 == 0 and problem.n % 8 == 0
+            and problem.layout in ("linear", "nn"))
 
 
 # CuTe DSL compiles one kernel at a time (see the module's doc); reentrant, as compile_together
@@ -200,9 +229,10 @@ class CuteKernel(KernelBase):
         b_kn = b.t() if self._linear else b  # (K, N): a weight's transpose is K-major, which TMA reads as well
         result = out if out is not None and tma_ready(out) is out else \
             torch.empty((rows.shape[0], b_kn.shape[1]), dtype=a.dtype, device=a.device)
-        launch = self._launches.get(_layout(rows, b_kn, result.stride(), bias))
+        key = _layout(rows, b_kn, result.stride(), bias)
+        launch = self._launches.get(key)
         if launch is None:
-            self._first(rows, b_kn, result, bias)
+            self._first(key, rows, b_kn, result, bias)
         else:
             launch(rows, b_kn, result, bias)
         if out is not None:
@@ -233,18 +263,18 @@ class CuteKernel(KernelBase):
 
         return call
 
-    def _first(self, a, b_kn, out, bias) -> None:
-        """The first call on operands laid out as these: prepares their launch (compiling the
-        kernel, or loading it, where this process has not) and makes it."""
+    def _first(self, key: tuple, a, *operands) -> None:
+        """The first call on operands laid out as these (``key``): prepares their launch
+        (compiling the kernel, or loading it, where this process has not) and makes it."""
         with _COMPILING:
             # CuTe DSL asks CUDA's driver about the device, which needs the device's context
             # current in this thread: a runtime call makes it so in a thread that made none
             # (CUDA_ERROR_INVALID_CONTEXT there otherwise, seen on the H100)
             torch.cuda.synchronize(a.device)
-            launch = self._prepare(a, b_kn, out, bias)
+            launch = self._prepare(a, *operands)
         if not self._launches:  # the kernel's first launch in this process: it is compiled
             _leave(self._marker)
-        self._launches[_layout(a, b_kn, out.stride(), bias)] = launch
+        self._launches[key] = launch
 
     def _prepare(self, a, b_kn, out, bias) -> Callable:
         """Launch the kernel on these operands through QuACK's entry points, which compile it or
@@ -258,6 +288,95 @@ class CuteKernel(KernelBase):
         launch = functools.partial(_run, plan, self._semaphore)
         launch(a, b_kn, out, bias)
         return launch
+
+
+class CuteScaledKernel(CuteKernel):
+    """An fp8 product scaled per tensor or per row, called as ``triton_scaled``'s kernels are:
+    ``kernel(a, b, bias, scale_a, scale_b, out=None)`` with a (M, K) and b (N, K) fp8, bias (N,)
+    in the output dtype or None, float32 scales as ``Problem.scaling`` lays them. QuACK's GEMM
+    accumulates precisely (its fp8 partial sums promoted to float32, as ``_scaled_mm`` does by
+    default), and its epilogue (``scaled_epilogue``) scales the sums, adds the bias and stores
+    the output's dtype. Prepared once per layout of operands, as the 16-bit kernel is."""
+
+    serves_any_rank = False  # a (M, K), as every scaled kernel
+
+    def __init__(self, problem: Problem, config: CuteConfig) -> None:
+        super().__init__(problem, config)
+        self._scaling = problem.scaling
+        self._out_dtype = torch_dtypes()[problem.out_dtype]
+
+    def __call__(self, a, b, bias, scale_a, scale_b, out=None):
+        (m, k), n = a.shape, b.shape[0]
+        check_scales(self._scaling, m, n, k, scale_a, scale_b)
+        a, b_kn, bias = tma_ready(a), tma_ready(b).t(), unit_stride_bias(bias)
+        scales = _scale_operand(scale_a), _scale_operand(scale_b)
+        result = out if out is not None and tma_ready(out) is out else \
+            torch.empty((m, n), dtype=self._out_dtype, device=a.device)
+        key = _layout(a, b_kn, result.stride(), bias)
+        launch = self._launches.get(key)
+        if launch is None:
+            self._first(key, a, b_kn, result, bias, *scales)
+        else:
+            launch(a, b_kn, result, bias, *scales)
+        if out is not None and result is not out:
+            out.copy_(result)
+            return out
+        return result
+
+    def bind(self, a, b, bias):
+        return None  # fp8 calls are served through serving.scaled, which binds nothing
+
+    def _prepare(self, a, b_kn, out, bias, scale_a, scale_b) -> Callable:
+        mod = self._quack.scaled_mods[self._scaling, bias is not None]
+        plan = mod.plan(a, b_kn, out={"D": out}, config=self._config, **_scaled_operands(bias, scale_a, scale_b))
+        launch = functools.partial(_run_scaled, plan, self._semaphore)
+        launch(a, b_kn, out, bias, scale_a, scale_b)
+        return launch
+
+
+def scaled_epilogue(acc, scale_a, scale_b):
+    """An fp8 product's epilogue, in QuACK's form (a function of each float32 sum of the
+    accumulator): the sum times A's scale (its row's) and B's (its column's)."""
+    return {"D": acc * scale_a * scale_b}
+
+
+def scaled_bias_epilogue(acc, scale_a, scale_b, bias):
+    """``scaled_epilogue`` plus the bias of the sum's column."""
+    return {"D": acc * scale_a * scale_b + bias}
+
+
+def _scaled_mods() -> dict:
+    """QuACK's epilogue kernels of ``scaled_epilogue`` by (scaling, bias): per tensor each scale
+    one float32 read from its pointer, per row A's a vector along M and B's one along N."""
+    from quack.epilogue.frontend import gemm_epilogue
+    from quack.epilogue.ops import ColVecLoad, RowVecLoad, Scalar
+
+    mods = {}
+    for scaling, (a_op, b_op) in {"tensor": (Scalar, Scalar), "row": (ColVecLoad, RowVecLoad)}.items():
+        ops = {"scale_a": a_op("scale_a"), "scale_b": b_op("scale_b")}
+        mods[scaling, False] = gemm_epilogue(ops=ops)(scaled_epilogue)
+        mods[scaling, True] = gemm_epilogue(ops={**ops, "bias": RowVecLoad("bias")})(scaled_bias_epilogue)
+    return mods
+
+
+def _scale_operand(scale: torch.Tensor) -> torch.Tensor:
+    """A scale as the epilogue reads it: one float32 (per tensor), or a row's scales as one
+    contiguous vector (per row, (M, 1) or (N, 1) given), 16-byte aligned as its loads need."""
+    flat = scale.reshape(-1) if scale.numel() > 1 else scale.reshape(())
+    if not flat.is_contiguous() or flat.data_ptr() % 16:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat
+
+
+def _scaled_operands(bias, scale_a, scale_b) -> dict:
+    operands = {"scale_a": scale_a, "scale_b": scale_b}
+    return operands if bias is None else {**operands, "bias": bias}
+
+
+def _run_scaled(plan, semaphore: bool, a, b_kn, out, bias, scale_a, scale_b) -> None:
+    """``_run`` for an fp8 product's epilogue plan, its scales (and bias) its operands."""
+    plan.run(a, b_kn, out={"D": out}, tile_count_semaphore=_zeroed(a) if semaphore else None,
+             **_scaled_operands(bias, scale_a, scale_b))
 
 
 def _run(plan, semaphore: bool, a, b_kn, out, bias) -> None:
@@ -298,6 +417,7 @@ class _Quack:
     gemm_tuned: Callable  # its autotuned GEMM's undecorated function: one given config, a launch
     gemm_execute: Callable  # what its ``gemm`` replays a dispatch plan through
     linear_act_mod: Callable  # the epilogue of a GEMM with an activation, with ``plan`` and ``run``
+    scaled_mods: Mapping  # (scaling, bias) -> the epilogue of an fp8 product (``_scaled_mods``)
 
 
 @functools.cache
@@ -310,7 +430,7 @@ def _quack() -> _Quack:
 
     cluster_occupancy.install(current)
     quack_source_key.install()
-    return _Quack(GemmConfig, gemm_tuned.fn, _gemm_execute, linear_act_mod)
+    return _Quack(GemmConfig, gemm_tuned.fn, _gemm_execute, linear_act_mod, _scaled_mods())
 
 
 def compile_together(calls: Sequence[Callable[[], object]], workers: int) -> None:
@@ -354,7 +474,8 @@ def marker(problem: Problem, config: CuteConfig) -> Path:
     (dtype, layout, bias, activation) is compiled in QuACK's cache, for these package versions.
     (A problem without an activation names none, as markers did before activations were taken.)"""
     activation = [] if problem.activation == "none" else [problem.activation]
-    kind = [problem.dtype, problem.layout, str(problem.bias), *activation, config.key(),
+    scaling = [f"{problem.out_dtype}@{problem.scaling}"] if problem.scaled else []
+    kind = [problem.dtype, problem.layout, str(problem.bias), *activation, *scaling, config.key(),
             *kernel_library_versions().values()]
     return cache_dir() / "cute-compiled" / hashlib.sha256("|".join(kind).encode()).hexdigest()[:24]
 
@@ -398,14 +519,15 @@ class CuteBackend:
         """The tiled roofline (``costmodel.tile_gemm_ms``) over the tiles the kernel walks: the
         transpose's where A and B trade places."""
         shape = replace(problem, m=problem.n, n=problem.m) if config.swap_ab else problem
-        stages = min(config.stages(problem.element_size, device.smem_per_block), 8)
-        return costmodel.tile_gemm_ms(shape, device, config.tile_m, config.tile_n, TILE_K, stages)
+        stages = min(config.stages(problem.out_element_size, device.smem_per_block), 8)
+        tile_k = STAGE_K_BYTES // problem.element_size
+        return costmodel.tile_gemm_ms(shape, device, config.tile_m, config.tile_n, tile_k, stages)
 
     def parse_config(self, data: Mapping) -> CuteConfig:
         return config_from_mapping(self.name, data, CuteConfig)
 
     def build(self, problem: Problem, config: CuteConfig, device: Device) -> CuteKernel:
-        return CuteKernel(problem, config)
+        return CuteScaledKernel(problem, config) if problem.scaled else CuteKernel(problem, config)
 
     def compile_together(self, calls: Sequence[Callable[[], object]], workers: int) -> None:
         compile_together(calls, workers)

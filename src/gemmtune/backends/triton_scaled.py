@@ -38,6 +38,7 @@ from gemmtune.backends.triton_tiled import (BLOCK_SIZES, GROUP_SIZES, MAX_ACC_RE
                                             STAGES, STREAMING_STAGES, WARPS, deep_tile, next_pow2)
 from gemmtune.device import Device
 from gemmtune.problem import SCALE_BLOCK, Problem, torch_dtypes
+from gemmtune.scaling import check_scales
 
 K_BLOCK_SIZES = (32, 64, 128, 256)  # an fp8 tensor-core product takes K in steps of 32
 SPLITS = (1, 2, 4, 8, 16)
@@ -266,24 +267,6 @@ class ScaledKernel(KernelBase):
         if self._reduce is not None:
             self._reduce(guard, ws, out, bias, scale_a, scale_b)
         return out
-
-
-def check_scales(scaling: str, m: int, n: int, k: int, scale_a, scale_b) -> None:
-    """Scales of the shapes ``Problem.scaling`` lays (the kernels read them unchecked: a smaller
-    tensor would be read past its end), else a ValueError naming the argument."""
-    if scaling == "block":
-        blocks_k = -(-k // SCALE_BLOCK)
-        expected = {"scale_a": ((m, blocks_k), scale_a), "scale_b": ((-(-n // SCALE_BLOCK), blocks_k), scale_b)}
-        for name, (shape, scale) in expected.items():
-            if tuple(scale.shape) != shape:
-                raise ValueError(f"{name} of shape {tuple(scale.shape)} for block scaling of a {m}x{n}x{k} "
-                                 f"product; accepted: {shape}")
-        return
-    for name, scale, count in (("scale_a", scale_a, m), ("scale_b", scale_b, n)):
-        count = 1 if scaling == "tensor" else count
-        if scale.numel() != count:
-            raise ValueError(f"{name} has {scale.numel()} elements for {scaling} scaling of a "
-                             f"{m}x{n}x{k} product; accepted: {count}")
 
 
 class SplitReduce:

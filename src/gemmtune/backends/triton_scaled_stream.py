@@ -20,11 +20,12 @@ from gemmtune.backends import costmodel
 from gemmtune.backends.base import KernelBase, check_bounds, config_from_mapping, triton_runs
 from gemmtune.backends.launch import Launcher
 from gemmtune.backends.triton_persistent import tma_ready
-from gemmtune.backends.triton_scaled import (INTERPRETER_SPLITS, K_BLOCK_SIZES, SPLITS, SplitReduce, check_scales,
+from gemmtune.backends.triton_scaled import (INTERPRETER_SPLITS, K_BLOCK_SIZES, SPLITS, SplitReduce,
                                              scale_strides, splits)
 from gemmtune.backends.triton_stream import BLOCK_M, BLOCK_N, MAX_M, STAGES, WARPS, StreamConfig, narrow_block
 from gemmtune.device import Device
 from gemmtune.problem import SCALE_BLOCK, Problem, torch_dtypes
+from gemmtune.scaling import check_scales
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages), not yet measured: triton_stream's winners on the
 # H200 (64x256 on 4 stages, 128x128 on 3) as the same bytes in flight of 1-byte weights (K twice
