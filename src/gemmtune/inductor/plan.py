@@ -170,10 +170,13 @@ def plan(gemms: list[Gemm], rest: Rest, graphs: bool, templates_on: bool = False
 
 
 def _moves(gemms: list[Gemm], picks: list[Way]):
-    """The mixes one move from ``picks``: one product run another way, and every product that
-    has a template way run on its fastest. The second is one move because the first template
-    taken makes every other addmm's library call dearer (WRAPPED_MS): one at a time, the first
-    would not pay where all together do."""
+    """The mixes one move from ``picks``: one product run another way; every product that has a
+    template way run on its fastest; and those alone whose fastest template way is faster than
+    their pick. The last two are one move each because the first template taken makes every
+    other addmm's library call dearer (WRAPPED_MS): one at a time, the first would not pay where
+    several together do, and all together would take templates slower than the library call too
+    (MLP-Mixer-B on an H200: its 24 token-mixing products 15-25% faster on the template, its 24
+    channel-mixing ones 33-59% slower; docs/compile.md)."""
     for index, gemm in enumerate(gemms):
         for way in gemm.ways:
             yield picks[:index] + [way] + picks[index + 1:]
@@ -181,6 +184,9 @@ def _moves(gemms: list[Gemm], picks: list[Way]):
                  for gemm, pick in zip(gemms, picks)]
     if templated != picks:
         yield templated
+    faster = [way if way.kernel_ms < pick.kernel_ms else pick for way, pick in zip(templated, picks)]
+    if faster not in (picks, templated):
+        yield faster
 
 
 def graph_ms(gemms: list[Gemm], picks: list[Way], rest: Rest, scale: float, graphs: bool,
