@@ -162,7 +162,8 @@ def test_fp8_products_scaled_per_tensor_or_row_run_as_themselves_on_tiles_of_the
 def test_fp8_configs_are_ranked_as_tiles_of_their_own_k_and_rate():
     backend, problem = get("cute"), Problem(8192, 4096, 4096, "float8_e4m3fn", scaling="row")
     for config in cute.space(problem, H100):
-        assert 0 < backend.predict_ms(problem, H100, config) < backend.predict_ms(Problem(8192, 4096, 4096), H100, config)
+        fp8_ms = backend.predict_ms(problem, H100, config)
+        assert 0 < fp8_ms < backend.predict_ms(Problem(8192, 4096, 4096), H100, config)
 
 
 def test_an_fp8_kernel_is_compiled_once_per_scaling_and_output(monkeypatch):
@@ -237,6 +238,7 @@ class _TorchQuack:
         return product if activation is None else apply(product, _GEMMTUNE_NAME[activation], inplace=False)
 
     def gemm_tuned(self, a, b_kn, out, *, bias, config):
+        assert_aligned(bias)
         self.resolved += 1
         self.launched += 1
         out.copy_(self.compute(a, b_kn, bias))
@@ -244,6 +246,7 @@ class _TorchQuack:
 
     def gemm_execute(self, a, b_kn, out, c, *, bias, dispatch_plan, **fixed):
         assert dispatch_plan == ("plan", a.shape, a.stride()) and c is None
+        assert_aligned(bias)
         self.launched += 1
         out.copy_(self.compute(a, b_kn, bias))
 
@@ -256,6 +259,7 @@ class _TorchQuack:
 
             def run(self, a, b_kn, *, out, tile_count_semaphore, **operands):
                 assert (a.shape, a.stride(), "mRowVecBroadcast" in operands) == self.layout
+                assert_aligned(*operands.values())
                 quack.launched += 1
                 out["mAuxOut"].copy_(quack.compute(a, b_kn, operands.get("mRowVecBroadcast"), activation))
 
@@ -278,7 +282,7 @@ class _TorchQuack:
 
             def run(self, a, b_kn, *, out, tile_count_semaphore, scale_a, scale_b, **bias):
                 assert (a.shape, a.stride(), scale_a.shape, scale_b.shape, tuple(bias)) == self.layout
-                assert scale_a.is_contiguous() and scale_b.is_contiguous()
+                assert_aligned(scale_a, scale_b, *bias.values())
                 quack.launched += 1
                 acc = a.double() @ b_kn.double()
                 vectors = {"scale_a": scale_a.double().reshape(-1, 1), "scale_b": scale_b.double().reshape(1, -1)}
@@ -298,6 +302,31 @@ class _TorchQuack:
 
 
 _GEMMTUNE_NAME = {quack: name for name, quack in cute.EPILOGUES.items()}
+
+
+def assert_aligned(*vectors):
+    """What QuACK compiles its vector loads for: contiguous, 16-byte aligned (or no vector)."""
+    for vector in vectors:
+        assert vector is None or vector.is_contiguous() and vector.data_ptr() % 16 == 0
+
+
+def test_a_bias_off_its_alignment_is_copied_and_never_bound(monkeypatch):
+    """A bias view one element into its storage (stride 1, 2 bytes off 16) reaches QuACK as an
+    aligned copy, and the front path binds no launch for it."""
+    quack = _TorchQuack()
+    monkeypatch.setattr(cute, "_quack", lambda: quack)
+    monkeypatch.setattr(cute, "_leave", lambda path: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    m, n, k = 33, 72, 40
+    problem = Problem(256, n, k, "bfloat16", "linear", True)
+    kernel = cute.CuteKernel(problem, cute.space(problem, H100)[0])
+    a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
+    bias = torch.randn(n + 1, dtype=torch.bfloat16)[1:]
+    assert bias.stride() == (1,) and bias.data_ptr() % 16
+    expected = quack.compute(a, b.t(), bias)
+    out = kernel(a, b, bias)
+    assert ((out.double() - expected).abs().max() / expected.abs().max()).item() < 2e-2
+    assert kernel.bind(a, b, bias) is None and kernel.bind(a, b, bias.clone()) is not None
 
 
 @pytest.mark.parametrize("activation", ["none", "gelu"])
@@ -348,8 +377,8 @@ def test_each_layout_of_operands_is_resolved_once_then_replayed(monkeypatch, act
 def test_an_fp8_product_is_scaled_in_the_epilogue_and_replayed_per_layout(monkeypatch, scaling, bias):
     """The fp8 kernel's epilogue functions (gemmtune's, run here on torch's sums) against the
     float64 product of the dequantized operands: scales given as ``Problem.scaling`` lays them
-    ((M, 1) and (N, 1) per row, even as strided views), a layout seen before replayed, the output
-    written into ``out`` where given, in the problem's output dtype where not."""
+    ((M, 1) and (N, 1) per row, even as views QuACK cannot read), a layout seen before replayed,
+    the output written into ``out`` where given, in the problem's output dtype where not."""
     from gemmtune.scaling import dequantize, quantize
 
     quack = _TorchQuack()
@@ -364,8 +393,9 @@ def test_an_fp8_product_is_scaled_in_the_epilogue_and_replayed_per_layout(monkey
     def operands(strided_scales=False):
         (a, sa), (b, sb) = (quantize(torch.randn(rows, k), torch.float8_e4m3fn, scaling, weight)
                             for rows, weight in ((m, False), (n, True)))
-        if strided_scales and scaling == "row":
+        if strided_scales and scaling == "row":  # A's strided, B's 4 bytes off its alignment
             sa = torch.zeros(m, 2)[:, :1].copy_(sa)
+            sb = torch.zeros(n + 1)[1:].view(n, 1).copy_(sb)
         bias_t = torch.randn(n) if bias else None
         expected = dequantize(a, sa, scaling, False) @ dequantize(b, sb, scaling, True).t()
         return (a, b, bias_t, sa, sb), expected + (bias_t.double() if bias else 0)
@@ -577,6 +607,30 @@ def test_each_kind_of_fp8_config_matches_the_dequantized_float64_product(dtype, 
             out = poisoned(problem)
             assert kernel(*given, out=out) is out
             assert_close(out, ref, bound, (config.key(), what))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cute.installed(), reason="needs gemmtune[cute] (quack-kernels, nvidia-cutlass-dsl)")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_a_bias_and_scales_off_their_alignment_match_float64(dtype):
+    """A bias one element into its storage (and, for fp8, row scales 4 bytes off 16), as a caller
+    may slice them: copied where QuACK's vector loads need alignment, and right."""
+    from .test_triton_scaled import assert_close, operands, reference
+
+    m, n, k = 192, 264, 528
+    if dtype == "bfloat16":
+        problem = Problem(m, n, k, dtype, "linear", True)
+        a, b = (torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for rows in (m, n))
+        bias = torch.randn(n + 1, device="cuda", dtype=torch.bfloat16)[1:]
+        out = get("cute").build(problem, cute.space(problem, _current())[0], _current())(a, b, bias)
+        assert relative_error(out, a.double() @ b.double().t() + bias.double()) < 2e-2
+        return
+    problem = Problem(m, n, k, dtype, bias=True, scaling="row")
+    a, b, bias, sa, sb = operands(problem, seed=3)
+    bias = torch.empty(n + 1, device="cuda", dtype=bias.dtype)[1:].copy_(bias)
+    sb = torch.empty(n + 1, device="cuda")[1:].view(n, 1).copy_(sb)
+    kernel = get("cute").build(problem, cute.space(problem, _current())[0], _current())
+    assert_close(kernel(a, b, bias, sa, sb), *reference(problem, a, b, bias, sa, sb), "misaligned")
 
 
 @pytest.mark.gpu

@@ -61,7 +61,6 @@ import torch
 
 from gemmtune.backends import cluster_occupancy, costmodel, quack_source_key
 from gemmtune.backends.base import FieldConfig, KernelBase, config_from_mapping
-from gemmtune.backends.launch import unit_stride_bias
 from gemmtune.backends.triton_persistent import tma_ready
 from gemmtune.device import Device, current, kernel_library_versions
 from gemmtune.problem import Problem, torch_dtypes
@@ -131,7 +130,8 @@ class CuteConfig(FieldConfig):
             raise ValueError(f"{NAME} arch={self.arch} is not one of {tuple(TILES)} (sm_90, sm_100)")
         tile, cluster = (self.tile_m, self.tile_n, self.pingpong), (self.cluster_m, self.cluster_n)
         tiles = tuple(dict.fromkeys(TILES[self.arch] + SCALED_TILES[self.arch]))
-        if tile not in tiles or cluster not in CLUSTERS[self.arch] or self.dynamic_persistent not in PERSISTENT[self.arch]:
+        if tile not in tiles or cluster not in CLUSTERS[self.arch] \
+                or self.dynamic_persistent not in PERSISTENT[self.arch]:
             raise ValueError(f"{NAME} config {self.key()} is not in sm_{self.arch}0's space: tiles (M, N, "
                              f"pingpong) {tiles}, clusters {CLUSTERS[self.arch]}, dynamic persistent "
                              f"{PERSISTENT[self.arch]}")
@@ -225,7 +225,7 @@ class CuteKernel(KernelBase):
 
     def __call__(self, a, b, bias, out=None):
         rows = tma_ready(a.reshape(-1, a.shape[-1]))
-        b, bias = tma_ready(b), unit_stride_bias(bias)
+        b, bias = tma_ready(b), vector_ready(bias)
         b_kn = b.t() if self._linear else b  # (K, N): a weight's transpose is K-major, which TMA reads as well
         result = out if out is not None and tma_ready(out) is out else \
             torch.empty((rows.shape[0], b_kn.shape[1]), dtype=a.dtype, device=a.device)
@@ -247,7 +247,7 @@ class CuteKernel(KernelBase):
         where a call would copy an operand first (a view TMA cannot read, a non-contiguous ``a``
         of rank above 2, a strided bias)."""
         rows = a.reshape(-1, a.shape[-1]) if a.is_contiguous() or a.dim() == 2 else None
-        if rows is None or tma_ready(rows) is not rows or tma_ready(b) is not b or unit_stride_bias(bias) is not bias:
+        if rows is None or tma_ready(rows) is not rows or tma_ready(b) is not b or vector_ready(bias) is not bias:
             return None
         b_kn = b.t() if self._linear else b
         out_rows = (rows.shape[0], b_kn.shape[1])
@@ -308,7 +308,7 @@ class CuteScaledKernel(CuteKernel):
     def __call__(self, a, b, bias, scale_a, scale_b, out=None):
         (m, k), n = a.shape, b.shape[0]
         check_scales(self._scaling, m, n, k, scale_a, scale_b)
-        a, b_kn, bias = tma_ready(a), tma_ready(b).t(), unit_stride_bias(bias)
+        a, b_kn, bias = tma_ready(a), tma_ready(b).t(), vector_ready(bias)
         scales = _scale_operand(scale_a), _scale_operand(scale_b)
         result = out if out is not None and tma_ready(out) is out else \
             torch.empty((m, n), dtype=self._out_dtype, device=a.device)
@@ -359,13 +359,19 @@ def _scaled_mods() -> dict:
     return mods
 
 
+def vector_ready(vector):
+    """A bias (or a row's scales) as the epilogue's vector loads read it: ``vector`` itself where
+    it is contiguous and 16-byte aligned (QuACK compiles them for aligned vectors), else a copy;
+    None stays None."""
+    if vector is None or vector.is_contiguous() and vector.data_ptr() % 16 == 0:
+        return vector
+    return vector.clone(memory_format=torch.contiguous_format)
+
+
 def _scale_operand(scale: torch.Tensor) -> torch.Tensor:
     """A scale as the epilogue reads it: one float32 (per tensor), or a row's scales as one
-    contiguous vector (per row, (M, 1) or (N, 1) given), 16-byte aligned as its loads need."""
-    flat = scale.reshape(-1) if scale.numel() > 1 else scale.reshape(())
-    if not flat.is_contiguous() or flat.data_ptr() % 16:
-        flat = flat.clone(memory_format=torch.contiguous_format)
-    return flat
+    vector (per row, (M, 1) or (N, 1) given), ``vector_ready``."""
+    return vector_ready(scale.reshape(-1) if scale.numel() > 1 else scale.reshape(()))
 
 
 def _scaled_operands(bias, scale_a, scale_b) -> dict:
