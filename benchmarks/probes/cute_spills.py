@@ -17,13 +17,14 @@ printed as it is compiled.
 import argparse
 import json
 import os
+import shutil
 import struct
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-EIATTR = {0x2F: "registers", 0x11: "frame_bytes"}  # .nv.info attributes: format 0x04, 8 bytes each
+EIATTR = {0x2F: "registers", 0x11: "frame_bytes"}  # the .nv.info attributes read (format 0x04)
 
 
 def main(argv=None) -> int:
@@ -50,6 +51,7 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
     args.out.write_text(json.dumps({"target": "sm_90a", "quack": version("quack-kernels"),
                                     "cutlass_dsl": version("nvidia-cutlass-dsl"), "rows": rows}, indent=1))
+    shutil.rmtree(work)
     return 0
 
 
@@ -92,13 +94,17 @@ def compile_one(cute, config, scaled: bool, dump: Path) -> dict:
 
 
 def attributes(cubin: Path) -> dict:
-    """The registers per thread and the frame size from a cubin's ``.nv.info`` section."""
+    """The registers per thread and the frame size from a cubin's ``.nv.info`` section: entries
+    of a format byte and an attribute byte, then for format 0x04 a 2-byte size and that many
+    bytes (here the function's index and the value, 4 bytes each), else a 2-byte value."""
     info = sections(cubin.read_bytes())[".nv.info"]
-    found = {}
-    for offset in range(0, len(info) - 11, 12):
+    found, offset = {}, 0
+    while offset + 4 <= len(info):
         fmt, attr = info[offset], info[offset + 1]
-        if fmt == 0x04 and attr in EIATTR:
+        size = struct.unpack_from("<H", info, offset + 2)[0] if fmt == 0x04 else 0
+        if fmt == 0x04 and attr in EIATTR and size == 8:
             found[EIATTR[attr]] = struct.unpack_from("<I", info, offset + 8)[0]
+        offset += 4 + size
     return found
 
 

@@ -90,9 +90,9 @@ TILES = {
 # The tiles of fp8 products. On sm_90 their partial sums are promoted: QuACK adds each K tile's
 # wgmma sums into a second float32 accumulator, so each thread of the MMA warps holds two, and
 # where one passes 104 registers the kernel spills them to local memory (the frame size of each
-# cubin, compiled for sm_90a: 256x128 and 128x224 cooperative, 128x112 and 128x128 ping-pong
-# spill 224-448 bytes a thread; benchmarks/probes/cute_spills.py). Blackwell accumulates in
-# tensor memory: its 16-bit tiles.
+# cubin, compiled for sm_90a: every 16-bit tile spills 256-984 bytes a thread in fp8 and none in
+# bf16; benchmarks/probes/cute_spills.py). Blackwell accumulates in tensor memory: its 16-bit
+# tiles.
 SCALED_TILES = {
     9: tuple([(128, n, False) for n in (128, 160, 192, 208)] + [(256, n, False) for n in (64, 80, 96)]
              + [(128, n, True) for n in (64, 80, 96)]),
@@ -477,7 +477,8 @@ def until_ready(calls: Sequence[Callable[[], object]], pending: type[BaseExcepti
 
 def marker(problem: Problem, config: CuteConfig) -> Path:
     """The file whose presence says that ``config``'s kernel for problems of ``problem``'s kind
-    (dtype, layout, bias, activation) is compiled in QuACK's cache, for these package versions.
+    (dtype, layout, bias, activation; an fp8 product's output dtype and scaling) is compiled in
+    QuACK's cache, for these package versions.
     (A problem without an activation names none, as markers did before activations were taken.)"""
     activation = [] if problem.activation == "none" else [problem.activation]
     scaling = [f"{problem.out_dtype}@{problem.scaling}"] if problem.scaled else []
