@@ -38,6 +38,10 @@ A gemmtune.compile row also says what its graphs' GEMMs became (``compile_choice
 log line per compiled graph, then its debug line per product: the way planned and each way's
 kernel time), and how fast the host queued a library call just before its rounds
 (``host_scale_at_rounds``, in the plan's units: the log line gives the speed it planned at).
+A side compiled in a max-autotune mode also says what the compiler's own autotuning chose
+(``autotuned``, by side: per GEMM it benchmarked, the op and its sizes, the chosen kernel, its
+time and config, and the fastest library call it listed beside it, read from the report the
+compiler writes to stderr).
 With ``--caches DIR`` the gemmtune store and the compiler's caches live in DIR and stay on: run
 twice, the second run's ``setup_s`` and ``baseline_setup_s`` are both sides' warm starts (a new
 process, every cache filled).
@@ -91,6 +95,7 @@ import json
 import logging
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -454,6 +459,7 @@ class Runner:
     output: torch.Tensor
     setup_s: float
     said: list[str]  # what gemmtune's logger said meanwhile (INFO and up)
+    autotuned: list[dict]  # what the compiler's own autotuning chose meanwhile (``autotune_report``)
 
 
 def compiled(model: nn.Module, mode: str | None, gemmtune_compile: bool = False) -> Callable:
@@ -478,7 +484,7 @@ def make_runner(way: str, case: Case, model: nn.Module, kwargs: dict, device: st
     step = step_of(case, forward, model, kwargs)
     sync(device)
     t0 = time.perf_counter()
-    with listening() as said:
+    with listening() as said, autotune_report() as autotuned:
         if way == "graph":
             call, out = captured(step)
         else:
@@ -487,7 +493,7 @@ def make_runner(way: str, case: Case, model: nn.Module, kwargs: dict, device: st
                 out = step()
         output = first_tensor(out).float().clone()  # before any other call: a graph's outputs are overwritten
         sync(device)
-    return Runner(call, output, time.perf_counter() - t0, said)
+    return Runner(call, output, time.perf_counter() - t0, said, autotuned)
 
 
 @contextlib.contextmanager
@@ -506,6 +512,58 @@ def listening() -> Iterator[list[str]]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+class _Tee:
+    """A stream that writes through to ``stream`` and keeps what it was given."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.kept = stream, []
+
+    def write(self, text: str) -> int:
+        self.kept.append(text)
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def autotune_report() -> Iterator[list[dict]]:
+    """What the compiler's own GEMM autotuning chose meanwhile, from the report it writes to
+    stderr (still written there): ``autotuned_choices`` of it, filled when the block exits."""
+    found: list[dict] = []
+    tee = _Tee(sys.stderr)
+    with contextlib.redirect_stderr(tee):
+        try:
+            yield found
+        finally:
+            found.extend(autotuned_choices("".join(tee.kept)))
+
+
+AUTOTUNE_CANDIDATE = re.compile(r"^\s+(\S+) ([0-9.]+) ms ([0-9.]+)%\s*(.*)$")
+
+
+def autotuned_choices(report: str) -> list[dict]:
+    """Per ``AUTOTUNE op(sizes)`` block of the compiler's report: the op, the candidate it lists
+    first (the chosen one: the list is fastest first) with its time and config, and the fastest
+    library call listed (a candidate not named ``triton_*``), where one is."""
+    found, block = [], None
+    for line in report.splitlines():
+        if line.startswith("AUTOTUNE ") and "(" in line:
+            block = {"op": line[len("AUTOTUNE "):].strip(), "choice": None, "ms": None, "config": "",
+                     "library": None, "library_ms": None}
+            found.append(block)
+            continue
+        candidate = AUTOTUNE_CANDIDATE.match(line)
+        if block is None or candidate is None:
+            continue
+        name, ms, _, config = candidate.groups()
+        if block["choice"] is None:
+            block.update(choice=name, ms=float(ms), config=config.strip())
+        if block["library"] is None and not name.startswith("triton_"):
+            block.update(library=name, library_ms=float(ms))
+    return found
 
 
 def captured(step: Callable[[], object]) -> tuple[Callable[[], object], object]:
@@ -937,6 +995,9 @@ def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budg
             if tuned_way in GEMMTUNE_COMPILE:
                 row["compile_choices"] = [line for line in t.said if "compiled graph" in line
                                           or line.startswith("gemmtune: planned")]
+            autotuned = {side: r.autotuned for side, r in (("baseline", b), ("gemmtune", t)) if r.autotuned}
+            if autotuned:
+                row["autotuned"] = autotuned
             if args.profile and device == "cuda":
                 row["kernels"] = {"baseline": kernel_times(b.call), "gemmtune": kernel_times(t.call)}
             if case.phase == "train":
