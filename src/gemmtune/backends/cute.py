@@ -229,12 +229,7 @@ class CuteKernel(KernelBase):
         b_kn = b.t() if self._linear else b  # (K, N): a weight's transpose is K-major, which TMA reads as well
         result = out if out is not None and tma_ready(out) is out else \
             torch.empty((rows.shape[0], b_kn.shape[1]), dtype=a.dtype, device=a.device)
-        key = _layout(rows, b_kn, result.stride(), bias)
-        launch = self._launches.get(key)
-        if launch is None:
-            self._first(key, rows, b_kn, result, bias)
-        else:
-            launch(rows, b_kn, result, bias)
+        self._launch(_layout(rows, b_kn, result.stride(), bias), rows, b_kn, result, bias)
         if out is not None:
             if result is not out:
                 out.copy_(result)
@@ -263,6 +258,15 @@ class CuteKernel(KernelBase):
 
         return call
 
+    def _launch(self, key: tuple, a, *operands) -> None:
+        """The launch prepared for operands laid out as these (``key``), made; prepared first
+        where there is none yet."""
+        launch = self._launches.get(key)
+        if launch is None:
+            self._first(key, a, *operands)
+        else:
+            launch(a, *operands)
+
     def _first(self, key: tuple, a, *operands) -> None:
         """The first call on operands laid out as these (``key``): prepares their launch
         (compiling the kernel, or loading it, where this process has not) and makes it."""
@@ -285,7 +289,7 @@ class CuteKernel(KernelBase):
         mod = self._quack.linear_act_mod(self._activation, gated=False, has_c=False, has_rowvec=bias is not None,
                                          has_colvec=False)
         plan = mod.plan(a, b_kn, out={"mAuxOut": out}, config=self._config, **_epilogue_operands(bias))
-        launch = functools.partial(_run, plan, self._semaphore)
+        launch = functools.partial(_run, plan, self._semaphore, "mAuxOut", _epilogue_operands)
         launch(a, b_kn, out, bias)
         return launch
 
@@ -312,12 +316,7 @@ class CuteScaledKernel(CuteKernel):
         scales = _scale_operand(scale_a), _scale_operand(scale_b)
         result = out if out is not None and tma_ready(out) is out else \
             torch.empty((m, n), dtype=self._out_dtype, device=a.device)
-        key = _layout(a, b_kn, result.stride(), bias)
-        launch = self._launches.get(key)
-        if launch is None:
-            self._first(key, a, b_kn, result, bias, *scales)
-        else:
-            launch(a, b_kn, result, bias, *scales)
+        self._launch(_layout(a, b_kn, result.stride(), bias), a, b_kn, result, bias, *scales)
         if out is not None and result is not out:
             out.copy_(result)
             return out
@@ -329,7 +328,7 @@ class CuteScaledKernel(CuteKernel):
     def _prepare(self, a, b_kn, out, bias, scale_a, scale_b) -> Callable:
         mod = self._quack.scaled_mods[self._scaling, bias is not None]
         plan = mod.plan(a, b_kn, out={"D": out}, config=self._config, **_scaled_operands(bias, scale_a, scale_b))
-        launch = functools.partial(_run_scaled, plan, self._semaphore)
+        launch = functools.partial(_run, plan, self._semaphore, "D", _scaled_operands)
         launch(a, b_kn, out, bias, scale_a, scale_b)
         return launch
 
@@ -379,18 +378,13 @@ def _scaled_operands(bias, scale_a, scale_b) -> dict:
     return operands if bias is None else {**operands, "bias": bias}
 
 
-def _run_scaled(plan, semaphore: bool, a, b_kn, out, bias, scale_a, scale_b) -> None:
-    """``_run`` for an fp8 product's epilogue plan, its scales (and bias) its operands."""
-    plan.run(a, b_kn, out={"D": out}, tile_count_semaphore=_zeroed(a) if semaphore else None,
-             **_scaled_operands(bias, scale_a, scale_b))
-
-
-def _run(plan, semaphore: bool, a, b_kn, out, bias) -> None:
+def _run(plan, semaphore: bool, output: str, operands: Callable, a, b_kn, out, *vectors) -> None:
     """The epilogue's ``plan`` (QuACK's ``plan`` and ``run``, made for replays that decide
-    nothing) launched on operands laid out as those it was made for; the pre-activation not
-    stored."""
-    plan.run(a, b_kn, out={"mAuxOut": out}, tile_count_semaphore=_zeroed(a) if semaphore else None,
-             **_epilogue_operands(bias))
+    nothing) launched on operands laid out as those it was made for, ``out`` its ``output``
+    (an activation's "mAuxOut", the pre-activation not stored; an fp8 product's "D"), the bias
+    and scales given as ``operands`` names them."""
+    plan.run(a, b_kn, out={output: out}, tile_count_semaphore=_zeroed(a) if semaphore else None,
+             **operands(*vectors))
 
 
 def _epilogue_operands(bias) -> dict:
