@@ -66,7 +66,7 @@ check kept for one mode (torch's forward in the other: such a layer's calls are 
 eager counts above when it is graph-only); ``optimize_said``, optimize's own log lines (what its
 check read in each mode, with its noise, and what it kept); ``fused_kept``, the layers left
 running an activation fused into their GEMM; ``gemm_flops_seen``, the seen GEMMs' FLOPs over those of every aten mm, addmm, bmm
-and baddbmm of the same step (FlopCounterMode; attention inside SDPA and convolutions not counted).
+and baddbmm of the same step (``GemmFlops``; attention inside SDPA and convolutions not counted).
 Train cases (forward + backward of ``out.float().sum()``, the model in eval mode so that dropout
 leaves the outputs comparable) run eager only. A failed mode is a row with ``error``; the JSON is
 written after every case, and once ``--time-budget-s`` is spent the models and modes left are
@@ -79,6 +79,7 @@ pays its own); max-autotune-no-cudagraphs 100-150 s per case: run those on a few
     PYTHONPATH=src python3 benchmarks/models.py --out $OUT/models.json
     PYTHONPATH=src python3 benchmarks/models.py --models bert-base,llama --modes compile,reduce-overhead --out m.json
     PYTHONPATH=src python3 benchmarks/models.py --models seed-mlp,vit_base_patch16_224 --modes max-autotune-no-cudagraphs --out m.json
+    PYTHONPATH=src python3 benchmarks/models.py --models timm:cait_xxs24_224@64,hf:albert@8x128 --out m.json  # outside the zoo
     PYTHONPATH=src python3 benchmarks/models.py --tiny --out /tmp/models-tiny.json   # smoke run, CPU too
     PYTHONPATH=src python3 benchmarks/models.py --list
 """
@@ -137,8 +138,11 @@ GEMMTUNE_COMPILE = ("gemmtune-compile", "gemmtune-reduce-overhead", "gemmtune-ma
 # their host time varies with where objects lie, and the copy's ratio shows by how much
 CONTROLLED = ("eager", "gemmtune-compile")  # max-autotune's mode not: its copy would tune 100-150 s more
 MODEL_RESERVE_S = 20
-GEMM_OPS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm")
+ADDED_GEMMS = (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default)  # (input, a, b): a product added
+GEMMS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, *ADDED_GEMMS)
 WARMUP_CALLS = 3
+SIDES = {"base": "the model without gemmtune", "control": "the model's untouched copy",
+         "tuned": "the model through gemmtune.optimize", "plain": "the model through gemmtune.compile"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -404,6 +408,48 @@ MODELS: dict[str, Entry] = {
     "gpt2": gpt2_entry(),
     "llama": llama_entry(),
 }
+
+
+def named_entry(name: str) -> Entry:
+    """A model outside the zoo, named as ``timm:NAME[@BATCH]`` (timm's model of that name, random
+    weights, BATCH images at 224 x 224, default 32) or ``hf:MODEL_TYPE[@BATCHxSEQ]`` (transformers'
+    base model of that type at its default configuration, random weights, BATCH x SEQ tokens,
+    default 8 x 128): models no issue names, to check gemmtune where it was not built for. Their
+    sizes are the libraries' own, tiny run or not. ValueError names what cannot be read."""
+    source, _, rest = name.partition(":")
+    key, _, size = rest.partition("@")
+    if source not in ("timm", "hf") or not key:
+        raise ValueError(f"{name!r}: a zoo model, timm:NAME[@BATCH] or hf:MODEL_TYPE[@BATCHxSEQ]")
+    numbers = re.fullmatch(r"(\d+)" if source == "timm" else r"(\d+)x(\d+)", size) if size else None
+    if size and (numbers is None or 0 in map(int, numbers.groups())):
+        raise ValueError(f"{name!r}: the size after @ must be " + ("BATCH" if source == "timm" else "BATCHxSEQ")
+                         + f" (positive integers), not {size!r}")
+    if source == "timm":
+        batch = int(numbers.group(1)) if numbers else 32
+        return timm_entry(key, batch, {})
+    batch, seq = map(int, numbers.groups()) if numbers else (8, 128)
+    return hf_entry(key, batch, seq)
+
+
+def hf_entry(model_type: str, batch: int, seq: int) -> Entry:
+    def build(tiny: bool) -> nn.Module:
+        from transformers import AutoConfig, AutoModel
+
+        return AutoModel.from_config(AutoConfig.for_model(model_type))
+
+    def cases(key: str, tiny: bool) -> list[Case]:
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.for_model(model_type).vocab_size
+        return [Case(key, "transformers", batch, seq, BF16, "inference", tokens(batch, seq, vocab, "input_ids"),
+                     positional=False)]
+
+    return Entry("transformers", build, cases, f"transformers {model_type}, default config, random weights, "
+                 f"{batch} x {seq} tokens")
+
+
+def entry_of(name: str) -> Entry:
+    return MODELS[name] if name in MODELS else named_entry(name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -842,28 +888,36 @@ def backend_of(kernel) -> str:
     return module.rsplit(".", 1)[-1] if module.startswith("gemmtune.backends.") else module
 
 
-def _no_flops(*args, **kwargs) -> int:
-    return 0
+class GemmFlops(TorchDispatchMode):
+    """The FLOPs of every mm, addmm, bmm and baddbmm run meanwhile: twice each product's
+    multiply-adds (its first factor's elements times the output's columns). torch's
+    FlopCounterMode counts them too, but the module tracking it always does fails on some
+    forwards (timm's CaiT under no_grad: a hook finds no gradient function)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in GEMMS:
+            first = args[1] if func in ADDED_GEMMS else args[0]
+            self.flops += 2.0 * first.numel() * out.shape[-1]
+        return out
 
 
 def all_gemm_flops(case: Case, base: nn.Module, kwargs: dict) -> float:
     """The FLOPs of every aten mm, addmm, bmm and baddbmm in one step of the baseline."""
-    from torch.utils.flop_counter import FlopCounterMode, flop_registry
-
-    # only the GEMMs are wanted: every other formula gives 0 (and cannot fail, as torch's SDPA
-    # formula does on grouped-query attention's fewer key and value heads)
-    others = {op: _no_flops for op in flop_registry if str(op) not in GEMM_OPS}
     # nn.MultiheadAttention's fast path (eval, no grad) runs its projections inside one fused op
-    # that the counter does not see: torchvision's ViT-B read 1.5 of its GEMM FLOPs seen with it
+    # that the count does not see: torchvision's ViT-B read 1.5 of its GEMM FLOPs seen with it
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
-        with FlopCounterMode(display=False, custom_mapping=others) as counter, grad_mode(case):
+        with GemmFlops() as counter, grad_mode(case):
             step_of(case, base, base, kwargs)()
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
-    counts = counter.get_flop_counts().get("Global", {})
-    return float(sum(flops for op, flops in counts.items() if str(op) in GEMM_OPS))
+    return counter.flops
 
 
 class ProductCheck(TorchDispatchMode):
@@ -871,16 +925,13 @@ class ProductCheck(TorchDispatchMode):
     ``wrong`` lists those whose result is off by more than ``bound`` (a right bf16 product of
     these sizes is off by about 2e-3), worst first, with their sizes."""
 
-    OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-           torch.ops.aten.baddbmm.default}
-
     def __init__(self, bound: float = 0.05) -> None:
         super().__init__()
         self.bound, self.checked, self.wrong = bound, 0, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in self.OPS and out.is_floating_point():
+        if func in GEMMS and out.is_floating_point():
             wide = [a.double() if isinstance(a, torch.Tensor) else a for a in args]
             expected = func(*wide, **(kwargs or {}))
             self.checked += 1
@@ -931,8 +982,11 @@ def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budg
         base = copy.deepcopy(master).to(case.dtype).eval()
         shared = case.inputs(device, case.dtype)
         base_kwargs = case.kwargs(base, shared)
+    try:  # the model's own step first: where it fails, the row says so
+        flops_all = all_gemm_flops(case, base, base_kwargs)
+    except Exception as exc:
+        raise RuntimeError(f"{SIDES['base']}, eager: {type(exc).__name__}: {exc}") from exc
     gemms, flops_seen = seen_gemms(case, base, shared)
-    flops_all = all_gemm_flops(case, base, base_kwargs)
     common = identity(case) | {"gemms": gemms, "gemm_gflop": flops_all / 1e9,
                                "gemm_flops_seen": flops_seen / flops_all if flops_all else None}
     sides = {"base": (base, base_kwargs)}
@@ -965,7 +1019,10 @@ def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budg
 
     def runner(side: str, way: str) -> Runner:
         if (side, way) not in runners:
-            runners[side, way] = make_runner(way, case, *sides[side], device)
+            try:
+                runners[side, way] = make_runner(way, case, *sides[side], device)
+            except Exception as exc:  # the row says which side failed: the model without gemmtune, or with it
+                raise RuntimeError(f"{SIDES[side]}, {way}: {type(exc).__name__}: {exc}") from exc
         return runners[side, way]
 
     for mode in modes:
@@ -1081,7 +1138,8 @@ def parse_args(argv=None):
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="the JSON file to write (after every case)")
     parser.add_argument("--models", default=",".join(MODELS),
-                        help="comma-separated models to run, in this order (default: all; --list shows them)")
+                        help="comma-separated models to run, in this order (default: the zoo; --list shows it); "
+                             "also timm:NAME[@BATCH] or hf:MODEL_TYPE[@BATCHxSEQ], models outside the zoo")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
                         help=f"comma-separated modes (default: {','.join(DEFAULT_MODES)}; any of {', '.join(MODES)}; "
                              "'all' for every one). Each torch.compile mode costs about a minute per model")
@@ -1114,10 +1172,15 @@ def parse_args(argv=None):
         parser.error("--caches holds the store too: give --caches or --store, not both")
     args.models = [m for m in args.models.split(",") if m]
     args.modes = list(MODES) if args.modes == "all" else [m for m in args.modes.split(",") if m]
-    for name, given, known in (("--models", args.models, MODELS), ("--modes", args.modes, MODES)):
-        unknown = [m for m in given if m not in known]
-        if unknown:
-            parser.error(f"{name}: unknown {', '.join(unknown)}; accepted: {', '.join(known)}")
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        parser.error(f"--modes: unknown {', '.join(unknown)}; accepted: {', '.join(MODES)}")
+    for name in args.models:
+        if name not in MODELS:
+            try:
+                named_entry(name)
+            except ValueError as exc:
+                parser.error(f"--models: {exc}; the zoo: {', '.join(MODELS)}")
     if args.round_ms is None:
         args.round_ms = 20.0 if args.tiny else 100.0
     if args.out is None and not args.list:
@@ -1188,7 +1251,7 @@ def main(argv=None) -> int:
 def run_model(name: str, args, device: str, budget: Budget, skipped: list, emit, save) -> None:
     """Every case of one model, then the file written; a failure outside a mode is a row for
     each mode of the case it struck."""
-    entry = MODELS[name]
+    entry = entry_of(name)
     t0 = time.perf_counter()
     cases = [c for c in entry.cases(name, args.tiny) if not args.dtypes or dtype_name(c.dtype) in args.dtypes]
     master = None
