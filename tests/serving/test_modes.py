@@ -28,7 +28,7 @@ def kernel(name, calls, any_rank=True, binds=True):
 @pytest.fixture
 def capturing(monkeypatch):
     state = {"on": False}
-    monkeypatch.setattr(modes, "_capturing", lambda: state["on"])
+    monkeypatch.setattr(modes, "capturing", lambda: state["on"])
     return state
 
 

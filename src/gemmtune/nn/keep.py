@@ -25,7 +25,7 @@ from gemmtune import backends
 from gemmtune.device import current
 from gemmtune.problem import Problem
 from gemmtune.results import TuneResult
-from gemmtune.serving import calls, recording
+from gemmtune.serving import calls, modes, recording
 from gemmtune.tuning import measure
 
 log = logging.getLogger("gemmtune")
@@ -38,7 +38,7 @@ GEMMTUNE_ATTRIBUTES = ("activation", "fused", "siblings", "aligned", "torch_when
 
 # what a taken-over layer's forward asks on every call, looked up once
 is_compiling = torch.compiler.is_compiling
-capturing = torch.cuda.is_current_stream_capturing
+capturing = modes.capturing  # torch's check without its Python frame
 any_autocast = calls.any_autocast  # where on, torch's forward: autocast casts its operands
 
 

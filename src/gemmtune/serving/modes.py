@@ -17,7 +17,7 @@ def _never() -> bool:
 
 
 # torch's own check, without its Python frame: a CPU-only torch has none (nothing is captured)
-_capturing = torch._C._cuda_isCurrentStreamCapturing if torch.cuda._is_compiled() else _never
+capturing = torch._C._cuda_isCurrentStreamCapturing if torch.cuda._is_compiled() else _never
 
 
 class ByMode(KernelBase):
@@ -29,7 +29,7 @@ class ByMode(KernelBase):
 
     def __call__(self, a, b, bias, *scales, out=None):
         """``scales``: an fp8 product's (scale_a, scale_b), passed on."""
-        return (self.graph if _capturing() else self.eager)(a, b, bias, *scales, out=out)
+        return (self.graph if capturing() else self.eager)(a, b, bias, *scales, out=out)
 
     def bind(self, a, b, bias) -> BoundCall | None:
         """The eager kernel's bound launch, and the graph kernel called as it is while a graph is
@@ -40,7 +40,7 @@ class ByMode(KernelBase):
         graph = any_rank(self.graph)  # runs only while a graph is captured: a flattening costs nothing there
 
         def call(x, weight, bias, px: int, pw: int, pbias: int):
-            return graph(x, weight, bias) if _capturing() else eager(x, weight, bias, px, pw, pbias)
+            return graph(x, weight, bias) if capturing() else eager(x, weight, bias, px, pw, pbias)
 
         return call
 
@@ -51,7 +51,7 @@ class ByMode(KernelBase):
         eager, graph = self.eager.front, self.graph
 
         def call(a, b, bias):
-            return graph(a, b, bias) if _capturing() else eager(a, b, bias)
+            return graph(a, b, bias) if capturing() else eager(a, b, bias)
 
         return call
 
