@@ -706,14 +706,25 @@ def paired_rounds(base: Callable, tuned: Callable, rounds: int, round_ms: float,
     return result
 
 
-# kinds of GPU kernel, by name: the first whose marks a kernel's name holds (lowercase)
-KERNEL_KINDS = (("gemm template", ("triton_tem",)),
+# kinds of GPU kernel, by name: the first whose marks a kernel's name holds (lowercase). The
+# compiler names a kernel after the ops fused into it (a layer norm's reduction that reads a
+# convolution's output holds "convolution"), and cuDNN names its convolutions' implicit GEMMs
+# ("xmma_fprop_implicit_gemm"), so its pointwise kernels and convolutions are told first
+KERNEL_KINDS = (("convolution template", ("triton_tem_fused_convolution",)),
+                ("gemm template", ("triton_tem",)),
+                ("compiled pointwise/reduction", ("triton_poi", "triton_red", "triton_per")),
                 ("gemmtune", ("tiled_matmul", "splitk_matmul", "stream_matmul", "persistent_matmul", "pad_copy")),
-                ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+                ("attention", ("flash", "fmha", "attention", "sdpa")),
+                ("convolution", ("conv", "fprop", "dgrad", "wgrad")),
                 ("library gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "gemv", "sm90_", "sm80_",
                                   "splitkreduce")),
                 ("compiled pointwise/reduction", ("triton_",)),
                 ("other", ("",)))
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of the GPU kernel called ``name`` (KERNEL_KINDS)."""
+    return next(kind for kind, marks in KERNEL_KINDS if any(m in name.lower() for m in marks))
 
 
 def kernel_times(call: Callable[[], object], calls: int = 5, top: int = 8) -> dict:
@@ -736,10 +747,10 @@ def kernel_times(call: Callable[[], object], calls: int = 5, top: int = 8) -> di
             launches[event.name] += 1 / calls
     kinds: Counter = Counter()
     for name, ms in per_kernel.items():
-        kinds[next(kind for kind, marks in KERNEL_KINDS if any(m in name.lower() for m in marks))] += ms
+        kinds[kernel_kind(name)] += ms
     counts: Counter = Counter()
     for name, n in launches.items():
-        counts[next(kind for kind, marks in KERNEL_KINDS if any(m in name.lower() for m in marks))] += n
+        counts[kernel_kind(name)] += n
     return {"total_ms": sum(per_kernel.values()), "by_kind_ms": dict(kinds.most_common()),
             "kernels_per_call": sum(launches.values()), "by_kind_kernels": dict(counts.most_common()),
             "top": [[name[:120], ms] for name, ms in per_kernel.most_common(top)]}

@@ -81,3 +81,20 @@ def test_the_gemm_count_agrees_with_torchs_flop_counter(rows, phase):
     gemm_ops = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm")
     theirs = sum(f for op, f in counter.get_flop_counts()["Global"].items() if str(op) in gemm_ops)
     assert ours == theirs > 0
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("triton_tem_fused_addmm_gelu_t_view_21", "gemm template"),
+    ("triton_tem_fused_convolution_3", "convolution template"),
+    ("triton_red_fused_convolution_native_layer_norm_permute_6", "compiled pointwise/reduction"),
+    ("triton_poi_fused_gelu_view_7", "compiled pointwise/reduction"),
+    ("conv2d_c1_k1_nhwc_specialized", "convolution"),
+    ("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64", "convolution"),
+    ("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN", "library gemm"),
+    ("cudnn_generated_fort_native_sdpa_sm90_knob_7", "attention"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", "attention"),
+    ("_stream_matmul_kernel", "gemmtune"),
+    ("void at::native::vectorized_elementwise_kernel<4>", "other"),
+])
+def test_a_profiled_kernel_is_sorted_by_its_name(name, kind):
+    assert models().kernel_kind(name) == kind
