@@ -90,6 +90,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import functools
 import gc
 import importlib.metadata
 import json
@@ -432,15 +433,19 @@ def named_entry(name: str) -> Entry:
 
 
 def hf_entry(model_type: str, batch: int, seq: int) -> Entry:
-    def build(tiny: bool) -> nn.Module:
-        from transformers import AutoConfig, AutoModel
-
-        return AutoModel.from_config(AutoConfig.for_model(model_type))
-
-    def cases(key: str, tiny: bool) -> list[Case]:
+    @functools.cache
+    def config():
         from transformers import AutoConfig
 
-        vocab = AutoConfig.for_model(model_type).vocab_size
+        return AutoConfig.for_model(model_type)
+
+    def build(tiny: bool) -> nn.Module:
+        from transformers import AutoModel
+
+        return AutoModel.from_config(config())
+
+    def cases(key: str, tiny: bool) -> list[Case]:
+        vocab = config().vocab_size
         return [Case(key, "transformers", batch, seq, BF16, "inference", tokens(batch, seq, vocab, "input_ids"),
                      positional=False)]
 

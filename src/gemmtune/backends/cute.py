@@ -227,13 +227,10 @@ class CuteKernel(KernelBase):
         rows = tma_ready(a.reshape(-1, a.shape[-1]))
         b, bias = tma_ready(b), vector_ready(bias)
         b_kn = b.t() if self._linear else b  # (K, N): a weight's transpose is K-major, which TMA reads as well
-        result = out if out is not None and tma_ready(out) is out else \
-            torch.empty((rows.shape[0], b_kn.shape[1]), dtype=a.dtype, device=a.device)
+        result = _written(out, (rows.shape[0], b_kn.shape[1]), a.dtype, a.device)
         self._launch(_layout(rows, b_kn, result.stride(), bias), rows, b_kn, result, bias)
         if out is not None:
-            if result is not out:
-                out.copy_(result)
-            return out
+            return _given(out, result)
         return result if a.dim() == 2 else result.view(*a.shape[:-1], result.shape[1])
 
     def bind(self, a, b, bias):
@@ -314,13 +311,9 @@ class CuteScaledKernel(CuteKernel):
         check_scales(self._scaling, m, n, k, scale_a, scale_b)
         a, b_kn, bias = tma_ready(a), tma_ready(b).t(), vector_ready(bias)
         scales = _scale_operand(scale_a), _scale_operand(scale_b)
-        result = out if out is not None and tma_ready(out) is out else \
-            torch.empty((m, n), dtype=self._out_dtype, device=a.device)
+        result = _written(out, (m, n), self._out_dtype, a.device)
         self._launch(_layout(a, b_kn, result.stride(), bias), a, b_kn, result, bias, *scales)
-        if out is not None and result is not out:
-            out.copy_(result)
-            return out
-        return result
+        return result if out is None else _given(out, result)
 
     def bind(self, a, b, bias):
         return None  # fp8 calls are served through serving.scaled, which binds nothing
@@ -331,6 +324,19 @@ class CuteScaledKernel(CuteKernel):
         launch = functools.partial(_run, plan, self._semaphore, "D", _scaled_operands)
         launch(a, b_kn, out, bias, scale_a, scale_b)
         return launch
+
+
+def _written(out, shape: tuple[int, int], dtype: torch.dtype, device) -> torch.Tensor:
+    """The tensor a kernel stores into: ``out`` where TMA can store into it as it is, else a new
+    one of ``shape`` (copied into ``out`` after, ``_given``)."""
+    return out if out is not None and tma_ready(out) is out else torch.empty(shape, dtype=dtype, device=device)
+
+
+def _given(out: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """``out``, holding ``result`` (a copy where the kernel stored elsewhere)."""
+    if result is not out:
+        out.copy_(result)
+    return out
 
 
 def scaled_epilogue(acc, scale_a, scale_b):
