@@ -988,12 +988,23 @@ def case_modes(case: Case, modes: list[str]) -> list[str]:
     return ["eager"] if case.phase == "train" and "eager" in modes else [] if case.phase == "train" else modes
 
 
+def fresh_compiler() -> None:
+    """The compiler's in-process state dropped, as in a new process. Its automatic dynamic shapes
+    key a frame's input sizes by source line, not by code object: without this, every model
+    compiled after the first whose input of the same name has other sizes was compiled with a
+    symbolic size there, on both sides (``compiled``'s functions all come from one line)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+
 def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budget, skipped: list,
              emit: Callable[[dict], None]) -> None:
     device = next(master.parameters()).device.type
     modes = case_modes(case, modes)
     if not modes:
         return
+    fresh_compiler()  # each case's sides compiled as a user's first compile of the model
     with grad_mode(case):
         base = copy.deepcopy(master).to(case.dtype).eval()
         shared = case.inputs(device, case.dtype)

@@ -39,7 +39,14 @@ def offered(found):
     (CUBLAS, trials(cublas=0.006, tiled=0.007, tiled_wide=0.0065), False,
      [(LIBRARY, "cublas", 0.006), (TEMPLATE, "triton_tiled", 0.0065)]),
     (CUBLAS, trials(cublas=0.006, tiled=0.013), False, [(LIBRARY, "cublas", 0.006)]),
+    # a Triton config the tuner did not choose: its stored time, never below the library call's
+    # stored one (the tuner timed it beside cuBLAS and found it no faster; its stored rounds are
+    # not cuBLAS's); where no kernel time of the library call is stored, its own
     (CUBLAS, trials(tiled=0.004), False, [(LIBRARY, "cublas", 0.013), (TEMPLATE, "triton_tiled", 0.004)]),
+    (CUBLAS, trials(cublas=0.0451, tiled=0.0441), False,
+     [(LIBRARY, "cublas", 0.0451), (TEMPLATE, "triton_tiled", 0.0451)]),
+    (STREAM, trials(cublas=0.015, stream=0.011, tiled=0.012), False,
+     [(LIBRARY, "cublas", 0.015), (CALLED, "triton_stream", 0.011), (TEMPLATE, "triton_tiled", 0.015)]),
     (CUBLAS, {}, False, [(LIBRARY, "cublas", 0.013)]),
     (Choice("cublas", {}), trials(tiled=0.004), False, [(LIBRARY, "cublas", 0.0)]),  # a fallback: nothing measured
     # gemmtune's kernel, by its stored trial's time, else the choice's own
@@ -67,7 +74,7 @@ def test_the_ways_a_choice_may_run(choice, stored, graphs, expected):
 
 
 def test_the_template_with_the_activation_fused_launches_no_kernel_for_it():
-    fused = (CUBLAS, trials(cublas=0.008, tiled_wide=0.0062))
+    fused = (Choice("triton_tiled", {**TILES, "BLOCK_N": 64}, 0.0063, 0.008), trials(cublas=0.008, tiled_wide=0.0062))
     found = plan.ways(CUBLAS, trials(cublas=0.006, tiled=0.0061), False, fused)
     assert offered(found)[1:] == [(TEMPLATE, "triton_tiled", 0.0061), (TEMPLATE, "triton_tiled", 0.0062)]
     assert found[2].choice.config["BLOCK_N"] == 64
