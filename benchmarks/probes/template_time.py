@@ -7,7 +7,8 @@ each product given, this tunes it ``--repeats`` times, each from an empty store,
 the plan would read (the template's and the library call's times), the tuner's choice, and each
 Triton trial's screening reading against cuBLAS in its own rounds (``vs_reference``). Then, in one
 set of interleaved rounds, it times every config the plan would have taken as three kernels,
-each replayed in a CUDA graph over enough weight copies to pass the L2 as a model's layers do:
+each replayed in a CUDA graph over enough weight copies to pass the L2 as a model's layers do
+(the template's generated module is kept in the output, to read beside gemmtune's kernel):
 cuBLAS (``torch.addmm`` / ``torch.bmm``), gemmtune's own Triton kernel with that config, and the
 compiler's template with that config (``gemmtune.compile`` of the one product, its plan made to
 take the template). Ratios are to cuBLAS in the same rounds (below 1: faster than cuBLAS).
@@ -102,8 +103,8 @@ def template_call(problem: Problem, config: dict):
         _, code = run_and_get_code(compiled, a, weights[0], bias)  # compiled now, under the patch
     finally:
         planning._fastest_tiled, planning.plan = fastest, chosen
-    launched = sorted(set(LAUNCH.findall("\n".join(code))))
-    return compiled, launched
+    text = "\n".join(code)
+    return compiled, {"launches": sorted(set(LAUNCH.findall(text))), "code": text}
 
 
 def graphed(call, a, weights, bias):
@@ -169,7 +170,7 @@ def main() -> None:
         row = {"problem": problem.key(), "tunings": tunings, "copies": copies, "template_launches": launches,
                "timed": rounds(graphs, args.rounds), "seconds": time.perf_counter() - started}
         rows.append(row)
-        print(problem.key(), json.dumps(row["timed"], indent=1), launches)
+        print(problem.key(), json.dumps(row["timed"], indent=1), {k: v["launches"] for k, v in launches.items()})
         for t in tunings:
             print("  plan reads template", t["plan_template_ms"], "library", t["plan_library_ms"], "choice", t["choice"])
     with open(args.out, "w") as f:
