@@ -43,11 +43,11 @@ WAYS = ("library", "wrapped", "template", "called", "pointwise", "eager")
 TILES = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
 
-def forced(kind: str, templates: bool):
-    """gemmtune.compile's handler running every GEMM ``kind`` (the template with a Triton config,
-    cuBLAS otherwise; a called kernel is the one gemmtune's dispatch chose), the templates
-    switched on or not."""
-    choice = Choice("cublas", {}) if kind == plan.LIBRARY else Choice("triton_tiled", TILES, 0.001, None)
+def forced(kind: str, templates: bool, config: dict = TILES):
+    """gemmtune.compile's handler running every GEMM ``kind`` (the template with the Triton
+    ``config``, cuBLAS otherwise; a called kernel is the one gemmtune's dispatch chose), the
+    templates switched on or not."""
+    choice = Choice("cublas", {}) if kind == plan.LIBRARY else Choice("triton_tiled", config, 0.001, None)
     return [mock.patch.object(choices.GemmtuneChoices, "decision", lambda self, problem, index: (choice, kind)),
             mock.patch.object(choices.GemmtuneChoices, "choose_ahead", lambda self, graph: templates)]
 

@@ -10,7 +10,7 @@ set of interleaved rounds, it times every config the plan would have taken as th
 each replayed in a CUDA graph over enough weight copies to pass the L2 as a model's layers do
 (the template's generated module is kept in the output, to read beside gemmtune's kernel):
 cuBLAS (``torch.addmm`` / ``torch.bmm``), gemmtune's own Triton kernel with that config, and the
-compiler's template with that config (``gemmtune.compile`` of the one product, its plan made to
+compiler's template with that config (``gemmtune.compile`` of the one product, its handler made to
 take the template). Ratios are to cuBLAS in the same rounds (below 1: faster than cuBLAS).
 
     TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 PYTHONPATH=src python3 benchmarks/probes/template_time.py \
@@ -24,8 +24,11 @@ import json
 import logging
 import re
 import statistics
+import sys
 import tempfile
 import time
+from contextlib import ExitStack
+from pathlib import Path
 
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -38,6 +41,11 @@ from gemmtune.problem import Problem
 from gemmtune.serving.dispatch import Choice
 from gemmtune.store import open_store
 from gemmtune.tuning.verify import make_operands
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the compiled-host benchmark's helpers
+from compiled_host import forced, own_code  # noqa: E402
+
+log = logging.getLogger("template_time")
 
 # ALBERT's (transformers' default configuration, 8 x 128 tokens) products whose template reading
 # moved between tunings, and one BERT-base product as a control
@@ -87,22 +95,15 @@ def library_call(problem: Problem):
 
 def template_call(problem: Problem, config: dict):
     """The compiler's template with ``config`` for ``problem``: gemmtune.compile of the product,
-    its plan made to take the template with that config (this probe's patch, undone after)."""
-    fastest, chosen = planning._fastest_tiled, planning.plan
-    planning._fastest_tiled = lambda choice, trials, library_ms: Choice(planning.TEMPLATE_BACKEND, config, 1e-6,
-                                                            choice.cublas_ms)
-    planning.plan = lambda gemms, *args, **kwargs: [
-        next(w for w in g.ways if w.kind == planning.TEMPLATE) for g in gemms]
+    its handler made to run the template with that config (``compiled_host.forced``)."""
     torch._dynamo.reset()  # the compiler's automatic dynamic shapes would make a second product's sizes symbols
     call = library_call(problem)
-    product = lambda a, b, bias: call(a, b, bias)  # noqa: E731
-    product.__code__ = product.__code__.replace()  # a code object of its own: dynamo compiles it anew
-    try:
-        compiled = gemmtune.compile(product)
-        a, weights, bias = operands(problem, 1)
-        _, code = run_and_get_code(compiled, a, weights[0], bias)  # compiled now, under the patch
-    finally:
-        planning._fastest_tiled, planning.plan = fastest, chosen
+    compiled = gemmtune.compile(own_code(lambda a, b, bias: call(a, b, bias)))
+    a, weights, bias = operands(problem, 1)
+    with ExitStack() as stack:
+        for patch in forced(planning.TEMPLATE, templates=True, config=config):
+            stack.enter_context(patch)
+        _, code = run_and_get_code(compiled, a, weights[0], bias)  # compiled now, under the patches
     text = "\n".join(code)
     return compiled, {"launches": sorted(set(LAUNCH.findall(text))), "code": text}
 
@@ -149,6 +150,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("gemmtune").setLevel(logging.DEBUG)  # each compiled product's kind, on stderr
+    log.setLevel(logging.INFO)
     rows = []
     for text in args.problems.split(","):
         problem = Problem.from_key(text)
@@ -170,9 +172,11 @@ def main() -> None:
         row = {"problem": problem.key(), "tunings": tunings, "copies": copies, "template_launches": launches,
                "timed": rounds(graphs, args.rounds), "seconds": time.perf_counter() - started}
         rows.append(row)
-        print(problem.key(), json.dumps(row["timed"], indent=1), {k: v["launches"] for k, v in launches.items()})
+        log.info("%s: %s; templates launched: %s", problem.key(), json.dumps(row["timed"], indent=1),
+                 {k: v["launches"] for k, v in launches.items()})
         for t in tunings:
-            print("  plan reads template", t["plan_template_ms"], "library", t["plan_library_ms"], "choice", t["choice"])
+            log.info("  the plan reads the template at %s ms, the library call at %s ms; the choice: %s",
+                     t["plan_template_ms"], t["plan_library_ms"], t["choice"])
     with open(args.out, "w") as f:
         json.dump({"kind": "template-time", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)
