@@ -110,8 +110,8 @@ def launch_rows(calls: int) -> list[dict]:
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     wrapper = BACKEND.build(Problem(m, n, k), TiledConfig(16, 16, 16, 8, 1, 1), current())
-    params = (x, w, out, out, m, n, k, x.stride(0), x.stride(1), w.stride(1), w.stride(0), out.stride(0), out.stride(1),
-              0, 0, 0)  # no batch
+    params = (x, w, out, out, m, n, x.stride(0), x.stride(1), w.stride(1), w.stride(0), out.stride(0), out.stride(1),
+              0, 0, 0)  # no batch; K is among the wrapper's constexprs
     consts = wrapper._constexprs[False] | gemm_hints(params[4:])
     compiled = tiled_matmul[(1,)](*params, **consts)
     runner = compiled[(1, 1, 1)]

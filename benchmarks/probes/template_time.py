@@ -22,6 +22,7 @@ second config's compile of the same product would load the first one's code.
 import argparse
 import json
 import logging
+import random
 import re
 import statistics
 import sys
@@ -120,11 +121,15 @@ def graphed(call, a, weights, bias):
 
 
 def rounds(graphs: dict, count: int) -> dict:
-    """Each graph's ms per product in ``count`` interleaved rounds; per-round ratios to the first."""
+    """Each graph's ms per product in ``count`` interleaved rounds, the graphs in a new random
+    order each round (a place in the round must not favour one); per-round ratios to the first
+    graph given."""
     times = {name: [] for name in graphs}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    order = random.Random(0)
     for _ in range(count):
-        for name, graph in graphs.items():
+        for name in order.sample(list(graphs), len(graphs)):
+            graph = graphs[name]
             start.record()
             graph.replay()
             end.record()

@@ -83,6 +83,21 @@ def test_tf32_precision_is_requested_only_when_allowed():
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_kernel_refuses_another_k_than_it_was_built_for(batch):
+    """K is a constant of the binary: a kernel built for one K and called with another would run
+    the wrong number of K steps, so it says so instead; M and N may vary."""
+    problem = Problem(8, 16, 32, "float32", "nn", batch=batch)
+    kernel = BACKEND.build(problem, CONFIGS[0], current())
+    shape = (batch,) if batch > 1 else ()
+    a = torch.randn(*shape, 5, 32, device=DEVICE)
+    b = torch.randn(*shape, 32, 24, device=DEVICE)
+    assert verify.rel_err(kernel(a, b, None), (a.double() @ b.double())) < 1e-5  # other M and N
+    with pytest.raises(ValueError, match="built for K=32, called with K=48"):
+        kernel(torch.randn(*shape, 8, 48, device=DEVICE), torch.randn(*shape, 48, 16, device=DEVICE), None)
+
+
+@pytest.mark.interpreter
 def test_a_broken_kernel_fails_verification():
     problem = Problem(7, 33, 65, "float32", "linear")
     inputs = verify.make_inputs(problem, DEVICE)
@@ -122,11 +137,11 @@ def test_hinted_rows_of_1000_compile_to_16_byte_copies():
 
     from gemmtune.backends.launch import gemm_hints
 
-    scalars = (1000, 1000, 1000, 1000, 1, 1000, 1, 1000, 1, 0, 0, 0)  # m, n, k, the strides, no batch
-    constexprs = dict(HAS_BIAS=False, ACTIVATION="none", EVEN_K=False, PRECISION="ieee", BLOCK_M=128,
+    scalars = (1000, 1000, 1000, 1, 1000, 1, 1000, 1, 0, 0, 0)  # m, n, the strides, no batch
+    constexprs = dict(K=1000, HAS_BIAS=False, ACTIVATION="none", PRECISION="ieee", BLOCK_M=128,
                       BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
     hinted = sm90_ptx("tiled", scalars, constexprs | gemm_hints(scalars))
-    plain = sm90_ptx("tiled", scalars, constexprs | {"HINTS": (1,) * 11})
+    plain = sm90_ptx("tiled", scalars, constexprs | {"HINTS": (1,) * 10})
     assert "cp.async.cg.shared.global" in hinted and "ld.global.b16" not in hinted
     assert "cp.async" not in plain and "ld.global.b16" in plain  # what Triton does unaided
     # bf16 products on Hopper's own instruction: the interpreter's widening of bf16 operands

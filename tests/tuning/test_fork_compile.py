@@ -14,9 +14,9 @@ from ptx import outside_interpreter
 from gemmtune import settings
 from gemmtune.tuning import compiler, fork_compile
 
-TILE = dict(HAS_BIAS=True, ACTIVATION="relu", EVEN_K=True, PRECISION="ieee", BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
-            GROUP_M=8, HINTS=(1,) * 11, num_warps=4, num_stages=3)
-SCALARS = (256, 1024, 1024, 1024, 1, 1, 1024, 1024, 1, 0, 0, 0)  # m, n, k, the strides, no batch
+TILE = dict(K=1024, HAS_BIAS=True, ACTIVATION="relu", PRECISION="ieee", BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
+            GROUP_M=8, HINTS=(1,) * 10, num_warps=4, num_stages=3)
+SCALARS = (256, 1024, 1024, 1, 1, 1024, 1024, 1, 0, 0, 0)  # m, n, the strides, no batch
 
 CHILD = """
 import json, sys

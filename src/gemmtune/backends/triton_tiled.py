@@ -143,16 +143,23 @@ def _fitting(problem: Problem, device: Device, configs) -> list[TiledConfig]:
 def _constexprs(problem: Problem, config: TiledConfig) -> dict:
     """The kernel's constexprs for ``problem`` and ``config``, but for whether a bias is added."""
     return dict(
-        ACTIVATION=problem.activation, EVEN_K=problem.k % config.block_k == 0,
-        PRECISION="tf32" if problem.tf32 else "ieee",
+        K=problem.k, ACTIVATION=problem.activation, PRECISION="tf32" if problem.tf32 else "ieee",
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
+def _check_k(k: int, built: int) -> None:
+    """The kernel's K loop is compiled for ``built`` rows of B: a call with another K is refused,
+    never run with the wrong trip count."""
+    if k != built:
+        raise ValueError(f"triton_tiled: this kernel was built for K={built}, called with K={k}")
+
+
 class TiledKernel(KernelBase):
     """A compiled-on-first-call launcher for one (problem, config); later calls with operands
-    of the same dtypes, strides and alignment launch the binary directly (gemmtune.backends.launch)."""
+    of the same dtypes, strides and alignment launch the binary directly (gemmtune.backends.launch).
+    Its binary is compiled for the problem's K; M, N and the strides may vary."""
 
     serves_any_rank = True  # x (..., K) in layout linear: launch.gemm_call takes its rows in place
 
@@ -162,6 +169,7 @@ class TiledKernel(KernelBase):
         self._launch = Launcher(tiled_matmul, gemm_hints)
         self._linear = problem.layout == "linear"
         self._config = config
+        self._k = problem.k
         base = _constexprs(problem, config)
         self._constexprs = {False: dict(base, HAS_BIAS=False), True: dict(base, HAS_BIAS=True)}
 
@@ -174,7 +182,8 @@ class TiledKernel(KernelBase):
     def launch_args(self, a, m: int, n: int, k: int, strides: tuple) -> tuple:
         """For ``launch.bind_gemm``: the grid, the scalars and the kernel's own buffers' addresses
         (none)."""
-        return (-(-m // self._config.block_m) * -(-n // self._config.block_n), 1, 1), (m, n, k, *strides, 0, 0, 0), ()
+        _check_k(k, self._k)
+        return (-(-m // self._config.block_m) * -(-n // self._config.block_n), 1, 1), (m, n, *strides, 0, 0, 0), ()
 
     def bind(self, a, b, bias) -> BoundCall | None:
         return bind_gemm(self, self._launch, a, b, bias, self._linear)
@@ -191,12 +200,14 @@ class BatchedTiledKernel(KernelBase):
         self._launch = Launcher(tiled_matmul, gemm_hints)
         self._linear = problem.layout == "linear"
         self._config = config
+        self._k = problem.k
         self._constexprs = dict(_constexprs(problem, config), HAS_BIAS=False)
 
     def __call__(self, a, b, bias, out=None):
         if bias is not None:
             raise ValueError("a batched product takes no bias")
         batch, m, k = a.shape
+        _check_k(k, self._k)
         n = b.shape[1] if self._linear else b.shape[2]
         if out is None:
             out = a.new_empty((batch, m, n))
@@ -209,7 +220,7 @@ class BatchedTiledKernel(KernelBase):
         guard = (a.get_device(), b.get_device(), out.get_device(), a.dtype, b.dtype, out.dtype, a.shape, b.shape,
                  a.stride(), b.stride(), out.stride(), pa & 15, pb & 15, po & 15)
         grid = (-(-m // self._config.block_m) * -(-n // self._config.block_n), batch, 1)
-        scalars = (m, n, k, sam, sak, sbk, sbn, scm, scn, saq, sbq, scq)
+        scalars = (m, n, sam, sak, sbk, sbn, scm, scn, saq, sbq, scq)
         self._launch(grid, guard, (a, b, out, out), (pa, pb, po, po), scalars, self._constexprs)
         return out
 

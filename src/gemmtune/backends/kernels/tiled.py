@@ -5,6 +5,7 @@ kernel with B's strides swapped. Edges are masked, so sizes like 4095 need no pa
 are visited in groups of GROUP_M rows so that neighbouring programs share B tiles in L2. The
 grid's second axis is a batch (``torch.bmm``): program ``(t, q)`` computes tile ``t`` of the
 ``q``-th product, each operand offset by ``q`` times its batch stride (0 where unbatched).
+K is a constant of the binary (one compile per K); M, N and the strides are run-time integers.
 """
 
 import triton
@@ -18,22 +19,26 @@ from gemmtune.backends.kernels.order import grouped_tile
 @triton.jit
 def tiled_matmul(
     a_ptr, b_ptr, c_ptr, bias_ptr,
-    M, N, K,
+    M, N,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     stride_aq, stride_bq, stride_cq,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HINTS: tl.constexpr,
 ):
-    # Alignment Triton cannot see (launch.stride_hints): N, K and the strides that step rows
-    # are multiples of these many elements, or 1 for nothing known beyond what Triton knows.
+    # K is a constant of each binary: with the K loop's trip count known, the same loop ran
+    # 1.16-1.17x cuBLAS's time with K a run-time integer and 1.01-1.08x with K fixed on an H200
+    # (docs/performance.md, a compile-time K).
+    EVEN_K: tl.constexpr = K % BLOCK_K == 0
+    # Alignment Triton cannot see (launch.gemm_hints): N and the strides that step rows are
+    # multiples of these many elements, or 1 for nothing known beyond what Triton knows.
     # (multiple_of must be written here: a hint set inside a called jit function is lost.)
     HINT_N: tl.constexpr = HINTS[0]
-    HINT_K: tl.constexpr = HINTS[1]
-    HINT_AM: tl.constexpr = HINTS[2]
-    HINT_BK: tl.constexpr = HINTS[4]
-    HINT_BN: tl.constexpr = HINTS[5]
-    HINT_CM: tl.constexpr = HINTS[6]
+    HINT_AM: tl.constexpr = HINTS[1]
+    HINT_BK: tl.constexpr = HINTS[3]
+    HINT_BN: tl.constexpr = HINTS[4]
+    HINT_CM: tl.constexpr = HINTS[5]
     q = tl.program_id(1).to(tl.int64)  # the batch's product: 64-bit offsets past 2^31 elements
     a_ptr += q * stride_aq
     b_ptr += q * stride_bq
@@ -68,10 +73,7 @@ def tiled_matmul(
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
         else:
-            k_left = tl.full((BLOCK_K,), K - k0 * BLOCK_K, tl.int32)
-            if HINT_K > 1:
-                k_left = tl.multiple_of(k_left, HINT_K)
-            k_in = rk < k_left
+            k_in = rk < K - k0 * BLOCK_K
             a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_in[:, None], other=0.0)
         acc = mma(a, b, acc, PRECISION)
