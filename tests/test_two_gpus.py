@@ -1,0 +1,67 @@
+"""gemmtune's kernels on two GPUs of one process. The fleet benchmark's crosscheck, which tuned on
+GPU 0 and then timed the same choices on GPU 1 in one process, stopped on an illegal memory
+access (docs/tuning-time.md). Per backend, in a child process of its own with
+CUDA_LAUNCH_BLOCKING=1 (a fault poisons the process's CUDA context, and the failure must name
+its backend): two candidates of each product built, run, checked against float64 and timed in
+final rounds as the tuner's on GPU 0, then the same on GPU 1. Needs two GPUs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+BACKENDS = ("cublas", "cublaslt", "triton_tiled", "triton_splitk", "triton_stream", "triton_persistent")
+PRODUCTS = ("16x1024x1024", "256x1024x1024")  # decode's kernels (split-K, the stream) and the tiles'
+
+CHILD = """
+import json, sys
+import torch
+from gemmtune import backends
+from gemmtune.device import current
+from gemmtune.problem import Problem
+from gemmtune.tuning import verify
+from gemmtune.tuning.runner import LocalRunner
+from gemmtune.tuning.tuner import MIN_ROUNDS_FINAL
+
+name, products = sys.argv[1], sys.argv[2:]
+backend = backends.get(name)
+checked = timed = 0
+for text in products:
+    problem = Problem(*(int(v) for v in text.split("x")))
+    for gpu in (0, 1):
+        torch.cuda.set_device(gpu)
+        device = current(gpu)
+        if not backend.is_available(device):
+            continue
+        configs = [c.as_dict() for c in backend.candidates(problem, device)[:2]]
+        inputs = verify.make_inputs(problem, "cuda", seed=gpu)
+        for config in configs:
+            verdict = verify.check(backends.build(problem, name, config, device), problem, inputs)
+            assert verdict.ok, (text, gpu, config, verdict.reason())
+            checked += 1
+        if configs:  # timed as the tuner's final rounds time them, on GPU 0, then on GPU 1
+            runner = LocalRunner(device)
+            runner.start(problem, seed=0)
+            final = runner.final([("cublas", {}), *((name, c) for c in configs)], 20.0, MIN_ROUNDS_FINAL)
+            torch.cuda.synchronize()
+            timed += len(final)
+print(json.dumps({"checked": checked, "timed": timed}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_process_serves_and_times_on_two_gpus(backend):
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", CHILD, backend, *PRODUCTS], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    if counts["checked"] == 0:
+        pytest.skip(f"{backend} has no candidate for these products on this GPU")
+    assert counts["timed"] > 0
