@@ -28,7 +28,7 @@ def tiled_matmul(
     HINTS: tl.constexpr,
 ):
     # K is a constant of each binary: with the K loop's trip count known, the same loop ran
-    # 1.16-1.17x cuBLAS's time with K a run-time integer and 1.01-1.08x with K fixed on an H200
+    # 1.15-1.17x cuBLAS's time with K a run-time integer and 1.01-1.08x with K fixed on an H200
     # (docs/performance.md, a compile-time K).
     EVEN_K: tl.constexpr = K % BLOCK_K == 0
     # Alignment Triton cannot see (launch.gemm_hints): N and the strides that step rows are
