@@ -9,7 +9,7 @@ rounds again with the collector off (each round's wall and host ms per side kept
 and child processes alive after tuning; and per layer gemmtune kept, its call's host time against
 ``F.linear`` on the same input (queued loops, no sync inside).
 
-    PYTHONPATH=src python3 benchmarks/probes/eager_model.py OUT.json [--model NAME] [--batch N]
+    PYTHONPATH=src python3 benchmarks/probes/eager_model.py OUT.json [--model NAME] [--batch N] [--no-check]
 """
 import argparse
 import copy
@@ -143,6 +143,8 @@ def main() -> None:
     parser.add_argument("--model", default="swin_tiny_patch4_window7_224")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--no-check", dest="check", action="store_false",
+                        help="optimize(check=False): every layer gemmtune tunes serves its eager calls too")
     args = parser.parse_args()
     torch.manual_seed(0)
     base = timm.create_model(args.model, pretrained=False).cuda().to(torch.bfloat16).eval()
@@ -150,7 +152,7 @@ def main() -> None:
     tuned = copy.deepcopy(base)
     with torch.no_grad():
         t0 = time.perf_counter()
-        gemmtune.optimize(tuned, (x,))
+        gemmtune.optimize(tuned, (x,), check=args.check)
         setup = time.perf_counter() - t0
         run_base, run_tuned = (lambda: base(x)), (lambda: tuned(x))
         for fn in (run_base, run_tuned):
@@ -159,7 +161,7 @@ def main() -> None:
         gc.disable()
         quiet, _, quiet_times = paired(run_base, run_tuned, args.rounds, 10)
         gc.enable()
-        out = {"model": args.model, "batch": args.batch, "device": torch.cuda.get_device_name(),
+        out = {"model": args.model, "batch": args.batch, "check": args.check, "device": torch.cuda.get_device_name(),
                "setup_s": setup, "eager_ratios": ratios, "eager_ratio": statistics.median(ratios),
                "collections": collections, "eager_ratios_gc_off": quiet,
                "round_ms": {"wall and host, per side": times, "gc off": quiet_times},

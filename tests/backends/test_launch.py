@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gemmtune.backends import get
+from gemmtune.backends import get, launch
+from gemmtune.backends.base import KernelBase
 from gemmtune.device import current
 from gemmtune.problem import Problem
 from gemmtune.tuning import verify
@@ -31,6 +32,68 @@ def test_the_interpreter_keeps_no_binary():
     for _ in range(2):
         assert verify.rel_err(kernel(a, b, bias), verify.reference(problem, a, b, bias)) < 1e-5
     assert kernel._launch.binaries() == 0
+
+
+class TwoDimensional(KernelBase):
+    """A kernel of 2-D ``a`` only that binds its launch (as cuBLASLt's does): ``F.linear``, its
+    binds and bound calls recorded."""
+
+    def __init__(self) -> None:
+        self.bound, self.bound_calls = [], 0
+
+    def __call__(self, a, b, bias, out=None):
+        assert a.dim() == 2
+        return F.linear(a, b, bias)
+
+    def bind(self, a, b, bias):
+        assert a.dim() == 2
+        self.bound.append(tuple(a.shape))
+
+        def call(a, b, bias, pa, pb, pbias):
+            assert a.dim() == 2 and a.data_ptr() == pa
+            self.bound_calls += 1
+            return F.linear(a, b, bias)
+
+        return call
+
+
+def front_call(entry, x, w, bias):
+    return entry(x, w, bias, x.data_ptr(), w.data_ptr(), bias.data_ptr())
+
+
+def test_a_model_activation_binds_its_rows_for_a_kernel_of_2d_operands():
+    """x (..., K) contiguous, served by a kernel that takes (M, K) alone: the front path binds the
+    kernel's launch to x's rows viewed as (M, K) and views the result back, instead of calling
+    the kernel's wrapper (and its checks) on every call; a non-contiguous x is not bound."""
+    w, bias = torch.randn(6, 8), torch.randn(6)
+    x = torch.randn(2, 3, 5, 8)
+    kernel = TwoDimensional()
+    entry = launch.front_entry(kernel, x, w, bias)
+    for _ in range(2):
+        out = front_call(entry, x, w, bias)
+        assert out.shape == (2, 3, 5, 6) and torch.allclose(out, F.linear(x, w, bias), atol=1e-6)
+    assert kernel.bound == [(30, 8)] and kernel.bound_calls == 2
+    strided = torch.randn(2, 5, 3, 8).transpose(1, 2)
+    kernel = TwoDimensional()
+    out = front_call(launch.front_entry(kernel, strided, w, bias), strided, w, bias)
+    assert torch.allclose(out, F.linear(strided, w, bias), atol=1e-6)
+    assert kernel.bound == [] and kernel.bound_calls == 0
+
+
+@pytest.mark.interpreter
+def test_a_constexpr_the_kernel_lacks_is_refused():
+    """Triton's interpreter drops a keyword the kernel has no parameter for, its compiler refuses
+    it: the launcher refuses it on either path, so a wrong constexpr cannot pass the CPU tier."""
+    from gemmtune.backends.kernels.scaled import scaled_reduce
+    from gemmtune.backends.launch import Launcher
+
+    ws, out = torch.zeros(2, 3, 4, device=DEVICE), torch.empty(3, 4, device=DEVICE)
+    constexprs = dict(SCALING="tensor", HAS_BIAS=False, ACTIVATION="none", SPLIT_K=2, BLOCK_M=16, BLOCK_N=16,
+                      num_warps=1, K=4)
+    scale = torch.ones((), device=DEVICE)
+    with pytest.raises(TypeError, match="scaled_reduce has no parameter K"):
+        Launcher(scaled_reduce)((1, 1, 1), ("guard",), (ws, out, out, scale, scale), (0,) * 5,
+                                (3, 4, 4, 1, 0, 0, 0), constexprs)
 
 
 @pytest.mark.gpu

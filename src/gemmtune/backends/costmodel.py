@@ -35,6 +35,16 @@ LATENCY_S = 3.3e-6
 SPLIT_TAIL_S = 2e-6
 MAX_WARPS_PER_SM = 64  # sm_70 to sm_90
 REGISTERS_PER_SM = 65536
+# An SM holds 1 KB of shared memory more than a block may opt in to (Ampere, Ada, Hopper), and
+# the driver reserves 1 KB of it per resident block.
+SMEM_RESERVED_PER_BLOCK = 1024
+# A tile alone on its SM (its pipeline's shared memory leaves no room for a second block) leaves
+# its prologue and epilogue exposed where a grid of more tiles than SMs would put a second block
+# there to overlap them.
+# Measured on an H200 (triton_tiled, K a constant, tiled-space-h200-20261128.json): the same
+# tile with a fourth stage that left room for one block, against three stages leaving room for
+# two, ran 1.005-1.39x the time (median 1.14) on five compute-bound products.
+ALONE_PENALTY = 1.12
 
 
 def matrix_flops(problem: Problem, device: Device) -> float:
@@ -55,10 +65,16 @@ def dram_bytes_per_s(device: Device) -> float:
     return DRAM_BYTES_PER_S.get(device.capability[0], 0.8e12)
 
 
+def blocks_per_sm(device: Device, smem_bytes: int) -> int:
+    """How many blocks of ``smem_bytes`` of shared memory an SM holds at once."""
+    return (device.smem_per_block + SMEM_RESERVED_PER_BLOCK) // (smem_bytes + SMEM_RESERVED_PER_BLOCK)
+
+
 def tile_gemm_ms(problem: Problem, device: Device, block_m: int, block_n: int, block_k: int,
-                 num_stages: int) -> float:
+                 num_stages: int, *, alone: bool = False) -> float:
     """A tiled or persistent GEMM's predicted time in ms: each SM works through its share of
-    the output tiles of every product of the batch (a last, partly filled wave costs a whole one)."""
+    the output tiles of every product of the batch (a last, partly filled wave costs a whole one).
+    ``alone``: one block a time on an SM (ALONE_PENALTY where the grid has more tiles than SMs)."""
     tiles_m, tiles_n = -(-problem.m // block_m), -(-problem.n // block_n)
     tiles = tiles_m * tiles_n * problem.batch
     waves = -(-tiles // device.sm_count)
@@ -75,6 +91,8 @@ def tile_gemm_ms(problem: Problem, device: Device, block_m: int, block_n: int, b
     streaming = min(dram_bytes_per_s(device), in_flight / LATENCY_S)
     memory_s = reread / (dram_bytes_per_s(device) * L2_OVER_DRAM) + problem.min_bytes / streaming
     total = max(compute_s, memory_s) * 1e3
+    if alone and tiles > device.sm_count:  # a second block would have been there to overlap
+        total *= ALONE_PENALTY
     if not problem.rows_aligned:
         total *= MISALIGNED_PENALTY
     return total + LAUNCH_MS

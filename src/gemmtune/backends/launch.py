@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from gemmtune.backends.base import BoundCall, Kernel
 
 
+LAUNCH_OPTIONS = {"num_warps", "num_stages"}  # Triton's compile options among a launch's constexprs
+
+
 class Launcher:
     """One ``@triton.jit`` function, launched by guard. Its constexpr parameters must come after
     every runtime parameter, as in all of gemmtune's kernels."""
@@ -57,6 +60,9 @@ class Launcher:
         run(grid[0], grid[1], grid[2], self._stream(guard[0]), function, *prefix, *pointers, *scalars, *tail)
 
     def _jit(self, grid, guard, args, constexprs) -> None:
+        unknown = set(constexprs) - set(self._fn.arg_names) - LAUNCH_OPTIONS
+        if unknown:  # Triton's interpreter would drop them silently, its compiler refuse them
+            raise TypeError(f"{self._fn.__name__} has no parameter {', '.join(sorted(unknown))}")
         compiled = self._fn[grid](*args, **constexprs)
         if compiled is None:  # Triton's interpreter: nothing compiled, nothing to keep
             return
@@ -184,10 +190,14 @@ def front_entry(kernel: Kernel, x, weight, bias) -> BoundCall:
     (through ``any_rank`` where x's rank is not 2) has just served: the front path's key fixes
     shapes, strides, dtypes, devices and 16-byte alignment, everything a launch depends on. Where
     the kernel can ``bind`` its launch to these operands, that bound launch (nothing recomputed
-    per call but the output); else the kernel's ``front`` (itself, or cuBLAS's cheaper F.linear),
-    flattening x where the kernel serves 2-D x only. The tuner times candidates' host cost
-    through this same call."""
+    per call but the output), bound to x's rows viewed as (M, K) where the kernel serves 2-D x
+    only and x is contiguous (a model's activations); else the kernel's ``front`` (itself, or
+    cuBLAS's cheaper F.linear), flattening x where the kernel serves 2-D x only. The tuner times
+    candidates' host cost through this same call."""
     if x.dim() != 2 and not kernel.serves_any_rank:
+        launch = kernel.bind(x.view(-1, x.shape[-1]), weight, bias) if x.is_contiguous() else None
+        if launch is not None:
+            return _flattened(launch, x.shape[-1], (*x.shape[:-1], weight.shape[0]))
         call = any_rank(kernel)
     else:
         launch = kernel.bind(x, weight, bias)
@@ -199,6 +209,16 @@ def front_entry(kernel: Kernel, x, weight, bias) -> BoundCall:
         return call(x, weight, bias)
 
     return unbound
+
+
+def _flattened(launch: BoundCall, k: int, out_shape: tuple) -> BoundCall:
+    """``launch``, bound to (M, K) operands, for x (..., K) contiguous: x's rows as a view, the
+    result viewed back (the front path's key fixes x's shape and strides, so both stay views)."""
+
+    def call(x, weight, bias, px: int, pw: int, pbias: int):
+        return launch(x.view(-1, k), weight, bias, px, pw, pbias).view(out_shape)
+
+    return call
 
 
 def bind_gemm(kernel, launcher: Launcher, a, b, bias, linear: bool) -> Callable | None:

@@ -246,11 +246,13 @@ class TritonTiledBackend:
         return space(problem, device) if self.supports(problem) else []
 
     def predict_ms(self, problem: Problem, device: Device, config) -> float | None:
-        """The roofline's time; None on the CUDA cores (``takes_ffma``), where every config is measured."""
+        """The roofline's time, a tile alone on its SM behind one that shares it; None on the CUDA
+        cores (``takes_ffma``), where every config is measured."""
         if takes_ffma(problem, device):
             return None
+        alone = costmodel.blocks_per_sm(device, config.smem_bytes(problem.element_size)) < 2
         return costmodel.tile_gemm_ms(problem, device, config.block_m, config.block_n, config.block_k,
-                                      config.num_stages)
+                                      config.num_stages, alone=alone)
 
     def parse_config(self, data: Mapping) -> TiledConfig:
         return config_from_mapping(self.name, data, TiledConfig)
