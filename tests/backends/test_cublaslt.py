@@ -140,6 +140,29 @@ def test_a_bound_launch_serves_like_operands_and_checks_alignment():
 
 
 @pytest.mark.gpu
+def test_a_model_activation_gets_the_bound_launch_on_its_rows():
+    """x (batch, tokens, K), contiguous, as a model passes it: the front path's entry launches
+    cuBLASLt's bound call on x's rows (no flattening wrapper) and returns (batch, tokens, N),
+    right for new activations of that shape, with the layer's bias and activation."""
+    from gemmtune.backends.launch import front_entry
+
+    problem = Problem(4 * 33, 768, 512, bias=True, activation="gelu")
+    backend = backends.get("cublaslt")
+    kernel = backend.build(problem, backend.candidates(problem, current())[0], current())
+    w = torch.randn(768, 512, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(768, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4, 33, 512, device="cuda", dtype=torch.bfloat16)
+    entry = front_entry(kernel, x, w, bias)
+    assert entry.__qualname__.startswith("_flattened")
+    for _ in range(2):
+        x = torch.randn(4, 33, 512, device="cuda", dtype=torch.bfloat16)
+        out = entry(x, w, bias, x.data_ptr(), w.data_ptr(), bias.data_ptr())
+        assert out.shape == (4, 33, 768)
+        expected = verify.reference(problem, x.view(-1, 512), w, bias)
+        assert verify.rel_err(out.view(-1, 768), expected) <= verify.tolerance(problem)
+
+
+@pytest.mark.gpu
 def test_a_bound_launch_outlives_its_kernel():
     """The bound call keeps the descriptors it launches with: dropping the kernel (its finalizer
     destroys them) must not leave it launching through freed ones."""
