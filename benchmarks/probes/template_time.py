@@ -145,6 +145,16 @@ def rounds(graphs: dict, count: int) -> dict:
     return out
 
 
+def write_result(path: str, kind: str, rows: list, **fields) -> None:
+    """A probe's result file: its kind, the device and versions, the date, ``fields``, the rows."""
+    import triton
+
+    with open(path, "w") as f:
+        json.dump({"kind": kind, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "triton": triton.__version__, **fields, "date": time.strftime("%Y-%m-%d"), "rows": rows}, f,
+                  indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="the JSON file to write")
@@ -182,9 +192,7 @@ def main() -> None:
         for t in tunings:
             log.info("  the plan reads the template at %s ms, the library call at %s ms; the choice: %s",
                      t["plan_template_ms"], t["plan_library_ms"], t["choice"])
-    with open(args.out, "w") as f:
-        json.dump({"kind": "template-time", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)
+    write_result(args.out, "template-time", rows)
 
 
 if __name__ == "__main__":

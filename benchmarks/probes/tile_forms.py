@@ -21,10 +21,8 @@ Run with TRITON_CACHE_DIR set to keep every compiled kernel's code and metadata 
         python3 benchmarks/probes/tile_forms.py OUT.json [--shapes 1024x4096x4096,...] [--rounds 30]
 """
 import argparse
-import json
 import logging
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,7 +34,7 @@ from gemmtune.device import current
 from gemmtune.problem import Problem
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from template_time import L2_PASSES, graphed, operands, rounds, template_call  # noqa: E402
+from template_time import L2_PASSES, graphed, operands, rounds, template_call, write_result  # noqa: E402
 
 log = logging.getLogger("tile_forms")
 CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
@@ -154,10 +152,7 @@ def main() -> None:
                "template_launches": launches["launches"], "template_code": launches["code"]}
         rows.append(row)
         log.info("%s: %s", text, {name: round(t["vs_cublas"], 3) for name, t in row["timed"].items()})
-    with open(args.out, "w") as f:
-        json.dump({"kind": "tile-forms", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "triton": triton.__version__, "config": CONFIG, "date": time.strftime("%Y-%m-%d"),
-                   "rows": rows}, f, indent=1)
+    write_result(args.out, "tile-forms", rows, config=CONFIG)
 
 
 if __name__ == "__main__":

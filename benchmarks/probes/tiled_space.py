@@ -13,19 +13,14 @@ the space's configs is what the tuner's top-k screens).
 """
 import argparse
 import itertools
-import json
 import logging
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-import triton
-
 import gemmtune
-from gemmtune import activation
-from gemmtune import backends
+from gemmtune import activation, backends
 from gemmtune.backends.triton_tiled import BACKEND, MAX_ACC_REGS, TiledConfig, space
 from gemmtune.device import current
 from gemmtune.problem import Problem
@@ -33,7 +28,7 @@ from gemmtune.store import open_store
 from gemmtune.tuning.compiler import compile_ahead
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from template_time import L2_PASSES, graphed, library_call, operands, rounds  # noqa: E402
+from template_time import L2_PASSES, graphed, library_call, operands, rounds, write_result  # noqa: E402
 
 log = logging.getLogger("tiled_space")
 # Layers of models no list of this project's benchmarks names at serving batches, the Llama's
@@ -107,10 +102,7 @@ def main() -> None:
                  "%.1f s", row["problem"], row["choice"], row["choice_timed"]["vs_cublas"], row["best"]["config"],
                  row["best"]["vs_cublas"], row["best_in_space"]["config"], row["best_in_space"]["vs_cublas"],
                  row["best_in_space"]["rank"], row["space"], row["configs"], row["compile_s"])
-        with open(args.out, "w") as f:
-            json.dump({"kind": "tiled-space", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "grid": GRID, "date": time.strftime("%Y-%m-%d"),
-                       "rows": found}, f, indent=1)
+        write_result(args.out, "tiled-space", found, grid=GRID)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ class Launcher:
 
         triton_key.install()  # a new process finds its binaries in Triton's cache without hashing Triton
         self._fn = fn
+        self._accepted = frozenset(fn.arg_names) | LAUNCH_OPTIONS  # the names a launch's constexprs may have
         self._specialize = specialize
         self._hooks = knobs.runtime
         self._stream = None  # the driver's current-stream query, once there is a GPU binary
@@ -60,7 +61,7 @@ class Launcher:
         run(grid[0], grid[1], grid[2], self._stream(guard[0]), function, *prefix, *pointers, *scalars, *tail)
 
     def _jit(self, grid, guard, args, constexprs) -> None:
-        unknown = set(constexprs) - set(self._fn.arg_names) - LAUNCH_OPTIONS
+        unknown = constexprs.keys() - self._accepted
         if unknown:  # Triton's interpreter would drop them silently, its compiler refuse them
             raise TypeError(f"{self._fn.__name__} has no parameter {', '.join(sorted(unknown))}")
         compiled = self._fn[grid](*args, **constexprs)
