@@ -6,20 +6,23 @@ Then, per served layer, on the input the model gives it:
 
 - the kernels the dispatcher built for its problem (the eager one and, where tuning found another
   for CUDA graphs, the graph one: ``ByMode``);
-- GPU us per call of the served eager call and of torch's forward of the layer (F.linear and its
-  activation), each timed over calls queued behind a GPU sleep (all launched before the GPU
-  reaches them: the kernels' time alone), and the host us per call of each;
+- GPU us per call of the served eager call and of its torch twin's (the ``nn.Linear`` it stands
+  for, sharing its parameters, then its activation), each timed over calls queued behind a GPU
+  sleep (all launched before the GPU reaches them: the kernels' time alone);
+- the host us per call of each, and the median of their per-round ratios, over alternated rounds;
 - the GPU us per call of both replayed as CUDA graphs (the served side then runs its graph kernel).
 
-And the whole model: base and tuned forwards' GPU ms per call queued behind a sleep, and their
-host ms per call.
+Whole forwards are not timed here (``benchmarks/models.py`` does): queued behind a sleep, a
+model's forwards fill the launch queue and the host waits for the GPU.
 
     PYTHONPATH=src python3 benchmarks/probes/eager_layers.py OUT.json [--model bert-base]
 """
 import argparse
 import copy
+import datetime
 import json
 import logging
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +30,7 @@ from pathlib import Path
 import torch
 
 import gemmtune
+from gemmtune import activation as activations
 from gemmtune.nn.keep import TakenOver
 from gemmtune.serving.dispatch import DISPATCHER
 from gemmtune.serving.modes import ByMode
@@ -36,6 +40,7 @@ from models import BF16, backend_of, entry_of  # noqa: E402
 
 log = logging.getLogger("eager_layers")
 CALLS = 40
+ROUNDS = 15
 SLEEP_CYCLES = 300_000_000  # about 0.2 s of GPU time: longer than the host takes to queue CALLS calls
 
 
@@ -81,30 +86,68 @@ def kernels() -> list[dict]:
     rows = []
     for key, kernel in DISPATCHER.kernels.items():
         pair = (kernel.eager, kernel.graph) if isinstance(kernel, ByMode) else (kernel, kernel)
-        rows.append({"problem": key.problem.describe(), "eager": backend_of(pair[0]),
+        rows.append({"problem": key.problem().describe(), "eager": backend_of(pair[0]),
                      "eager_kernel": repr(getattr(pair[0], "_config", None)), "graph": backend_of(pair[1]),
                      "graph_kernel": repr(getattr(pair[1], "_config", None))})
     return rows
 
 
+def host_ratio(served, plain, rounds: int = ROUNDS, calls: int = CALLS) -> tuple[float, float, float]:
+    """(served host us, torch host us, median of the rounds' served/torch ratios): each round
+    times ``calls`` launches of one side then the other (the order alternating), the GPU drained
+    between sides, so that both queue on the same idle GPU and the same host state."""
+    def host_us(fn) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        return elapsed * 1e6 / calls
+
+    pairs = []
+    for r in range(rounds):
+        if r % 2:
+            t, s = host_us(plain), host_us(served)
+        else:
+            s, t = host_us(served), host_us(plain)
+        pairs.append((s, t))
+    return (statistics.median(s for s, _ in pairs), statistics.median(t for _, t in pairs),
+            statistics.median(s / t for s, t in pairs))
+
+
+def torch_twin(layer):
+    """``layer`` as the torch module it stands for, sharing its parameters, with its fused
+    activation run after it: a model's call of the layer before ``optimize`` (the module call
+    included, which ``torch_forward`` skips)."""
+    twin = copy.copy(layer)  # the same parameter dict: nothing copied
+    twin.__class__ = layer.torch_class
+    act = getattr(layer, "activation", "none")
+    return twin, (lambda x: twin(x)) if act == "none" else (lambda x: activations.apply(twin(x), act, inplace=False))
+
+
 def layers(tuned, run) -> list[dict]:
-    """Per served layer (its first call's input): served and torch's forward, queued and graphed."""
+    """Per served linear layer (its first call's input): the served call and its torch twin's,
+    GPU time queued and graphed, host time in alternated rounds."""
     inputs = {}
-    hooks = [m.register_forward_pre_hook(lambda m, a: inputs.setdefault(m, a[0]))
-             for m in tuned.modules() if isinstance(m, TakenOver)]
+
+    def keep_input(module, args) -> None:  # None: a pre-hook's return value would replace the args
+        inputs.setdefault(module, args[0])
+
+    hooks = [m.register_forward_pre_hook(keep_input) for m in tuned.modules()
+             if isinstance(m, TakenOver) and hasattr(m, "torch_forward")]  # attention: no single product
     run()
     for hook in hooks:
         hook.remove()
     rows = []
     for layer, x in inputs.items():
-        if not hasattr(layer, "torch_forward"):  # attention: no single product to hold torch's against
-            continue
-        served, plain = (lambda: layer(x)), (lambda: layer.torch_forward(x))  # noqa: E731
-        (served_gpu, served_host), (plain_gpu, plain_host) = queued(served), queued(plain)
+        _, twin_call = torch_twin(layer)
+        served, plain = (lambda: layer(x)), (lambda: twin_call(x))  # noqa: E731
+        served_host, plain_host, ratio = host_ratio(served, plain)
         rows.append({"layer": type(layer).__name__, "input": list(x.shape), "contiguous": x.is_contiguous(),
                      "activation": getattr(layer, "activation", "none"),
-                     "served_gpu_us": served_gpu, "torch_gpu_us": plain_gpu,
-                     "served_host_us": served_host, "torch_host_us": plain_host,
+                     "served_gpu_us": queued(served)[0], "torch_gpu_us": queued(plain)[0],
+                     "served_host_us": served_host, "torch_host_us": plain_host, "host_ratio": ratio,
                      "served_graph_us": graphed_us(served), "torch_graph_us": graphed_us(plain)})
     return rows
 
@@ -120,23 +163,16 @@ def main() -> None:
                  if c.phase == "inference" and c.dtype == BF16 and c.positional), None)
     if case is None:
         parser.error(f"--model {args.model}: no bf16 inference case whose inputs are the model's arguments")
-    base = entry_of(args.model).build(False).cuda().to(case.dtype).eval()
-    shared = case.inputs("cuda", case.dtype)
-    tuned = copy.deepcopy(base)
-    base_kwargs, tuned_kwargs = case.kwargs(base, shared), case.kwargs(tuned, shared)
+    tuned = entry_of(args.model).build(False).cuda().to(case.dtype).eval()
+    tuned_kwargs = case.kwargs(tuned, case.inputs("cuda", case.dtype))
     with torch.no_grad():
         gemmtune.optimize(tuned, tuple(tuned_kwargs.values()), check=False)
-        run_base, run_tuned = (lambda: base(**base_kwargs)), (lambda: tuned(**tuned_kwargs))  # noqa: E731
-        for fn in (run_base, run_tuned):
-            queued(fn, 3)
-        forwards = {name: queued(fn, 10) for name, fn in (("base", run_base), ("tuned", run_tuned))}
-        out = {"model": args.model, "case": case.label(), "device": torch.cuda.get_device_name(),
-               "forward_gpu_ms": {k: v[0] / 1e3 for k, v in forwards.items()},
-               "forward_host_ms": {k: v[1] / 1e3 for k, v in forwards.items()},
-               "kernels": kernels(), "layers": layers(tuned, run_tuned)}
+        out = {"kind": "eager-layers", "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+               "gemmtune": gemmtune.__version__, "model": args.model, "case": case.label(),
+               "device": torch.cuda.get_device_name(), "kernels": kernels(),
+               "layers": layers(tuned, lambda: tuned(**tuned_kwargs))}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
-    log.info("forward GPU ms %s, host ms %s", out["forward_gpu_ms"], out["forward_host_ms"])
     for row in out["layers"]:
         log.info("%s", row)
 

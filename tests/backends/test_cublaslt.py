@@ -141,9 +141,10 @@ def test_a_bound_launch_serves_like_operands_and_checks_alignment():
 
 @pytest.mark.gpu
 def test_a_model_activation_gets_the_bound_launch_on_its_rows():
-    """x (batch, tokens, K), contiguous, as a model passes it: the front path's entry launches
-    cuBLASLt's bound call on x's rows (no flattening wrapper) and returns (batch, tokens, N),
-    right for new activations of that shape, with the layer's bias and activation."""
+    """x (batch, tokens, K), contiguous, as a model passes it: the front path's entry is
+    cuBLASLt's bound call on x's rows itself (no flattening wrapper, no views per call) and
+    returns (batch, tokens, N), right for new activations of that shape, with the layer's bias
+    and activation; a transposed x is not bound and is served right."""
     from gemmtune.backends.launch import front_entry
 
     problem = Problem(4 * 33, 768, 512, bias=True, activation="gelu")
@@ -153,13 +154,19 @@ def test_a_model_activation_gets_the_bound_launch_on_its_rows():
     bias = torch.randn(768, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(4, 33, 512, device="cuda", dtype=torch.bfloat16)
     entry = front_entry(kernel, x, w, bias)
-    assert entry.__qualname__.startswith("_flattened")
+    assert entry.__qualname__.startswith("LtKernel.bind")
     for _ in range(2):
         x = torch.randn(4, 33, 512, device="cuda", dtype=torch.bfloat16)
         out = entry(x, w, bias, x.data_ptr(), w.data_ptr(), bias.data_ptr())
         assert out.shape == (4, 33, 768)
         expected = verify.reference(problem, x.view(-1, 512), w, bias)
         assert verify.rel_err(out.view(-1, 768), expected) <= verify.tolerance(problem)
+    transposed = torch.randn(33, 4, 512, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+    assert kernel.bind(transposed, w, bias) is None
+    out = front_entry(kernel, transposed, w, bias)(transposed, w, bias, transposed.data_ptr(), w.data_ptr(),
+                                                     bias.data_ptr())
+    expected = verify.reference(problem, transposed.reshape(-1, 512), w, bias)
+    assert verify.rel_err(out.reshape(-1, 768), expected) <= verify.tolerance(problem)
 
 
 @pytest.mark.gpu

@@ -58,9 +58,49 @@ def test_nothing_is_bound_where_the_eager_kernel_binds_nothing(capturing):
     assert served.bind(torch.randn(2, 4), torch.randn(5, 4), None) is None
 
 
-def test_it_serves_any_rank_only_where_both_kernels_do():
-    assert ByMode(kernel("e", []), kernel("g", [])).serves_any_rank
-    assert not ByMode(kernel("e", []), kernel("g", [], any_rank=False)).serves_any_rank
+def test_it_serves_any_rank_where_its_eager_kernel_does():
+    assert ByMode(kernel("e", []), kernel("g", [], any_rank=False)).serves_any_rank
+    assert not ByMode(kernel("e", [], any_rank=False), kernel("g", [])).serves_any_rank
+
+
+def test_a_capture_flattens_an_activation_for_a_graph_kernel_of_2d_operands(capturing):
+    seen = []
+
+    def graph(a, b, bias, out=None):
+        seen.append(tuple(a.shape))
+        return a @ b.t()
+
+    served = ByMode(kernel("eager", []), function_kernel(graph, serves_any_rank=False))
+    x, w = torch.randn(2, 3, 4), torch.randn(5, 4)
+    capturing["on"] = True
+    torch.testing.assert_close(served(x, w, None), x @ w.t())
+    torch.testing.assert_close(served.front(x, w, None), x @ w.t())
+    assert seen == [(6, 4), (6, 4)]
+
+
+def test_the_front_path_calls_an_any_rank_eager_front_on_the_activation_as_it_is(capturing):
+    # cuBLAS for eager calls (F.linear: any rank, nothing bound), a 2-D kernel for graphs: a
+    # (batch, tokens, K) activation reaches F.linear itself, through no flattening wrapper
+    from gemmtune.backends.launch import front_entry
+
+    seen = []
+
+    def eager_front(a, b, bias):
+        seen.append(("eager front", tuple(a.shape)))
+        return a @ b.t()
+
+    def graph(a, b, bias, out=None):
+        seen.append(("graph", tuple(a.shape)))
+        return a @ b.t()
+
+    eager = kernel("eager", [], binds=False)
+    eager.front = eager_front
+    x, w = torch.randn(2, 3, 4), torch.randn(5, 4)
+    call = front_entry(ByMode(eager, function_kernel(graph, serves_any_rank=False)), x, w, None)
+    torch.testing.assert_close(call(x, w, None, 0, 0, 0), x @ w.t())
+    capturing["on"] = True
+    torch.testing.assert_close(call(x, w, None, 0, 0, 0), x @ w.t())
+    assert seen == [("eager front", (2, 3, 4)), ("graph", (6, 4))]
 
 
 def test_warming_runs_the_graph_kernel_once_flattening_what_it_cannot_take():

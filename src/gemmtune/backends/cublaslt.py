@@ -164,13 +164,16 @@ class LtKernel(KernelBase):
     def bind(self, a, b, bias) -> BoundCall | None:
         """``api.linear``'s front path for operands like these (its key fixes their shapes,
         strides, dtypes and devices): ``call(a, b, bias, pa, pb, pbias)`` allocating the output
-        and launching, with only the 256-byte alignment checked per call. None where these
-        operands go to torch's call."""
-        plan = self._usable(a, b, bias)
+        and launching, with only the 256-byte alignment checked per call. A contiguous ``a`` of
+        rank above 2 (a model's (batch, tokens, K) activation) is bound by its rows, its output
+        allocated (..., N): no flattening views per call. None where these operands go to
+        torch's call."""
+        rows = a.view(-1, a.shape[-1]) if a.dim() > 2 and a.is_contiguous() else a
+        plan = self._usable(rows, b, bias)
         if plan is None:
             return None
         launch, workspace_bytes, _ = plan
-        out_shape, index = (a.shape[0], self._problem.n), a.device.index
+        out_shape, index = (*a.shape[:-1], self._problem.n), a.device.index
         act, fallback = self._activation, self._fallback
         stream, uint8 = torch._C._cuda_getCurrentRawStream, torch.uint8
 

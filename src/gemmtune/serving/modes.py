@@ -25,11 +25,19 @@ class ByMode(KernelBase):
 
     def __init__(self, eager: Kernel, graph: Kernel) -> None:
         self.eager, self.graph = eager, graph
-        self.serves_any_rank = eager.serves_any_rank and graph.serves_any_rank
+        # x (..., K) where the eager kernel takes it: a capture flattens it for a graph kernel that
+        # takes 2-D operands only (a capture runs once, so the two views cost nothing there), and
+        # the eager call needs no flattening wrapper (cuBLAS's F.linear under cuBLASLt for graphs)
+        self.serves_any_rank = eager.serves_any_rank
 
     def __call__(self, a, b, bias, *scales, out=None):
-        """``scales``: an fp8 product's (scale_a, scale_b), passed on."""
-        return (self.graph if capturing() else self.eager)(a, b, bias, *scales, out=out)
+        """``scales``: an fp8 product's (scale_a, scale_b), passed on (2-D ``a``, as every
+        scaled call's)."""
+        if not capturing():
+            return self.eager(a, b, bias, *scales, out=out)
+        if a.dim() == 2:
+            return self.graph(a, b, bias, *scales, out=out)
+        return any_rank(self.graph)(a, b, bias)  # linear's x (..., K): no out, no scales
 
     def bind(self, a, b, bias) -> BoundCall | None:
         """The eager kernel's bound launch, and the graph kernel called as it is while a graph is
@@ -48,7 +56,7 @@ class ByMode(KernelBase):
     def front(self):
         """The eager kernel's front (cuBLAS's ``F.linear``, say), the graph kernel while a graph is
         being captured."""
-        eager, graph = self.eager.front, self.graph
+        eager, graph = self.eager.front, any_rank(self.graph)
 
         def call(a, b, bias):
             return graph(a, b, bias) if capturing() else eager(a, b, bias)
