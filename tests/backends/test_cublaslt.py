@@ -170,6 +170,48 @@ def test_a_model_activation_gets_the_bound_launch_on_its_rows():
 
 
 @pytest.mark.gpu
+def test_bound_launches_share_one_workspace_per_stream_and_a_capture_gets_its_own():
+    """Algorithms that need a workspace: every bound call on a stream launches with that stream's
+    one workspace (its launches run in order), another stream gets its own, a call captured in a
+    CUDA graph allocates one (keeping none), and every result matches float64."""
+    problem = Problem(4096, 3072, 768, bias=True, activation="gelu_tanh")
+    backend = backends.get("cublaslt")
+    kernels = [k for k in (backend.build(problem, c, current()) for c in backend.candidates(problem, current()))
+               if k._plan(torch.cuda.current_device(), problem.m)[1]]
+    if not kernels:
+        pytest.skip("no cuBLASLt algorithm of this product needs a workspace on this GPU")
+    x = torch.randn(4096, 768, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(3072, 768, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(3072, device="cuda", dtype=torch.bfloat16)
+    expected = verify.reference(problem, x, w, bias)
+    calls = [k.bind(x, w, bias) for k in kernels[:2]]
+    lt._WORKSPACES.clear()
+
+    def run(call):
+        return call(x, w, bias, x.data_ptr(), w.data_ptr(), bias.data_ptr())
+
+    for call in calls:
+        assert verify.rel_err(run(call), expected) <= verify.tolerance(problem)
+    index = torch.cuda.current_device()
+    assert list(lt._WORKSPACES) == [(index, torch.cuda.current_stream().cuda_stream)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = run(calls[0])
+    torch.cuda.current_stream().wait_stream(side)
+    assert verify.rel_err(out, expected) <= verify.tolerance(problem)
+    assert (index, side.cuda_stream) in lt._WORKSPACES and len(lt._WORKSPACES) == 2
+    graph, capture = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.graph(graph, stream=capture):
+        captured = run(calls[0])
+    assert len(lt._WORKSPACES) == 2
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert verify.rel_err(captured, verify.reference(problem, x, w, bias)) <= verify.tolerance(problem)
+
+
+@pytest.mark.gpu
 def test_a_bound_launch_outlives_its_kernel():
     """The bound call keeps the descriptors it launches with: dropping the kernel (its finalizer
     destroys them) must not leave it launching through freed ones."""
