@@ -6,9 +6,8 @@ loops (the GPU drained between loops), in alternated rounds, median per item:
 - ``F.linear`` and torch's call with its activation, the reference;
 - the front path's bound call (``launch.front_entry``), as a served call makes it;
 - its parts: the output's and the workspace's ``new_empty``; the ctypes launch with the bias
-  pointer (which sets the descriptor's bias attribute under a lock) and with none (no attribute
-  set: the kernel then reads the last bias set, the same address here); a ctypes call of the
-  library that does nothing (``cublasLtGetVersion``).
+  pointer; the activation's own launch where cuBLAS's epilogue does not compute it; a ctypes
+  call of the library that does nothing (``cublasLtGetVersion``).
 
     PYTHONPATH=src python3 benchmarks/probes/lt_call.py OUT.json [--shape 12608 3072 768] [--activation gelu]
 """
@@ -69,7 +68,6 @@ def items_of(kernel, x, w, bias, act: str) -> dict:
     return {
         "bound call": lambda: entry(x, w, bias, px, pw, pb),
         "launch, bias set": lambda: launch(pw, px, po, pwork, workspace_bytes, stream, pb),
-        "launch, no attribute": lambda: launch(pw, px, po, pwork, workspace_bytes, stream),
         "new_empty out": lambda: x.new_empty((*x.shape[:-1], n)),
         "new_empty workspace": lambda: x.new_empty(workspace_bytes, dtype=torch.uint8),
         "ctypes no-op": version,

@@ -212,6 +212,27 @@ def test_bound_launches_share_one_workspace_per_stream_and_a_capture_gets_its_ow
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("descs", [64, 1])
+def test_layers_of_one_shape_each_read_their_own_bias(monkeypatch, descs):
+    """Layers of one shape share a bound launch and pass their own biases, alternately: each
+    bias address gets a descriptor reading it, and past MAX_BIAS_DESCS the shared descriptor's
+    attribute is set per call; every result matches float64 with its own bias."""
+    from gemmtune.backends import cublaslt_binding
+
+    monkeypatch.setattr(cublaslt_binding, "MAX_BIAS_DESCS", descs)
+    problem = Problem(64, 768, 512, bias=True, activation="relu")
+    backend = backends.get("cublaslt")
+    kernel = backend.build(problem, backend.candidates(problem, current())[0], current())
+    x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(768, 512, device="cuda", dtype=torch.bfloat16)
+    biases = [10 * torch.randn(768, device="cuda", dtype=torch.bfloat16) for _ in range(3)]  # another's: far off
+    call = kernel.bind(x, w, biases[0])
+    for bias in biases * 2:
+        out = call(x, w, bias, x.data_ptr(), w.data_ptr(), bias.data_ptr())
+        assert verify.rel_err(out, verify.reference(problem, x, w, bias)) <= verify.tolerance(problem)
+
+
+@pytest.mark.gpu
 def test_a_bound_launch_outlives_its_kernel():
     """The bound call keeps the descriptors it launches with: dropping the kernel (its finalizer
     destroys them) must not leave it launching through freed ones."""

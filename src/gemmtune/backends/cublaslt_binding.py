@@ -43,6 +43,7 @@ MAX_WORKSPACE = 32 << 20  # what an algorithm may ask for (torch gives cuBLAS as
 # A pointer alignment every algorithm works with: the heuristic's default assumption, since
 # gemmtune leaves its alignment preferences unset. Operands less aligned go to torch's call.
 ALIGNMENT = 256
+MAX_BIAS_DESCS = 64  # bias addresses a launcher keeps a descriptor for (a model's layers of one shape)
 # cublasLtMatmulAlgoConfigAttributes_t 0-8, in order: the name a config stores and the C type
 # of the attribute (the size cuBLAS insists on; the algorithm's id and split-K are signed)
 ATTRIBUTES = (("algo", ctypes.c_int32), ("tile", ctypes.c_uint32), ("splitk", ctypes.c_int32),
@@ -147,16 +148,11 @@ class Matmul:
         m, n, k = problem.m, problem.n, problem.k
         dtype, out = CUDA_TYPES[problem.dtype], CUDA_TYPES[problem.out_dtype]
         self._types = (COMPUTE_32F_FAST_TF32 if problem.tf32 else COMPUTE_32F, SCALE_32F, dtype, dtype, out, out)
-        self.desc = ctypes.c_void_p()
-        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), self._types[0], SCALE_32F), "MatmulDescCreate")
-        for attribute, op in ((DESC_TRANSA, OP_T if linear else OP_N), (DESC_TRANSB, OP_N),
-                              (DESC_EPILOGUE, epilogue(problem))):
-            value = ctypes.c_int32(op)
-            _check(lib.cublasLtMatmulDescSetAttribute(self.desc, attribute, ctypes.byref(value), 4), "DescSetAttribute")
-        if problem.scaled:
-            precise = ctypes.c_int8(0)
-            _check(lib.cublasLtMatmulDescSetAttribute(self.desc, DESC_FAST_ACCUM, ctypes.byref(precise), 1),
-                   "DescSetAttribute(FAST_ACCUM)")
+        self._problem = problem
+        # every descriptor made, destroyed with the layouts by the finalizer: the first, then one
+        # per bias address (``launcher``)
+        self._descs: list[ctypes.c_void_p] = []
+        self.desc = self._new_desc()
         # column-major: the weight (k x n, or n x k for nn), the activations (k x m), the output (n x m)
         shapes = ((k, n, k, dtype) if linear else (n, k, n, dtype), (k, m, k, dtype), (n, m, n, out))
         self.layouts = []
@@ -164,7 +160,28 @@ class Matmul:
             layout = ctypes.c_void_p()
             _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), kind, rows, cols, ld), "MatrixLayoutCreate")
             self.layouts.append(layout)
-        weakref.finalize(self, _destroy, lib, self.desc, tuple(self.layouts))
+        weakref.finalize(self, _destroy, lib, self._descs, tuple(self.layouts))
+
+    def _new_desc(self, bias_ptr: int = 0) -> ctypes.c_void_p:
+        """A descriptor of this problem's product (its operations, epilogue, fp8 accumulation),
+        reading its bias at ``bias_ptr`` where given; kept in ``_descs``."""
+        lib, problem = self._lib, self._problem
+        desc = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), self._types[0], SCALE_32F), "MatmulDescCreate")
+        self._descs.append(desc)
+        for attribute, op in ((DESC_TRANSA, OP_T if problem.layout == "linear" else OP_N), (DESC_TRANSB, OP_N),
+                              (DESC_EPILOGUE, epilogue(problem))):
+            value = ctypes.c_int32(op)
+            _check(lib.cublasLtMatmulDescSetAttribute(desc, attribute, ctypes.byref(value), 4), "DescSetAttribute")
+        if problem.scaled:
+            precise = ctypes.c_int8(0)
+            _check(lib.cublasLtMatmulDescSetAttribute(desc, DESC_FAST_ACCUM, ctypes.byref(precise), 1),
+                   "DescSetAttribute(FAST_ACCUM)")
+        if bias_ptr:
+            address = ctypes.c_void_p(bias_ptr)
+            _check(lib.cublasLtMatmulDescSetAttribute(desc, DESC_BIAS_POINTER, ctypes.byref(address),
+                                                      ctypes.sizeof(address)), "DescSetAttribute(BIAS_POINTER)")
+        return desc
 
     def heuristics(self, count: int) -> list[dict]:
         """The configs of up to ``count`` algorithms, in the heuristic's order (its first is
@@ -226,8 +243,13 @@ class Matmul:
         bias, scale_w, scale_x = ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_void_p(0)
         size = ctypes.sizeof(bias)
         bias_ref, scale_w_ref, scale_x_ref = ctypes.byref(bias), ctypes.byref(scale_w), ctypes.byref(scale_x)
-        # The bias and scale pointers are attributes of the descriptor, which calls of every layer of
-        # this shape share: set and read under one lock, so that a thread's launch reads its own.
+        # A bias address gets a descriptor of its own that reads it (a model's layers keep their
+        # biases where they are): setting the shared descriptor's attribute per call, under a
+        # lock, cost about 3 us of a 21 us launch (lt-call-h200-20261129.json). Past
+        # MAX_BIAS_DESCS addresses (biases made per call), and for the fp8 scales, the pointers
+        # are attributes of the shared descriptor, set and read under one lock, so that a
+        # thread's launch reads its own.
+        by_bias: dict[int, ctypes.c_void_p] = {}
         lock = threading.Lock()
         # The launch reads these by address, and this object's descriptors, which its finalizer
         # destroys: a launch kept after its Matmul (a bound call outliving its kernel) keeps it too.
@@ -235,7 +257,14 @@ class Matmul:
 
         def launch(weight: int, activations: int, out: int, workspace: int, workspace_bytes: int, stream: int,
                    bias_ptr: int = 0, weight_scale_ptr: int = 0, activation_scale_ptr: int = 0) -> None:
-            if bias_ptr or weight_scale_ptr:
+            own = by_bias.get(bias_ptr) if bias_ptr and not weight_scale_ptr else None
+            if own is None and bias_ptr and not weight_scale_ptr and len(by_bias) < MAX_BIAS_DESCS:
+                with lock:
+                    own = by_bias.get(bias_ptr) or by_bias.setdefault(bias_ptr, self._new_desc(bias_ptr))
+            if own is not None:
+                status = matmul(handle_, own, alpha_ref, weight, a, activations, b, beta_ref, out, c, out, c,
+                                algo_ref, workspace, workspace_bytes, stream)
+            elif bias_ptr or weight_scale_ptr:
                 with lock:
                     bias.value, scale_w.value, scale_x.value = bias_ptr, weight_scale_ptr, activation_scale_ptr
                     status = (bias_ptr and set_attribute(desc, DESC_BIAS_POINTER, bias_ref, size)) or (
@@ -253,7 +282,8 @@ class Matmul:
         return launch
 
 
-def _destroy(lib, desc, layouts) -> None:
-    lib.cublasLtMatmulDescDestroy(desc)
+def _destroy(lib, descs, layouts) -> None:
+    for desc in descs:
+        lib.cublasLtMatmulDescDestroy(desc)
     for layout in layouts:
         lib.cublasLtMatrixLayoutDestroy(layout)
