@@ -38,6 +38,8 @@ from gemmtune.serving.modes import ByMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import BF16, backend_of, entry_of  # noqa: E402
 
+from lt_call import host_us  # noqa: E402  (this folder, the script's own)
+
 log = logging.getLogger("eager_layers")
 CALLS = 40
 ROUNDS = 15
@@ -96,21 +98,12 @@ def host_ratio(served, plain, rounds: int = ROUNDS, calls: int = CALLS) -> tuple
     """(served host us, torch host us, median of the rounds' served/torch ratios): each round
     times ``calls`` launches of one side then the other (the order alternating), the GPU drained
     between sides, so that both queue on the same idle GPU and the same host state."""
-    def host_us(fn) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        elapsed = time.perf_counter() - t0
-        torch.cuda.synchronize()
-        return elapsed * 1e6 / calls
-
     pairs = []
     for r in range(rounds):
         if r % 2:
-            t, s = host_us(plain), host_us(served)
+            t, s = host_us(plain, calls), host_us(served, calls)
         else:
-            s, t = host_us(served), host_us(plain)
+            s, t = host_us(served, calls), host_us(plain, calls)
         pairs.append((s, t))
     return (statistics.median(s for s, _ in pairs), statistics.median(t for _, t in pairs),
             statistics.median(s / t for s, t in pairs))
