@@ -3,7 +3,9 @@ GPU 0 and then timed the same choices on GPU 1 in one process, stopped on an ill
 access (docs/tuning-time.md). Per backend, in a child process of its own with
 CUDA_LAUNCH_BLOCKING=1 (a fault poisons the process's CUDA context, and the failure must name
 its backend): two candidates of each product built, run, checked against float64 and timed in
-final rounds as the tuner's on GPU 0, then the same on GPU 1. Needs two GPUs."""
+final rounds as the tuner's on GPU 0, then the same on GPU 1; and a layer on GPU 1 served while
+GPU 0 is the current one (a model split over GPUs), through the slow path and the front path.
+Needs two GPUs."""
 
 import json
 import os
@@ -53,17 +55,71 @@ with open(answer, "w") as f:  # the answer in a file: a library may write to std
 """
 
 
+OFF_DEVICE = """
+import json, sys
+import torch
+from gemmtune import api, backends
+from gemmtune.device import current
+from gemmtune.problem import Problem
+from gemmtune.serving.calls import dispatch_key
+from gemmtune.serving.dispatch import DISPATCHER
+from gemmtune.tuning import verify
+
+name, answer, products = sys.argv[1], sys.argv[2], sys.argv[3:]
+backend, checked = backends.get(name), 0
+for text in products:
+    m, n, k = (int(v) for v in text.split("x"))
+    problem = Problem(m, n, k, bias=True)
+    torch.cuda.set_device(1)
+    configs = backend.candidates(problem, current(1)) if backend.is_available(current(1)) else []
+    if not configs:
+        continue
+    kernel = backends.build(problem, name, configs[0].as_dict(), current(1))
+    x = torch.randn(2, m // 2, k, device="cuda:1", dtype=torch.bfloat16)  # a model's (batch, tokens, K)
+    w = torch.randn(n, k, device="cuda:1", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda:1", dtype=torch.bfloat16)
+    kernel(x.view(m, k), w, bias)  # its binary made on GPU 1
+    DISPATCHER.forget()
+    DISPATCHER.kernels[dispatch_key("linear", x, bias, m, n, k, "none")] = kernel
+    torch.cuda.set_device(0)
+    expected = verify.reference(problem, x.view(m, k), w, bias)
+    for _ in range(3):  # the slow path, then the front path's entry
+        out = api.linear(x, w, bias)
+        torch.cuda.synchronize(1)
+        assert torch.cuda.current_device() == 0, "the current GPU changed"
+        assert verify.rel_err(out.view(m, n), expected) <= verify.tolerance(problem), (text, name)
+        checked += 1
+with open(answer, "w") as f:
+    json.dump({"checked": checked}, f)
+"""
+
+
+def child(script: str, backend: str, tmp_path) -> dict:
+    """Runs ``script`` for ``backend`` over PRODUCTS in a child process with blocking launches;
+    its counts, or a failure with the child's last words."""
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
+    env.pop("TRITON_INTERPRET", None)
+    answer = tmp_path / "answer.json"
+    done = subprocess.run([sys.executable, "-c", script, backend, str(answer), *PRODUCTS], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(answer.read_text())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_layer_on_another_gpu_than_the_current_one_is_served_on_its_own(backend, tmp_path):
+    counts = child(OFF_DEVICE, backend, tmp_path)
+    if counts["checked"] == 0:
+        pytest.skip(f"{backend} has no candidate for these products on this GPU")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_process_serves_and_times_on_two_gpus(backend, tmp_path):
-    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
-    env.pop("TRITON_INTERPRET", None)
-    answer = tmp_path / "answer.json"
-    done = subprocess.run([sys.executable, "-c", CHILD, backend, str(answer), *PRODUCTS], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    counts = json.loads(answer.read_text())
+    counts = child(CHILD, backend, tmp_path)
     if counts["checked"] == 0:
         pytest.skip(f"{backend} has no candidate for these products on this GPU")
     assert counts["timed"] > 0

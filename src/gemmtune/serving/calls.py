@@ -5,6 +5,8 @@ which is kept for ``linear``'s front path. ``gemmtune.api`` is the public face o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -18,6 +20,14 @@ from gemmtune.serving.modes import ByMode
 DTYPE_NAMES = {dtype: name for name, dtype in torch_dtypes().items()}
 _FLOAT32 = torch.float32
 any_autocast = torch._C._is_any_autocast_enabled  # torch.autocast on for some device (looked up once)
+
+
+def _no_gpu() -> int:
+    return -1
+
+
+# the current GPU's index, without torch.cuda.current_device's frames (a CPU-only torch has none)
+current_gpu = torch._C._cuda_getDevice if torch.cuda._is_compiled() else _no_gpu
 
 
 def matmul_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -87,10 +97,11 @@ def autocast_linear(x, weight, bias, activation) -> torch.Tensor:
 
 def front_key(x, weight, bias, activation, px: int, pw: int, pb: int) -> tuple:
     """What linear's front path is keyed by: everything a served call's checks and its kernel's
-    launch depend on (``px``, ``pw``, ``pb``: the operands' addresses, pb 0 without a bias)."""
-    dtype = x.dtype
-    return (x.shape, x.stride(), dtype, x.get_device(), px & 15, weight.shape, weight.stride(), weight.dtype,
-            weight.get_device(), pw & 15, activation, dtype is _FLOAT32 and tf32_allowed(),
+    launch depend on (``px``, ``pw``, ``pb``: the operands' addresses, pb 0 without a bias), the
+    current GPU among them for a CUDA x (``run`` switches to x's where they differ)."""
+    dtype, gpu = x.dtype, x.get_device()
+    return (x.shape, x.stride(), dtype, gpu, gpu >= 0 and current_gpu(), px & 15, weight.shape, weight.stride(),
+            weight.dtype, weight.get_device(), pw & 15, activation, dtype is _FLOAT32 and tf32_allowed(),
             None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device(), pb & 15))
 
 
@@ -133,6 +144,9 @@ def dispatch_key(layout: str, a, bias, m: int, n: int, k: int, act: str) -> Disp
 def run(layout: str, a, b, bias, m: int, n: int, k: int, act: str, front: tuple | None = None) -> torch.Tensor:
     """The kernel for the key of (a, b, bias) run on them (a (..., K) in layout linear), and kept
     for linear's front path under ``front``."""
+    gpu = a.get_device()
+    if gpu >= 0 and gpu != current_gpu():
+        return _on_its_gpu(gpu, layout, a, b, bias, m, n, k, act, front)
     key = dispatch_key(layout, a, bias, m, n, k, act)
     kernel = DISPATCHER.kernels.get(key)
     if kernel is None:  # the slow path: store, then tuning; never while a CUDA graph is captured
@@ -148,6 +162,30 @@ def run(layout: str, a, b, bias, m: int, n: int, k: int, act: str, front: tuple 
     if front is not None:  # later calls like this one (of this rank too) take linear's front path
         DISPATCHER.front[front] = front_entry(kernel, a, b, bias)
     return out
+
+
+def _on_its_gpu(gpu: int, layout: str, a, b, bias, m: int, n: int, k: int, act: str, front: tuple | None):
+    """``run`` for operands on another GPU than the current one (a model whose layers lie on
+    several GPUs, as ``device_map`` places them; torch's own ops switch devices): the kernel made,
+    launched and bound with their GPU current, since a Triton launch or a cuBLASLt call runs on
+    the current GPU's context, which must be the operands' own. The front path's entry for such
+    calls switches too (its key holds the current GPU)."""
+    with torch.cuda.device(gpu):
+        out = run(layout, a, b, bias, m, n, k, act)
+        kernel = DISPATCHER.kernels.get(dispatch_key(layout, a, bias, m, n, k, act))
+        if front is not None and kernel is not None:
+            DISPATCHER.front[front] = on_gpu(gpu, front_entry(kernel, a, b, bias))
+    return out
+
+
+def on_gpu(gpu: int, entry: Callable) -> Callable:
+    """``entry``, called with GPU ``gpu`` current (and the caller's current again after)."""
+
+    def call(*args):
+        with torch.cuda.device(gpu):
+            return entry(*args)
+
+    return call
 
 
 def record_call(layout: str, a: torch.Tensor, bias, m: int, n: int, k: int, act: str) -> None:

@@ -15,7 +15,7 @@ from gemmtune import activation as activations
 from gemmtune import scaling as scaling_math
 from gemmtune.problem import ACTIVATIONS, SCALE_BLOCK, scaled_torch_dtypes, torch_dtypes
 from gemmtune.serving import recording as recorder
-from gemmtune.serving.calls import same_device
+from gemmtune.serving.calls import current_gpu, same_device
 from gemmtune.serving.dispatch import DISPATCHER, DispatchKey
 from gemmtune.serving.modes import ByMode
 
@@ -71,6 +71,9 @@ def forward(a, b, scale_a, scale_b, bias, out_dtype, scaling: str, act: str) -> 
     """The checked call, recorded where ``gemmtune.record`` is on, and served: by torch where
     gemmtune does not serve it (not on a CUDA device, an empty product), else by the kernel of
     its key."""
+    if a.is_cuda and a.get_device() != current_gpu():  # a layer on another GPU than the current one:
+        with torch.cuda.device(a.device):               # its kernel made and launched on its own (calls.run)
+            return forward(a, b, scale_a, scale_b, bias, out_dtype, scaling, act)
     (m, k), n = a.shape, b.shape[1]
     recording = recorder.active()
     if recording is not None and m * n * k > 0:
