@@ -72,6 +72,46 @@ def test_a_layer_not_tuned_or_not_called_stays_and_one_that_fell_back_goes():
     assert type(layer) is nn.Linear
 
 
+def test_a_layer_tuned_to_cublas_stays_for_graphs_alone_where_they_replay_a_faster_kernel(monkeypatch):
+    """Two layers tuned to cuBLAS: the first's tuning found a kernel faster for CUDA graphs (the
+    dispatcher pairs them), so it stays gemmtune's with torch's forward for eager calls; the
+    second's found none, so it goes back to torch."""
+    from gemmtune.results import Status, Trial
+    from gemmtune.serving.dispatch import DISPATCHER
+
+    model = gemmtune.optimize(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8)))
+    first, second = model[0], model[1]
+    problems = {first: {Problem(4, 32, 16).key()}, second: {Problem(4, 8, 32).key()}}
+    results = {key: result(Problem.from_key(key), "cublas") for keys in problems.values() for key in keys}
+    faster = Trial("triton_tiled", {}, Status.OK)
+    monkeypatch.setattr(DISPATCHER, "graph_pick",
+                        lambda problem, device, chosen: faster if problem.n == 32 and chosen == "cublas" else None)
+    forms = [keep.Form(first), keep.Form(second)]
+    kept = keep.served(forms, problems, results)
+    assert kept == forms[:1] and forms[0].graph_only and first.torch_when_capturing is False
+    assert type(first) is gnn.Linear and type(second) is nn.Linear
+
+
+@pytest.mark.parametrize("kept_any, when, graph_only_stays, other_mode", [
+    (True, None, True, None),     # both modes pay
+    (True, False, True, False),   # only the graph pays
+    (True, True, False, True),    # only eager pays: graphs capture torch's forward
+    (False, None, False, None),   # neither
+])
+def test_settling_keeps_a_graph_only_layer_for_graphs_or_sends_it_back(kept_any, when, graph_only_stays, other_mode):
+    model = gemmtune.optimize(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8)))
+    graph_only, other = keep.Form(model[0]), keep.Form(model[1])
+    graph_only.graph_only, model[0].torch_when_capturing = True, False
+    settled = keep.settle([graph_only, other], kept_any, when)
+    assert (graph_only in settled) == graph_only_stays and (other in settled) == kept_any
+    if graph_only_stays:
+        assert model[0].torch_when_capturing is False
+    else:
+        assert type(model[0]) is nn.Linear and "torch_when_capturing" not in vars(model[0])
+    if kept_any:
+        assert model[1].torch_when_capturing is other_mode
+
+
 def test_a_layer_whose_calls_fall_back_to_torch_goes_back(monkeypatch):
     """float64 is not a dtype gemmtune serves: the layer's calls fell back to torch in the run."""
     model = gemmtune.optimize(mlp().double())

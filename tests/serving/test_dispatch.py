@@ -347,6 +347,17 @@ def test_where_a_kernel_is_faster_for_graphs_the_choice_and_it_are_served_by_mod
     assert built == [(PROBLEM, "cublas", {}), (PROBLEM, "triton_tiled", TILED)]
 
 
+def test_the_graph_pick_is_the_faster_kernel_its_tuning_stored_or_none(store):
+    """What ``optimize`` asks of a layer tuned to cuBLAS: the kernel its graphs would capture."""
+    dispatcher = Dispatcher(store)
+    assert dispatcher.graph_pick(PROBLEM, current(), "cublas") is None  # nothing stored
+    store.put(with_trials(stored(PROBLEM, "cublas", {}), 0.0299))
+    assert dispatcher.graph_pick(PROBLEM, current(), "cublas") is None  # level with cuBLAS
+    store.put(with_trials(stored(PROBLEM, "cublas", {}), 0.027))
+    pick = dispatcher.graph_pick(PROBLEM, current(), "cublas")
+    assert (pick.backend, pick.config) == ("triton_tiled", TILED)
+
+
 def test_where_no_kernel_is_faster_for_graphs_the_choice_alone_is_served(store, built, no_tuning):
     from gemmtune.serving.modes import ByMode
 

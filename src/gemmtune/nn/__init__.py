@@ -357,11 +357,12 @@ def _train_speedup(step: Callable[[], bool], kept: list) -> keep.Speedup | None:
 
 def _keep_what_pays(run: Callable[[], object], per_layer: dict, results: list, *, calls: int,
                     started: float, step: Callable[[], bool] | None = None) -> None:
-    """The layers the run called that were tuned to cuBLAS alone go back to torch; the rest are
-    timed with the run in eager and captured as a CUDA graph (``gemmtune.nn.keep``) and kept
-    where either measures faster with them: where both do, in both; where only one does, torch's
-    forward serves the other mode (``torch_when_capturing``); where neither does, every layer goes
-    back to torch. An eager verdict times host work, whose noise on a busy host hid graph gains
+    """The layers the run called that were tuned to cuBLAS alone go back to torch, but for those
+    whose CUDA graphs would replay a faster kernel, kept for graphs alone (``keep.served``); the
+    rest are timed with the run in eager and captured as a CUDA graph (``gemmtune.nn.keep``) and
+    kept where either measures faster with them: where both do, in both; where only one does,
+    torch's forward serves the other mode (``torch_when_capturing``); where neither does, every
+    layer goes back to torch (``keep.settle``). An eager verdict times host work, whose noise on a busy host hid graph gains
     measured to 0.1% (the seeds' float32 MLP, 1.07x as a graph, was handed back whole). With a
     training ``step`` (optimize of a model in training mode), layers kept so stay only if the step
     pays too: a call that needs a gradient runs gemmtune's forward through autograd and its
@@ -379,12 +380,7 @@ def _keep_what_pays(run: Callable[[], object], per_layer: dict, results: list, *
             train = _train_speedup(step, kept)
             if train is not None:
                 verdict, kept_any = keep.decide_training(verdict, train)
-        for form in kept:
-            if not kept_any:
-                form.release()
-            elif torch_when_capturing is not None:
-                form.layer.torch_when_capturing = torch_when_capturing
-        kept = kept if kept_any else []
+        kept = keep.settle(kept, kept_any, torch_when_capturing)
     log.info("gemmtune.optimize: %d GEMM calls seen in %d layers, %d layers served by gemmtune, %d left to torch; "
              "%s; setup %.1f s", calls, len(forms), len(kept), len(forms) - len(kept), verdict,
              time.perf_counter() - started)

@@ -26,6 +26,7 @@ from gemmtune.device import current
 from gemmtune.problem import Problem
 from gemmtune.results import TuneResult
 from gemmtune.serving import calls, modes, recording
+from gemmtune.serving.dispatch import DISPATCHER
 from gemmtune.tuning import measure
 
 log = logging.getLogger("gemmtune")
@@ -68,6 +69,7 @@ class Form:
 
     def __init__(self, layer: nn.Module) -> None:
         self.layer, self.cls, self.fused = layer, type(layer), layer.fused
+        self.graph_only = False  # tuned to cuBLAS, kept for the faster kernel its CUDA graphs replay (``served``)
         self.identity = None if self.fused is None else self.fused[0]._modules[self.fused[1]]
 
     def to_torch(self) -> None:
@@ -129,18 +131,49 @@ def on_torch(layer_problems: set, results: dict[str, TuneResult]) -> bool:
     return all(r is not None and r.backend == backends.REFERENCE for r in found)
 
 
+def graph_gains(layer_problems: set, results: dict[str, TuneResult]) -> bool:
+    """Whether CUDA graphs of a layer whose calls were tuned to cuBLAS (``on_torch``) would replay
+    a faster kernel: the dispatcher pairs cuBLAS with one for graphs where a problem's stored
+    tuning found one (``Dispatcher.graph_pick``)."""
+    device = current()
+    return any(DISPATCHER.graph_pick(Problem.from_key(key), device, results[key].label()) is not None
+               for key in layer_problems if key in results)
+
+
 def served(forms: Iterable[Form], layer_problems: dict, results: dict[str, TuneResult]) -> list[Form]:
-    """The layers still gemmtune's after those that gain nothing from it (``on_torch``) went back
-    to torch (released for good), where their class is judged alone (``judged_alone``: a plain
-    layer); a layer the run never called stays, and a joined or padded layer is judged with the
-    model."""
+    """The layers still gemmtune's after those that gain nothing from it went back to torch
+    (released for good), where their class is judged alone (``judged_alone``: a plain layer); a
+    layer the run never called stays, and a joined or padded layer is judged with the model. A
+    layer tuned to cuBLAS (``on_torch``) gains nothing in eager calls, which cuBLAS serves either
+    way: it goes back unless its CUDA graphs would replay a faster kernel (``graph_gains``), and
+    then stays for graphs alone (``Form.graph_only``: its eager calls torch's forward)."""
     kept = []
     for form in forms:
-        if form.cls.judged_alone and form.layer in layer_problems and on_torch(layer_problems[form.layer], results):
-            form.release()
-        else:
-            kept.append(form)
+        problems = layer_problems.get(form.layer)
+        if form.cls.judged_alone and problems is not None and on_torch(problems, results):
+            if not graph_gains(problems, results):
+                form.release()
+                continue
+            form.graph_only = True
+            form.layer.torch_when_capturing = False
+        kept.append(form)
     return kept
+
+
+def settle(kept: list[Form], kept_any: bool, torch_when_capturing: bool | None) -> list[Form]:
+    """The layers the model's check keeps, from its conclusion (``decide``): every one back to
+    torch where none stays; else each takes the mode ``torch_when_capturing`` names, but a layer
+    kept for graphs alone (``Form.graph_only``) stays so, or goes back where graphs are to capture
+    torch's forward."""
+    settled = []
+    for form in kept:
+        if not kept_any or form.graph_only and torch_when_capturing is True:
+            form.release()
+            continue
+        if torch_when_capturing is not None and not form.graph_only:
+            form.layer.torch_when_capturing = torch_when_capturing
+        settled.append(form)
+    return settled
 
 
 def decide(eager: Speedup, graph: Speedup | None) -> tuple[str, bool, bool | None]:

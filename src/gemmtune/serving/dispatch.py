@@ -166,12 +166,19 @@ class Dispatcher:
         return self._with_graph_kernel(problem, device, choice,
                                        backends.build(problem, choice.backend, choice.config, device))
 
+    def graph_pick(self, problem: Problem, device: Device, chosen: str) -> Trial | None:
+        """What CUDA graphs capture for ``problem`` instead of its choice ``chosen`` (a trial's
+        label): the faster kernel its stored tuning found for them (``tuner.graph_choice``) where
+        its backend serves the problem here; None where the choice serves graphs too."""
+        pick = graph_choice(self.trials(problem, device), chosen)
+        return pick if pick is not None and _serves(pick.backend, problem, device) else None
+
     def _with_graph_kernel(self, problem: Problem, device: Device, choice: Choice, kernel):
         """``kernel`` (the choice's), paired with the one CUDA graphs should capture where its
-        tuning found a faster kernel for them (``tuner.graph_choice`` over the stored trials:
-        ``ByMode``); ``kernel`` alone otherwise."""
-        pick = graph_choice(self.trials(problem, device), choice.label())
-        if pick is None or not _serves(pick.backend, problem, device):
+        tuning found a faster kernel for them (``graph_pick``: ``ByMode``); ``kernel`` alone
+        otherwise."""
+        pick = self.graph_pick(problem, device, choice.label())
+        if pick is None:
             return kernel
         try:
             graph = backends.build(problem, pick.backend, pick.config, device)
