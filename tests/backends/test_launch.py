@@ -35,8 +35,9 @@ def test_the_interpreter_keeps_no_binary():
 
 
 class TwoDimensional(KernelBase):
-    """A kernel of 2-D ``a`` only that binds its launch (as cuBLASLt's does): ``F.linear``, its
-    binds and bound calls recorded."""
+    """A kernel of 2-D ``a`` only that binds its launch to a contiguous ``a``'s rows (as
+    cuBLASLt's does): ``F.linear`` on the rows, the result (..., N); its binds (the rows' shape)
+    and bound calls recorded."""
 
     def __init__(self) -> None:
         self.bound, self.bound_calls = [], 0
@@ -46,14 +47,16 @@ class TwoDimensional(KernelBase):
         return F.linear(a, b, bias)
 
     def bind(self, a, b, bias):
-        if a.dim() != 2:
+        rows = a.view(-1, a.shape[-1]) if a.is_contiguous() else a
+        if rows.dim() != 2:
             return None
-        self.bound.append(tuple(a.shape))
+        self.bound.append(tuple(rows.shape))
+        out_shape = (*a.shape[:-1], b.shape[0])
 
         def call(a, b, bias, pa, pb, pbias):
-            assert a.dim() == 2 and a.data_ptr() == pa
+            assert a.data_ptr() == pa
             self.bound_calls += 1
-            return F.linear(a, b, bias)
+            return F.linear(a.view(-1, a.shape[-1]), b, bias).view(out_shape)
 
         return call
 
@@ -63,9 +66,9 @@ def front_call(entry, x, w, bias):
 
 
 def test_a_model_activation_binds_its_rows_for_a_kernel_of_2d_operands():
-    """x (..., K) contiguous, served by a kernel that takes (M, K) alone: the front path binds the
-    kernel's launch to x's rows viewed as (M, K) and views the result back, instead of calling
-    the kernel's wrapper (and its checks) on every call; a non-contiguous x is not bound."""
+    """x (..., K) contiguous, served by a kernel that takes (M, K) alone: the front path takes the
+    kernel's launch bound to x's rows, instead of calling the kernel's wrapper (and its checks)
+    on every call; a non-contiguous x is not bound."""
     w, bias = torch.randn(6, 8), torch.randn(6)
     x = torch.randn(2, 3, 5, 8)
     kernel = TwoDimensional()

@@ -40,9 +40,8 @@ class Kernel(Protocol):
       returns (..., N): no flattening wrapper around it.
     - ``bind(a, b, bias)`` (default: None): a ``BoundCall`` for operands laid out as these, which
       the front path calls instead of the kernel, or None (nothing to bind, or not yet). ``a``
-      may be of any rank, whatever the kernel serves when called: a kernel of 2-D calls that
-      binds a contiguous ``a``'s rows returns (..., N) from its call; one that returns None for
-      it is bound to the rows viewed as (M, K) (``front_entry``).
+      may be of any rank, whatever the kernel serves when called: a kernel of 2-D calls binds a
+      contiguous ``a``'s rows where it can (cuBLASLt's), its call returning (..., N).
     - ``front`` (default: the kernel itself): what the front path calls as ``front(a, b, bias)``
       where nothing is bound (cuBLAS's ``F.linear``: the same result, one Python frame less).
     """

@@ -257,14 +257,16 @@ class Matmul:
 
         def launch(weight: int, activations: int, out: int, workspace: int, workspace_bytes: int, stream: int,
                    bias_ptr: int = 0, weight_scale_ptr: int = 0, activation_scale_ptr: int = 0) -> None:
-            own = by_bias.get(bias_ptr) if bias_ptr and not weight_scale_ptr else None
-            if own is None and bias_ptr and not weight_scale_ptr and len(by_bias) < MAX_BIAS_DESCS:
-                with lock:
-                    own = by_bias.get(bias_ptr) or by_bias.setdefault(bias_ptr, self._new_desc(bias_ptr))
-            if own is not None:
-                status = matmul(handle_, own, alpha_ref, weight, a, activations, b, beta_ref, out, c, out, c,
-                                algo_ref, workspace, workspace_bytes, stream)
-            elif bias_ptr or weight_scale_ptr:
+            own = None  # the descriptor reading this bias, where it has one
+            if bias_ptr and not weight_scale_ptr:
+                own = by_bias.get(bias_ptr)
+                if own is None and len(by_bias) < MAX_BIAS_DESCS:
+                    with lock:
+                        own = by_bias.get(bias_ptr) or by_bias.setdefault(bias_ptr, self._new_desc(bias_ptr))
+            if own is not None or not (bias_ptr or weight_scale_ptr):
+                status = matmul(handle_, desc if own is None else own, alpha_ref, weight, a, activations, b, beta_ref,
+                                out, c, out, c, algo_ref, workspace, workspace_bytes, stream)
+            else:
                 with lock:
                     bias.value, scale_w.value, scale_x.value = bias_ptr, weight_scale_ptr, activation_scale_ptr
                     status = (bias_ptr and set_attribute(desc, DESC_BIAS_POINTER, bias_ref, size)) or (
@@ -272,9 +274,6 @@ class Matmul:
                                               or set_attribute(desc, DESC_B_SCALE_POINTER, scale_x_ref, size))
                     ) or matmul(handle_, desc, alpha_ref, weight, a, activations, b, beta_ref, out, c, out, c,
                                 algo_ref, workspace, workspace_bytes, stream)
-            else:
-                status = matmul(handle_, desc, alpha_ref, weight, a, activations, b, beta_ref, out, c, out, c, algo_ref,
-                                workspace, workspace_bytes, stream)
             if status != 0:
                 raise CublasLtError(f"cuBLASLt Matmul failed with cublasStatus_t {status}")
 

@@ -191,36 +191,18 @@ def front_entry(kernel: Kernel, x, weight, bias) -> BoundCall:
     (through ``any_rank`` where x's rank is not 2) has just served: the front path's key fixes
     shapes, strides, dtypes, devices and 16-byte alignment, everything a launch depends on. Where
     the kernel can ``bind`` its launch to these operands, that bound launch (nothing recomputed
-    per call but the output): bound to x as it is where the kernel binds x of its rank (cuBLASLt
-    binds a contiguous x's rows though it serves 2-D calls only), else to x's rows viewed as
-    (M, K) where the kernel serves 2-D x only and x is contiguous (a model's activations); else
-    the kernel's ``front`` (itself, or cuBLAS's cheaper F.linear), flattening x where the kernel
-    serves 2-D x only. The tuner times candidates' host cost through this same call."""
+    per call but the output; cuBLASLt binds a contiguous x's rows though it serves 2-D calls
+    only); else the kernel's ``front`` (itself, or cuBLAS's cheaper F.linear), flattening x where
+    the kernel serves 2-D x only. The tuner times candidates' host cost through this same call."""
     launch = kernel.bind(x, weight, bias)
     if launch is not None:
         return launch
-    if x.dim() != 2 and not kernel.serves_any_rank:
-        launch = kernel.bind(x.view(-1, x.shape[-1]), weight, bias) if x.is_contiguous() else None
-        if launch is not None:
-            return _flattened(launch, x.shape[-1], (*x.shape[:-1], weight.shape[0]))
-        call = any_rank(kernel)
-    else:
-        call = kernel.front
+    call = kernel.front if x.dim() == 2 or kernel.serves_any_rank else any_rank(kernel)
 
     def unbound(x, weight, bias, px: int, pw: int, pbias: int):
         return call(x, weight, bias)
 
     return unbound
-
-
-def _flattened(launch: BoundCall, k: int, out_shape: tuple) -> BoundCall:
-    """``launch``, bound to (M, K) operands, for x (..., K) contiguous: x's rows as a view, the
-    result viewed back (the front path's key fixes x's shape and strides, so both stay views)."""
-
-    def call(x, weight, bias, px: int, pw: int, pbias: int):
-        return launch(x.view(-1, k), weight, bias, px, pw, pbias).view(out_shape)
-
-    return call
 
 
 def bind_gemm(kernel, launcher: Launcher, a, b, bias, linear: bool) -> Callable | None:
