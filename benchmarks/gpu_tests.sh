@@ -29,3 +29,7 @@ for f in "$out"/*.txt; do
   printf '%-36s %s\n' "$(basename "$f" .txt)" "$(tail -1 "$f")"
 done
 grep -h "^FAILED\|^ERROR" "$out"/*.txt
+# a file whose pytest never said how long it took was killed by the timeout, or crashed
+for f in "$out"/*.txt; do
+  tail -1 "$f" | grep -q " in [0-9.]*s" || echo "UNFINISHED $(basename "$f" .txt)"
+done

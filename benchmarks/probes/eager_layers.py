@@ -1,7 +1,9 @@
 """Probe: why ``optimize``'s eager check sends a model's served layers back to torch where its
 graph check keeps them (docs/models.md, shortfalls: BERT-base, the Whisper encoder, torchvision's
 ViT-B). A model of the zoo (``benchmarks/models.py``'s names, its first bf16 inference case) goes
-through ``optimize(check=False)``, so every layer gemmtune serves serves its eager calls too.
+through ``optimize(check=False)``, so every layer gemmtune serves serves its eager calls too
+(with ``--torch-eager``, every layer as ``optimize`` leaves one whose eager check lost: its eager
+calls torch's forward behind the layer's mode checks, which the host ratio then times).
 Then, per served layer, on the input the model gives it:
 
 - the kernels the dispatcher built for its problem (the eager one and, where tuning found another
@@ -15,7 +17,7 @@ Then, per served layer, on the input the model gives it:
 Whole forwards are not timed here (``benchmarks/models.py`` does): queued behind a sleep, a
 model's forwards fill the launch queue and the host waits for the GPU.
 
-    PYTHONPATH=src python3 benchmarks/probes/eager_layers.py OUT.json [--model bert-base]
+    PYTHONPATH=src python3 benchmarks/probes/eager_layers.py OUT.json [--model bert-base] [--torch-eager]
 """
 import argparse
 import copy
@@ -149,6 +151,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out")
     parser.add_argument("--model", default="bert-base", help="a name of benchmarks/models.py's zoo")
+    parser.add_argument("--torch-eager", action="store_true",
+                        help="every served layer's eager calls run torch's forward (torch_when_capturing False)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     torch.manual_seed(0)
@@ -160,9 +164,13 @@ def main() -> None:
     tuned_kwargs = case.kwargs(tuned, case.inputs("cuda", case.dtype))
     with torch.no_grad():
         gemmtune.optimize(tuned, tuple(tuned_kwargs.values()), check=False)
+        if args.torch_eager:
+            for layer in tuned.modules():
+                if isinstance(layer, TakenOver):
+                    layer.torch_when_capturing = False
         out = {"kind": "eager-layers", "date": datetime.date.today().isoformat(), "torch": torch.__version__,
                "gemmtune": gemmtune.__version__, "model": args.model, "case": case.label(),
-               "device": torch.cuda.get_device_name()}
+               "device": torch.cuda.get_device_name(), "torch_eager": args.torch_eager}
         out["layers"] = layers(tuned, lambda: tuned(**tuned_kwargs))
         out["kernels"] = kernels()  # after the layers' calls: optimize drops the kernels it built
     with open(args.out, "w") as f:

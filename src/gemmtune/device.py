@@ -95,6 +95,9 @@ def current(index: int | None = None) -> Device:
     import torch
 
     if not torch.cuda.is_available():
+        # triton reads it when its own ``@jit`` helpers are defined: it must be set before triton
+        # is first imported (``_versions`` imports it)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
         return interpreter_device()
     index = torch.cuda.current_device() if index is None else index
     props = torch.cuda.get_device_properties(index)
@@ -110,11 +113,10 @@ def current(index: int | None = None) -> Device:
 
 def interpreter_device() -> Device:
     """The CPU running Triton's interpreter: a small space, timings that are not GPU timings.
-
-    Sets ``TRITON_INTERPRET=1``: triton reads it when its own ``@jit`` helpers are defined, so it
-    must be set before triton is first imported (``_versions`` below imports it).
-    """
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    A description only: ``current`` switches a process without a GPU to the interpreter. (Once
+    set, ``TRITON_INTERPRET`` made every Triton kernel defined later in the process interpreted:
+    on a GPU machine, a test that asked for this description turned the one-pass verification
+    kernel of the GPU tests after it into interpreted code, minutes a check, then a crash.)"""
     return Device(
         name="CPU (Triton interpreter)",
         capability=(0, 0),
