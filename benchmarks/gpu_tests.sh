@@ -25,11 +25,16 @@ for f in "${files[@]}"; do
     > "$out/$name.txt" 2>&1 &
 done
 wait
+# Each file's last line in summary.txt; printed, only the files that did not pass cleanly (a
+# device call returns the last 12,000 characters of its output and a limited number of files).
 for f in "$out"/*.txt; do
+  [ "$(basename "$f")" = summary.txt ] && continue
   printf '%-36s %s\n' "$(basename "$f" .txt)" "$(tail -1 "$f")"
-done
+done > "$out/summary.txt"
+echo "$(wc -l < "$out/summary.txt") test files, $(grep -c "failed\|error" "$out/summary.txt") with failures or errors"
 grep -h "^FAILED\|^ERROR" "$out"/*.txt
 # a file whose pytest never said how long it took was killed by the timeout, or crashed
 for f in "$out"/*.txt; do
+  [ "$(basename "$f")" = summary.txt ] && continue
   tail -1 "$f" | grep -q " in [0-9.]*s" || echo "UNFINISHED $(basename "$f" .txt)"
 done
