@@ -113,10 +113,9 @@ def current(index: int | None = None) -> Device:
 
 def interpreter_device() -> Device:
     """The CPU running Triton's interpreter: a small space, timings that are not GPU timings.
-    A description only: ``current`` switches a process without a GPU to the interpreter. (Once
-    set, ``TRITON_INTERPRET`` made every Triton kernel defined later in the process interpreted:
-    on a GPU machine, a test that asked for this description turned the one-pass verification
-    kernel of the GPU tests after it into interpreted code, minutes a check, then a crash.)"""
+    A description only: ``current`` switches a process without a GPU to the interpreter, since
+    once ``TRITON_INTERPRET`` is set every Triton kernel defined later in the process is
+    interpreted, a GPU process's too (docs/architecture.md, without a GPU)."""
     return Device(
         name="CPU (Triton interpreter)",
         capability=(0, 0),

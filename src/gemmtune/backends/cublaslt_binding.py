@@ -261,8 +261,10 @@ class Matmul:
             if bias_ptr and not weight_scale_ptr:
                 own = by_bias.get(bias_ptr)
                 if own is None and len(by_bias) < MAX_BIAS_DESCS:
-                    with lock:
-                        own = by_bias.get(bias_ptr) or by_bias.setdefault(bias_ptr, self._new_desc(bias_ptr))
+                    with lock:  # another thread may have made it meanwhile
+                        own = by_bias.get(bias_ptr)
+                        if own is None:
+                            own = by_bias[bias_ptr] = self._new_desc(bias_ptr)
             if own is not None or not (bias_ptr or weight_scale_ptr):
                 status = matmul(handle_, desc if own is None else own, alpha_ref, weight, a, activations, b, beta_ref,
                                 out, c, out, c, algo_ref, workspace, workspace_bytes, stream)

@@ -362,8 +362,9 @@ def _keep_what_pays(run: Callable[[], object], per_layer: dict, results: list, *
     rest are timed with the run in eager and captured as a CUDA graph (``gemmtune.nn.keep``) and
     kept where either measures faster with them: where both do, in both; where only one does,
     torch's forward serves the other mode (``torch_when_capturing``); where neither does, every
-    layer goes back to torch (``keep.settle``). An eager verdict times host work, whose noise on a busy host hid graph gains
-    measured to 0.1% (the seeds' float32 MLP, 1.07x as a graph, was handed back whole). With a
+    layer goes back to torch (``keep.settle``). An eager verdict times host work, whose noise on
+    a busy host hid graph gains measured to 0.1% (the seeds' float32 MLP, 1.07x as a graph, was
+    handed back whole). With a
     training ``step`` (optimize of a model in training mode), layers kept so stay only if the step
     pays too: a call that needs a gradient runs gemmtune's forward through autograd and its
     activation unfused, which cost a ViT-B/16 train step with every layer gemmtune's 1.09x torch's
