@@ -7,9 +7,13 @@ wrapped by both decorators over the same config list:
 - ``first_call_s_*``: a fresh process's first call, cold (empty Triton cache and store) and warm
   (the Triton compile cache and gemmtune's store filled by an earlier process; triton.autotune
   keeps no timings between processes by default, so it tunes again);
-- ``host_us_*``: host time per call of each decorated kernel on a small input (a loop of calls).
+- ``host_us_*``: host time per call of each decorated kernel on a small input (a loop of calls);
+- with ``--compiled``, ``compiled``: each decorated kernel called inside ``torch.compile``
+  (fullgraph) after an eager call tuned it: Dynamo's graph breaks, the configs the compiler was
+  handed, the compile time, the output against the eager call's, and the two compiled calls (and
+  gemmtune's eager one) timed side by side.
 
-    PYTHONPATH=src python3 benchmarks/autotune.py --out autotune.json [--kernels add,rms_norm,swiglu]
+    PYTHONPATH=src python3 benchmarks/autotune.py --out autotune.json [--kernels add,rms_norm,swiglu] [--compiled]
 
 liger-kernel is not installed on the GPU machines: carry its wheel (pure Python) and put it on the
 path, or the liger rows are skipped and say so. Without a GPU the kernels run through Triton's
@@ -53,9 +57,10 @@ class Case:
     """One kernel at one size: its jit function, config list, key, pruning, and a call."""
 
     def __init__(self, name: str, fn, configs: list, key: list[str], call: Callable, small: Callable,
-                 prune: dict | None = None) -> None:
+                 output: torch.Tensor, prune: dict | None = None) -> None:
         self.name, self.fn, self.configs, self.key, self.call, self.small, self.prune = (
             name, fn, configs, key, call, small, prune)
+        self.output = output  # what ``call`` writes
 
 
 def _rows_block_prune(configs, named, **kwargs):
@@ -83,7 +88,7 @@ def add_case(tiny: bool) -> Case:
     def small(kernel):
         kernel[lambda m: (triton.cdiv(256, m["BLOCK"]),)](sx, sy, so, 256)
 
-    return Case("add", add_kernel, configs[:3] if tiny else configs, ["n"], call, small)
+    return Case("add", add_kernel, configs[:3] if tiny else configs, ["n"], call, small, out)
 
 
 def rms_norm_case(tiny: bool) -> Case | str:
@@ -103,7 +108,7 @@ def rms_norm_case(tiny: bool) -> Case | str:
 
     configs = row_configs(sizes=(64, 128) if tiny else (4096, 8192), stages=(1,) if tiny else (1, 2))
     return Case("rms_norm", _rms_norm_forward_kernel, configs, ["n_cols"], lambda k: launch(k, x, y, rstd),
-                lambda k: launch(k, sx, sy, srstd), {"early_config_prune": _rows_block_prune})
+                lambda k: launch(k, sx, sy, srstd), y, {"early_config_prune": _rows_block_prune})
 
 
 def swiglu_case(tiny: bool) -> Case | str:
@@ -121,7 +126,7 @@ def swiglu_case(tiny: bool) -> Case | str:
 
     configs = row_configs(sizes=(64, 128) if tiny else (16384, 32768), stages=(1,) if tiny else (1, 2))
     return Case("swiglu", _swiglu_forward_kernel, configs, ["n_cols"], lambda k: launch(k, a, b, c),
-                lambda k: launch(k, sa, sb, sc), {"early_config_prune": _rows_block_prune})
+                lambda k: launch(k, sa, sb, sc), c, {"early_config_prune": _rows_block_prune})
 
 
 CASES = {"add": add_case, "rms_norm": rms_norm_case, "swiglu": swiglu_case}
@@ -177,6 +182,43 @@ def side_by_side(case: Case, rounds_ms: float) -> dict:
             "host_ratio": host["gemmtune"] / host["triton"]}
 
 
+def compiled(case: Case, rounds_ms: float) -> dict:
+    """Each decorator's kernel inside ``torch.compile`` (fullgraph, the default mode), gemmtune's
+    tuned by an eager call first: graph breaks, what the compiler was handed, compile time, the
+    output against gemmtune's eager call's, and the compiled calls timed side by side (the
+    configs handed to the compiler are checked by tests/test_autotune.py)."""
+    from gemmtune.device import current
+    from gemmtune.tuning import measure
+
+    kernels = {which: wrapped(case, which) for which in ("triton", "gemmtune")}
+    case.call(kernels["gemmtune"])  # tuned and stored, as a first eager call or an earlier process would
+    sync()
+    eager_out = case.output.clone()
+    row: dict = {}
+    steps = {}
+    for which, kernel in kernels.items():
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(lambda k=kernel: case.call(k))()
+        row[f"graph_breaks_{which}"] = explained.graph_break_count
+        step = torch.compile(lambda k=kernel: case.call(k), fullgraph=True)
+        case.output.zero_()
+        sync()
+        started = time.perf_counter()
+        step()  # compiles; triton.autotune's configs are tuned by the compiler here
+        sync()
+        row[f"compile_s_{which}"] = time.perf_counter() - started
+        row[f"max_abs_diff_{which}"] = (case.output.float() - eager_out.float()).abs().max().item()
+        steps[which] = step
+    row["gemmtune_choice"] = str(kernels["gemmtune"].best_config)
+    fns = {"triton": steps["triton"], "gemmtune": steps["gemmtune"], "gemmtune_eager": lambda: case.call(kernels["gemmtune"])}
+    timings = measure.measure(fns, current(), budget_ms=rounds_ms, graphs=False)
+    row |= {f"{name}_ms": t.median for name, t in timings.items()}
+    row["speedup"] = timings["triton"].ratio_to(timings["gemmtune"])
+    row["spread"] = timings["gemmtune"].spread_against(timings["triton"])
+    row["compiled_over_eager"] = timings["gemmtune_eager"].ratio_to(timings["gemmtune"])
+    return row
+
+
 def child(args) -> int:
     """One fresh process's first call of one decorator (``--first which``): prints seconds."""
     built = CASES[args.kernel](args.tiny)
@@ -220,6 +262,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", default=",".join(KERNELS), help=f"among {', '.join(KERNELS)}")
     parser.add_argument("--tiny", action="store_true", help="small sizes and config lists: a smoke run, CPU too")
     parser.add_argument("--round-ms", type=float, default=400.0, help="timing budget of the side-by-side rounds")
+    parser.add_argument("--compiled", action="store_true", help="also each kernel inside torch.compile (GPU only)")
     parser.add_argument("--kernel", choices=KERNELS, help=argparse.SUPPRESS)
     parser.add_argument("--first", choices=("triton", "gemmtune"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -239,6 +282,9 @@ def main(argv=None) -> int:
                 continue
             row = {"kernel": name, "configs": len(built.configs)} | side_by_side(built, args.round_ms)
             row |= first_calls(name, args.tiny)
+            if args.compiled and DEVICE == "cuda":
+                row["compiled"] = compiled(CASES[name](args.tiny), args.round_ms)
+                print(f"{name:10s} compiled: {row['compiled']}", file=sys.stderr)
             doc["rows"].append(row)
             print(f"{name:10s} x{row['speedup']:.3f} (triton {row['triton_ms']:.4f} / gemmtune {row['gemmtune_ms']:.4f} ms)"
                   f"  first call warm x{row['first_call_speedup_warm']:.1f}  host x{row['host_ratio']:.2f}",

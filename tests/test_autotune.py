@@ -11,7 +11,7 @@ import torch
 
 import gemmtune
 from gemmtune import kernel_config
-from gemmtune.autotune import Autotuned
+from gemmtune.autotune import Autotuned, _traced_as_constant
 from gemmtune.device import current
 from gemmtune.results import Status, Timing
 from gemmtune.store import Store
@@ -29,6 +29,15 @@ def add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr, SKIP_LAST: tl.cons
     """out = x + y; SKIP_LAST leaves the last element unwritten (a masking bug)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n - 1 if SKIP_LAST else offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) + tl.load(y_ptr + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def plain_add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """out = x + y, with no defaulted parameter: torch 2.11's compiler launches a user's kernel
+    that has one with too few grid arguments, triton.autotune's or gemmtune's alike."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
     tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) + tl.load(y_ptr + offs, mask=mask), mask=mask)
 
 
@@ -459,7 +468,7 @@ def lookup_mode(monkeypatch, tmp_path):
 
 def called_fresh(kernel, n):
     """``kernel`` called on n elements as in a new process (nothing chosen yet), its sum checked."""
-    kernel.chosen.clear()
+    kernel.cache.clear()
     x, y, out = operands(n)
     kernel[grid(n)](x, y, out, n)
     assert torch.equal(out, x + y)
@@ -547,3 +556,93 @@ def test_on_the_gpu_a_miss_inside_graph_capture_runs_the_default_and_tunes_after
     assert torch.equal(out2, x2 + y2) and kernel.best_config is configs[1] and len(timings) == 1
     kernel[grid(3000)](x2, y2, out2, 3000)  # outside the capture: tuned now
     assert len(timings) == 2
+
+
+class _Launch:
+    """What Dynamo is handed in place of triton.autotune's kernel where it cannot launch Triton
+    (the CPU): an add, run with torch."""
+
+    def __init__(self, configs):
+        self.configs = list(configs)
+
+    def __getitem__(self, grid):
+        return lambda x, y, out, n: out.copy_(x + y)
+
+
+@pytest.fixture
+def handed(monkeypatch):
+    """The configs of each kernel gemmtune hands the compiler for a traced call; Triton's part
+    played by torch where there is no GPU."""
+    seen = []
+    real = Autotuned._compiler_kernel
+
+    def _compiler_kernel(self, call_key):  # Dynamo calls a method so marked by its name
+        index = real(self, call_key)
+        seen.append(list(self._for_compiler[index].configs))
+        return index
+
+    monkeypatch.setattr(Autotuned, "_compiler_kernel", _traced_as_constant(_compiler_kernel))
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(Autotuned, "_as_triton_autotune", lambda self, configs: _Launch(configs))
+    return seen
+
+
+def compiled_add(kernel, **options):
+    """torch.compile of a step that adds with ``kernel``, in one graph (no break allowed): Dynamo
+    alone on the CPU, the whole compiler on the GPU."""
+    def step(x, y, out):
+        n = x.numel()
+        kernel[grid(n)](x, y, out, n)
+        return out * 2
+
+    backend = "inductor" if torch.cuda.is_available() else "eager"
+    return torch.compile(step, backend=backend, fullgraph=True, **options)
+
+
+def test_under_torch_compile_the_stored_choice_is_the_one_config_the_compiler_gets(timings, handed):
+    kernel = gemmtune.autotune(configs=blocks(16, 32, 64), key=["n"])(plain_add_kernel)
+    timings.order = ["1", "0", "2"]
+    x, y, out = operands(40)
+    kernel[grid(40)](x, y, out, 40)  # tuned: config 1
+    kernel.cache.clear()  # as in a new process: the store's choice
+    out.zero_()
+    assert torch.equal(compiled_add(kernel)(x, y, out), (x + y) * 2)
+    assert handed == [[kernel.configs[1]]] and len(timings) == 1  # nothing timed while compiling
+
+
+def test_under_torch_compile_a_miss_hands_every_config_and_says_so_once(timings, handed, caplog):
+    kernel = gemmtune.autotune(configs=blocks(16, 32), key=["n"])(plain_add_kernel)
+    x, y, out = operands(50)
+    with caplog.at_level(logging.WARNING, logger="gemmtune"):
+        assert torch.equal(compiled_add(kernel)(x, y, out), (x + y) * 2)
+    assert handed == [kernel.configs] and not timings and kernel.cache == {}
+    assert caplog.text.count("the compiler tunes its 2 configs") == 1
+
+
+def test_under_torch_compile_lookup_mode_hands_the_default(timings, handed, monkeypatch):
+    monkeypatch.setenv("GEMMTUNE_MODE", "lookup")
+    configs = blocks(16, 32)
+    kernel = gemmtune.autotune(configs=configs, key=["n"], default=configs[1])(plain_add_kernel)
+    x, y, out = operands(60)
+    assert torch.equal(compiled_add(kernel)(x, y, out), (x + y) * 2)
+    assert handed == [[configs[1]]] and not timings
+
+
+def test_under_torch_compile_a_dynamic_key_is_specialized_each_value_with_its_choice(timings, handed):
+    kernel = gemmtune.autotune(configs=blocks(16, 32), key=["n"])(plain_add_kernel)
+    timings.order = ["1", "0"]
+    x, y, out = operands(70)
+    kernel[grid(70)](x, y, out, 70)  # tuned: config 1; 90 is not
+    step = compiled_add(kernel, dynamic=True)
+    for n in (70, 90, 70):
+        x, y, out = operands(n)
+        assert torch.equal(step(x, y, out), (x + y) * 2)
+    assert handed == [[kernel.configs[1]], kernel.configs] and len(timings) == 1
+
+
+def test_the_choice_s_lookup_is_marked_as_torch_marks_a_constant_result():
+    """Dynamo runs a function so marked while tracing; gemmtune marks it without importing
+    torch._dynamo: this fails where torch's mark moves."""
+    marked = torch.compiler.assume_constant_result(lambda: None)
+    assert vars(marked) == {"_dynamo_marked_constant": True}
+    assert Autotuned._compiler_kernel._dynamo_marked_constant is True

@@ -28,8 +28,19 @@ is the migration, and adds what triton's lacks:
   default) tries every config, or the first ``budget``.
 
 After tuning, every tensor argument holds what it held before, and the call runs once with the
-chosen config. A store hit costs one key (the key arguments' values and the tensor arguments'
-dtypes) and a dict lookup before the launch. What differs from triton.autotune: configs that
+chosen config.
+
+Inside ``torch.compile`` the call is what the compiler takes from ``triton.autotune``: a Triton
+kernel with its configs, launched from the generated code without a graph break. When Dynamo
+traces a call, gemmtune looks its key up (in this process, then in the store) and hands the
+compiler a ``triton.autotune`` of the kernel over the one config it found, so the compiled code
+runs gemmtune's verified choice and times nothing. Where nothing is stored for the key it hands
+over every config, and the compiler tunes them as it would triton's (logged once per key); in
+lookup mode, the default config alone. A key argument that the compiler would make dynamic is
+specialized: a graph per key value, each with its choice.
+
+A store hit costs one key (the key arguments' values and the tensor arguments' dtypes) and a
+dict lookup before the launch. What differs from triton.autotune: configs that
 ``early_config_prune`` returns must be configs of the list (a choice is stored as its place in
 it); ``do_bench``, when given, replaces gemmtune's timing; later calls do not run
 ``reset_to_zero`` (as triton's do not).
@@ -41,6 +52,7 @@ import hashlib
 import inspect
 import json
 import logging
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -80,9 +92,19 @@ def autotune(configs: Sequence, key: Sequence[str], prune_configs_by: dict | Non
     return decorator
 
 
+def _traced_as_constant(method: Callable) -> Callable:
+    """``method`` marked as ``torch.compiler.assume_constant_result`` marks a function: Dynamo
+    calls it while tracing, with the traced values' constants, and keeps its result. Marked here
+    as that function does, since calling it would import torch._dynamo (1.1 s) with gemmtune;
+    tests/test_autotune.py checks that the mark is still the one it sets."""
+    method._dynamo_marked_constant = True
+    return method
+
+
 class Autotuned:
     """A Triton kernel under ``gemmtune.autotune``: ``kernel[grid](*args, **kwargs)`` as with
-    ``triton.autotune``; ``best_config`` is the config of the last call."""
+    ``triton.autotune``; ``best_config`` is the config of the last call, ``cache`` the config of
+    each key met in this process (triton.autotune's attributes)."""
 
     def __init__(self, fn, configs: Sequence, key: Sequence[str], *, prune_configs_by: dict | None,
                  reset_to_zero: Sequence[str] | None, restore_value: Sequence[str] | None,
@@ -118,8 +140,9 @@ class Autotuned:
         base = _base_function(fn)
         self.name, self.module = getattr(base, "__qualname__", "kernel"), getattr(base, "__module__", None)
         self.configs_hash = _digest(json.dumps([d.as_dict() for d in self.data], sort_keys=True))
-        self.chosen: dict[tuple, Any] = {}
+        self.cache: dict[tuple, Any] = {}
         self.best_config = None
+        self._for_compiler: list = []  # triton.autotune over each config, then over all (_compiler_kernel)
         self._source_hash: str | None = None
         self._lock = threading.Lock()
         self._said: set[tuple] = set()
@@ -133,7 +156,10 @@ class Autotuned:
         named = dict(zip(self.arg_names, args))
         named.update(kwargs)
         call_key = self._call_key(named)
-        config = self.chosen.get(call_key)
+        if torch.compiler.is_compiling():
+            index = self._compiler_kernel(_concrete(call_key))  # fills _for_compiler: read it after
+            return self._for_compiler[index][grid](*args, **kwargs)
+        config = self.cache.get(call_key)
         if config is None:
             config = self._resolve(call_key, args, kwargs, grid, named)
         self.best_config = config
@@ -149,7 +175,7 @@ class Autotuned:
 
     def _call_key(self, named: dict) -> tuple:
         values = tuple(_key_value(named.get(name)) for name in self.keys)
-        return values + tuple(str(v.dtype) for v in named.values() if hasattr(v, "dtype"))
+        return values + tuple(str(v.dtype) for v in named.values() if isinstance(v, torch.Tensor))
 
     def _store_key(self, call_key: tuple) -> str:
         if self._source_hash is None:
@@ -161,8 +187,8 @@ class Autotuned:
         """The config for a key first seen in this process: the store's, else tuned now (or the
         default, in lookup mode or inside a CUDA graph capture)."""
         with self._lock:
-            if call_key in self.chosen:
-                return self.chosen[call_key]
+            if call_key in self.cache:
+                return self.cache[call_key]
             key = self._store_key(call_key)
             device = current()
             with open_store() as store:  # a miss's: one connection, closed after
@@ -174,8 +200,48 @@ class Autotuned:
                     return self.default  # not kept: the next call outside the capture tunes it
                 if config is None:
                     config = self._missed(key, call_key, args, kwargs, grid, named, device, store)
-            self.chosen[call_key] = config
+            self.cache[call_key] = config
             return config
+
+    @_traced_as_constant
+    def _compiler_kernel(self, call_key: tuple) -> int:
+        """Which kernel of ``_for_compiler`` a call traced by Dynamo launches (run while tracing,
+        so nothing is timed here): a ``triton.autotune`` of the kernel over the config chosen for
+        ``call_key`` (this process's, else the store's), else the last, over every config, for the
+        compiler to tune; in lookup mode the default's. An index, not the kernel: Dynamo keeps a
+        constant result without a source to guard, and finds the kernel by its place in
+        ``_for_compiler``, which is filled once, so its guards hold."""
+        with self._lock:
+            config = self.cache.get(call_key)
+            if config is None:
+                with open_store() as store:
+                    config = self._stored(store.get(current().fingerprint(), self._store_key(call_key)))
+                if config is not None:
+                    self.cache[call_key] = config
+            if not self._for_compiler:
+                self._for_compiler = [*(self._as_triton_autotune([c]) for c in self.configs),
+                                      self._as_triton_autotune(self.configs)]
+        if config is None and (len(self.configs) == 1 or settings.mode() == "lookup"):
+            config = self.default  # the one config where there is one
+        if config is None:
+            self._say_once(("compile", call_key), "gemmtune.autotune: %s has no stored config for %s while "
+                           "torch.compile traces it, so the compiler tunes its %d configs; a call outside "
+                           "torch.compile first (or gemmtune tune --from) compiles gemmtune's choice", self.name,
+                           call_key, len(self.configs))
+        return len(self.configs) if config is None else self._index(config)
+
+    def _as_triton_autotune(self, configs: list):
+        """``triton.autotune`` of the kernel over ``configs``, with this decorator's other
+        arguments (the compiler refuses hooks, as it refuses triton.autotune's)."""
+        import triton
+
+        early, perf_model, top_k = self.prune
+        prune = {name: value for name, value in (("early_config_prune", early), ("perf_model", perf_model))
+                 if value is not None}
+        return triton.autotune(configs, key=list(self.keys), prune_configs_by=(prune and {**prune, "top_k": top_k})
+                               or None, reset_to_zero=list(self.reset_to_zero) or None,
+                               restore_value=list(self.restore_value) or None, pre_hook=self.pre_hook,
+                               post_hook=self.post_hook)(self.fn)
 
     def _stored(self, result) -> Any:
         """The stored choice's config, where the config at its place in the list has its values."""
@@ -321,6 +387,17 @@ class Autotuned:
             raise
         if self.post_hook is not None:
             self.post_hook(full, exception=None)
+
+
+def _concrete(value: Any) -> Any:
+    """A key as Dynamo traces it, its integers made constants: one that Dynamo holds as a symbol
+    (a dynamic shape; it reads as an int to the traced code) specializes the graph on its value,
+    as the key asks (a choice per value). The key itself outside Dynamo, and bools stay bools."""
+    if type(value) is int:
+        return operator.index(value)
+    if type(value) is tuple:
+        return tuple(_concrete(v) for v in value)
+    return value
 
 
 def _meta(config, kwargs: dict) -> dict:
