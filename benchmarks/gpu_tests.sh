@@ -31,7 +31,8 @@ for f in "$out"/*.txt; do
   [ "$(basename "$f")" = summary.txt ] && continue
   printf '%-36s %s\n' "$(basename "$f" .txt)" "$(tail -1 "$f")"
 done > "$out/summary.txt"
-echo "$(wc -l < "$out/summary.txt") test files, $(grep -c "failed\|error" "$out/summary.txt") with failures or errors"
+# "[0-9]+ failed", not "failed": an expected failure reads "1 xfailed"
+echo "$(wc -l < "$out/summary.txt") test files, $(grep -cE "[0-9]+ (failed|errors?)\b" "$out/summary.txt") with failures or errors"
 grep -h "^FAILED\|^ERROR" "$out"/*.txt
 # a file whose pytest never said how long it took was killed by the timeout, or crashed
 for f in "$out"/*.txt; do
