@@ -732,10 +732,9 @@ def kernel_kind(name: str) -> str:
     return next(kind for kind, marks in KERNEL_KINDS if any(m in name.lower() for m in marks))
 
 
-def kernel_times(call: Callable[[], object], calls: int = 5, top: int = 8) -> dict:
-    """Where ``call``'s GPU time goes: ms and kernels per call by kind of kernel (KERNEL_KINDS)
-    and its ``top`` costliest kernels, from torch.profiler over ``calls`` calls after one
-    unprofiled (what a host model of a compiled graph needs: its launches and their GPU time)."""
+def profiled(call: Callable[[], object], calls: int = 5) -> tuple[Counter, Counter]:
+    """GPU ms and launches per call of each kernel name ``call`` runs, from torch.profiler over
+    ``calls`` calls after one unprofiled."""
     from torch.profiler import ProfilerActivity, profile
 
     call()
@@ -750,6 +749,14 @@ def kernel_times(call: Callable[[], object], calls: int = 5, top: int = 8) -> di
         if event.device_type == torch.autograd.DeviceType.CUDA:
             per_kernel[event.name] += event.time_range.elapsed_us() / 1e3 / calls
             launches[event.name] += 1 / calls
+    return per_kernel, launches
+
+
+def kernel_times(call: Callable[[], object], calls: int = 5, top: int = 8) -> dict:
+    """Where ``call``'s GPU time goes: ms and kernels per call by kind of kernel (KERNEL_KINDS)
+    and its ``top`` costliest kernels (what a host model of a compiled graph needs: its launches
+    and their GPU time)."""
+    per_kernel, launches = profiled(call, calls)
     kinds: Counter = Counter()
     for name, ms in per_kernel.items():
         kinds[kernel_kind(name)] += ms

@@ -2,35 +2,18 @@
 
 A model of the zoo (``benchmarks/models.py``; BERT-base by default, without gemmtune) at its first
 inference case: its eager forward (calls queued) and its CUDA graph's replays timed in alternated
-rounds, then each profiled (``models.kernel_times``: GPU ms per call by kind of kernel and the
-costliest kernels), and the kernels whose time per call differs most between the two ways.
+rounds, then each profiled (``models.profiled``: GPU ms per call of each kernel), and the kernels
+whose time per call differs most between the two ways.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/probes/graph_vs_eager.py OUT.json [--model bert-base]
 """
 import argparse
 import json
 import statistics
-from collections import Counter
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import models
-
-
-def per_kernel_ms(call, calls: int = 5) -> Counter:
-    """GPU ms per call of each kernel name (torch.profiler, after one unprofiled call)."""
-    call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-    out: Counter = Counter()
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            out[event.name[:140]] += event.time_range.elapsed_us() / 1e3 / calls
-    return out
 
 
 def main() -> None:
@@ -51,7 +34,7 @@ def main() -> None:
         for i in range(args.rounds):
             for way in (("eager", "graph") if i % 2 else ("graph", "eager")):
                 rounds[way].append(models.loop_ms(eager if way == "eager" else replay, 20, "cuda"))
-        kernels = {"eager": per_kernel_ms(eager), "graph": per_kernel_ms(replay)}
+        kernels = {"eager": models.profiled(eager)[0], "graph": models.profiled(replay)[0]}
     names = set(kernels["eager"]) | set(kernels["graph"])
     moved = sorted(names, key=lambda n: -abs(kernels["graph"][n] - kernels["eager"][n]))[:15]
     doc = {"model": case.label(), "device": torch.cuda.get_device_name(),
@@ -59,7 +42,7 @@ def main() -> None:
            "rounds": rounds,
            "gpu_ms": {way: sum(k.values()) for way, k in kernels.items()},
            "kernels": {way: len(k) for way, k in kernels.items()},
-           "moved": [{"kernel": n, "eager_ms": kernels["eager"][n], "graph_ms": kernels["graph"][n]} for n in moved]}
+           "moved": [{"kernel": n[:140], "eager_ms": kernels["eager"][n], "graph_ms": kernels["graph"][n]} for n in moved]}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
     print(json.dumps({k: v for k, v in doc.items() if k != "rounds"}, indent=1))
