@@ -284,7 +284,6 @@ def main(argv=None) -> int:
             row |= first_calls(name, args.tiny)
             if args.compiled and DEVICE == "cuda":
                 row["compiled"] = compiled(CASES[name](args.tiny), args.round_ms)
-                print(f"{name:10s} compiled: {row['compiled']}", file=sys.stderr)
             doc["rows"].append(row)
             print(f"{name:10s} x{row['speedup']:.3f} (triton {row['triton_ms']:.4f} / gemmtune {row['gemmtune_ms']:.4f} ms)"
                   f"  first call warm x{row['first_call_speedup_warm']:.1f}  host x{row['host_ratio']:.2f}",

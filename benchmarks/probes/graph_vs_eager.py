@@ -3,7 +3,7 @@
 A model of the zoo (``benchmarks/models.py``; BERT-base by default, without gemmtune) at its first
 inference case: its eager forward (calls queued) and its CUDA graph's replays timed in alternated
 rounds, then each profiled (``models.profiled``: GPU ms per call of each kernel), and the kernels
-whose time per call differs most between the two ways.
+whose time per call differs most between the two ways, written to OUT.json.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/probes/graph_vs_eager.py OUT.json [--model bert-base]
 """
@@ -45,7 +45,6 @@ def main() -> None:
            "moved": [{"kernel": n[:140], "eager_ms": kernels["eager"][n], "graph_ms": kernels["graph"][n]} for n in moved]}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
-    print(json.dumps({k: v for k, v in doc.items() if k != "rounds"}, indent=1))
 
 
 if __name__ == "__main__":

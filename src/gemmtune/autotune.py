@@ -121,6 +121,7 @@ class Autotuned:
         self.restore_value = _names("restore_value", restore_value or (), self.arg_names)
         self.outputs = _names("outputs", outputs or (), self.arg_names)
         self.prune = _prune_options(prune_configs_by)
+        self.prune_configs_by = prune_configs_by  # as given: what the compiler is handed (_as_triton_autotune)
         self.pre_hook, self.post_hook = pre_hook, post_hook
         self.reference, self.do_bench = reference, do_bench
         self.budget_ms = float(rep) if rep else autotuner.BUDGET_MS
@@ -235,11 +236,8 @@ class Autotuned:
         arguments (the compiler refuses hooks, as it refuses triton.autotune's)."""
         import triton
 
-        early, perf_model, top_k = self.prune
-        prune = {name: value for name, value in (("early_config_prune", early), ("perf_model", perf_model))
-                 if value is not None}
-        return triton.autotune(configs, key=list(self.keys), prune_configs_by=(prune and {**prune, "top_k": top_k})
-                               or None, reset_to_zero=list(self.reset_to_zero) or None,
+        return triton.autotune(configs, key=list(self.keys), prune_configs_by=self.prune_configs_by,
+                               reset_to_zero=list(self.reset_to_zero) or None,
                                restore_value=list(self.restore_value) or None, pre_hook=self.pre_hook,
                                post_hook=self.post_hook)(self.fn)
 
