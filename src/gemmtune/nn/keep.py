@@ -84,6 +84,14 @@ class Form:
             parent, name, _ = self.fused
             parent._modules[name] = self.identity
 
+    def to_eager(self) -> None:
+        """The form its eager calls take once settled: torch's for a layer kept for graphs alone
+        (``gemmtune.nn.capture``: it rests in torch's form), else gemmtune's."""
+        if self.graph_only:
+            self.to_torch()
+        else:
+            self.to_gemmtune()
+
     def release(self) -> None:
         """Back to torch for good: the layer is the ``nn.Linear`` it was, its fused activation in
         its place, nothing of gemmtune's left on it."""
@@ -225,22 +233,24 @@ class Speedup(NamedTuple):
 
 
 def speedup(run: Callable[[], object], forms: list[Form], *, budget_ms: float = CHECK_BUDGET_MS) -> Speedup:
-    """The run with every layer in its torch form against the layers as gemmtune has them,
-    timed in alternated rounds of queued calls; the layers are left in gemmtune's form."""
+    """The run with every layer in its torch form against the layers in the form their eager
+    calls take (``Form.to_eager``), timed in alternated rounds of queued calls; the layers are
+    left in gemmtune's form."""
 
     def to_torch() -> None:
         for form in forms:
             form.to_torch()
 
-    def to_gemmtune() -> None:
+    def to_eager() -> None:
         for form in forms:
-            form.to_gemmtune()
+            form.to_eager()
 
     try:
         timings = measure.loops({"gemmtune": run, "torch": run}, current(), budget_ms=budget_ms,
-                                enter={"gemmtune": to_gemmtune, "torch": to_torch})
+                                enter={"gemmtune": to_eager, "torch": to_torch})
     finally:
-        to_gemmtune()
+        for form in forms:
+            form.to_gemmtune()
     return Speedup.of(timings)
 
 
