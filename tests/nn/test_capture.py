@@ -21,20 +21,32 @@ def mlp():
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.SiLU(), nn.Linear(32, 8))
 
 
+@pytest.fixture(autouse=True)
+def _one_call_rests(monkeypatch):
+    """A resting layer called once in a model's call rests (the hooks' cost is not the subject)."""
+    monkeypatch.setattr(capture, "REST_FROM", 1)
+
+
+def called_by(model: nn.Module, *inputs: torch.Tensor) -> capture.Called:
+    with capture.calls() as called:
+        model(*inputs)
+    return called
+
+
 def resting_mlp():
     """``mlp`` optimized, its first layer (GELU fused) kept for CUDA graphs alone, the others
     gemmtune's in both modes."""
     model = gemmtune.optimize(mlp())
     first = keep.Form(model[0])
     first.graph_only, model[0].torch_when_capturing = True, False
-    capture.rest([first, keep.Form(model[2]), keep.Form(model[4])], [model])
+    capture.rest([first, keep.Form(model[2]), keep.Form(model[4])], called_by(model, torch.randn(2, 16)))
     return model
 
 
 @pytest.fixture
 def capturing(monkeypatch):
     """``set(True)``: every capture test (the hook's, the layers') answers that a CUDA graph is
-    being captured; every gemmtune linear call is recorded (its layer's class at the call) and
+    being captured; every gemmtune linear call from then on is recorded (its activation) and
     computed by torch."""
     calls = []
 
@@ -44,6 +56,7 @@ def capturing(monkeypatch):
         return out if activation is None else gemmtune.activation.apply(out, activation, inplace=False)
 
     def set_to(value: bool) -> None:
+        calls.clear()
         monkeypatch.setattr(keep, "capturing", lambda: value)
         monkeypatch.setattr(gnn, "_capturing", lambda: value)
 
@@ -52,13 +65,33 @@ def capturing(monkeypatch):
     return set_to
 
 
-def test_the_outermost_modules_are_those_no_other_call_contains():
+def test_the_roots_are_the_modules_no_other_call_contains_and_each_module_s_calls_are_counted():
     model, other = mlp(), nn.Linear(8, 4)
-    with capture.outermost() as roots:
+    with capture.calls() as called:
         model(torch.randn(2, 16))
         other(model[4](torch.randn(2, 32)))
         model(torch.randn(2, 16))
-    assert roots == [model, model[4], other]
+    assert called.roots == [model, model[4], other]
+    assert called.root_calls == 4 and called.calls[model] == 2 and called.calls[model[4]] == 3
+    assert called.per_root_call([model[0], model[2]]) == 4 / 4
+
+
+class Thrice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.layer(self.layer(self.layer(x)))
+
+
+@pytest.mark.parametrize("rest_from, rests", [(3, True), (4, False)])
+def test_layers_rest_only_where_the_model_s_call_makes_enough_calls_of_them(monkeypatch, rest_from, rests):
+    monkeypatch.setattr(capture, "REST_FROM", rest_from)
+    model = gemmtune.optimize(Thrice())
+    model.layer.torch_when_capturing = False
+    capture.rest([keep.Form(model.layer)], called_by(model, torch.randn(2, 8)))
+    assert (type(model.layer) is nn.Linear) == rests and bool(model._forward_pre_hooks) == rests
 
 
 def test_a_layer_kept_for_graphs_alone_rests_in_its_torch_form_and_eager_calls_are_torch_s(capturing):
@@ -83,7 +116,7 @@ def test_while_a_graph_is_captured_the_resting_layer_runs_gemmtune_s_forward_and
     assert type(model[0]) is nn.Linear and type(model[1]) is nn.GELU
     capturing(False)
     model(x)
-    assert seen[-1] == (nn.Linear, nn.GELU) and len(capturing.calls) == 5
+    assert seen[-1] == (nn.Linear, nn.GELU) and capturing.calls == ["silu", None]
 
 
 def test_a_capture_that_fails_leaves_the_layer_at_rest(capturing, monkeypatch):
@@ -182,7 +215,7 @@ def test_on_the_gpu_a_cuda_graph_of_the_model_replays_gemmtune_s_kernels_for_a_r
     gemmtune.optimize(model, (x,), check=False)  # every layer's kernel tuned and built before the capture
     first = keep.Form(model[0])
     first.graph_only, model[0].torch_when_capturing = True, False
-    capture.rest([first], [model])
+    capture.rest([first], called_by(model, x))
     calls = []
     linear = gnn.api.linear
     monkeypatch.setattr(gnn.api, "linear", lambda *args: calls.append(args[3]) or linear(*args))

@@ -9,8 +9,9 @@ stay; only its class becomes ``gemmtune.nn.Linear`` (an ``nn.Linear`` whose forw
 (``gemmtune.nn.joined``): their class becomes ``JoinedLinear``, and their parameters stay, as views
 of the joined weight. A layer whose K or N leaves cuBLAS's fast path (``gemmtune.nn.padded``) keeps
 its weight zero-padded to aligned sizes: its class becomes ``AlignedLinear``, and its parameters
-stay, as views of the padded buffers. A layer kept for CUDA graphs alone waits in the class it
-was, and the model's hooks put it in gemmtune's while a graph is captured (``gemmtune.nn.capture``).
+stay, as views of the padded buffers. Layers kept for CUDA graphs alone wait in the class they
+were where the model calls enough of them, and the model's hooks put them in gemmtune's while a
+graph is captured (``gemmtune.nn.capture``).
 """
 
 from __future__ import annotations
@@ -314,7 +315,7 @@ def tune_calls(run: Callable[[], object], *, options: TuneOptions | None = None,
     started = time.perf_counter()
     watch = sibling_layers.watching(Linear) if siblings else contextlib.nullcontext([])
     with recording.record() as seen, DISPATCHER.deferring(), torch.no_grad(), watch as calls, \
-            keep.problems_per_layer(LAYERS) as per_layer, capture.outermost() as roots:
+            keep.problems_per_layer(LAYERS) as per_layer, capture.calls() as called:
         run()
     joined = sibling_layers.groups(calls)
     for group in joined:
@@ -338,7 +339,7 @@ def tune_calls(run: Callable[[], object], *, options: TuneOptions | None = None,
     results = api.tune(problems, options=options)  # which drops the kernels built before it
     if check:
         _keep_what_pays(run, per_layer, results, calls=sum(seen.counts.values()), started=started, step=step,
-                        roots=roots)
+                        called=called)
     return results
 
 
@@ -361,15 +362,16 @@ def _train_speedup(step: Callable[[], bool], kept: list) -> keep.Speedup | None:
 
 
 def _keep_what_pays(run: Callable[[], object], per_layer: dict, results: list, *, calls: int,
-                    started: float, step: Callable[[], bool] | None = None, roots: Sequence[nn.Module] = ()) -> None:
+                    started: float, called: capture.Called, step: Callable[[], bool] | None = None) -> None:
     """The layers the run called that were tuned to cuBLAS alone go back to torch, but for those
     whose CUDA graphs would replay a faster kernel, kept for graphs alone (``keep.served``); the
     rest are timed with the run in eager and captured as a CUDA graph (``gemmtune.nn.keep``) and
     kept where either measures faster with them: where both do, in both; where only one does,
     torch's forward serves the other mode (``torch_when_capturing``); where neither does, every
     layer goes back to torch (``keep.settle``). A layer whose eager calls run torch's forward
-    waits in its torch form, and a hook on ``roots`` (the run's outermost modules) puts it in
-    gemmtune's while a CUDA graph is captured (``gemmtune.nn.capture``). An eager verdict times host work, whose noise on
+    waits in its torch form, and hooks on the run's outermost modules (``called.roots``) put it
+    in gemmtune's while a CUDA graph is captured, where that saves more than the hooks cost
+    (``gemmtune.nn.capture``). An eager verdict times host work, whose noise on
     a busy host hid graph gains measured to 0.1% (the seeds' float32 MLP, 1.07x as a graph, was
     handed back whole). With a
     training ``step`` (optimize of a model in training mode), layers kept so stay only if the step
@@ -389,7 +391,7 @@ def _keep_what_pays(run: Callable[[], object], per_layer: dict, results: list, *
             if train is not None:
                 verdict, kept_any = keep.decide_training(verdict, train)
         kept = keep.settle(kept, kept_any, torch_when_capturing)
-        capture.rest(kept, roots)
+        capture.rest(kept, called)
     log.info("gemmtune.optimize: %d GEMM calls seen in %d layers, %d layers served by gemmtune, %d left to torch; "
              "%s; setup %.1f s", calls, len(forms), len(kept), len(forms) - len(kept), verdict,
              time.perf_counter() - started)

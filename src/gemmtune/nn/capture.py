@@ -9,6 +9,12 @@ One hook on each of the run's outermost modules (the model ``optimize`` was give
 in gemmtune's form for a call made while the current stream is captured into a CUDA graph, and
 back after it: the graph replays gemmtune's kernels. A capture that starts below those modules (a
 graph of one block alone) captures torch's forward, as the model without gemmtune would.
+
+The hooks cost each call of the model too: a module with hooks takes torch's longer call path,
+2.3-2.8 us of host time on an H200's host and 4-6.5 us on a CPU host, where the checks cost
+0.23-0.56 and 0.47-0.49 us a layer call (``benchmarks/probes/capture_hook.py``,
+``capture-hook-h200-20261129.json``). So the layers rest only where the model's call makes at
+least ``REST_FROM`` calls of them; else each checks the mode itself (the seeds' two-layer MLP).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from collections.abc import Iterator, Sequence
 from torch import nn
 
 from gemmtune.nn import keep
+
+REST_FROM = 12  # resting layers' calls per call of the model, the least at which they rest (the hooks' cost in checks)
 
 
 def at_rest(module: nn.Module) -> bool:
@@ -51,32 +59,50 @@ class Capture:
                     form.to_torch()
 
 
-def rest(forms: Sequence[keep.Form], roots: Sequence[nn.Module]) -> None:
-    """Put each of ``forms`` whose eager calls run torch's forward in its torch form, and hook
-    ``roots`` (the run's outermost modules) to put them in gemmtune's while a CUDA graph is
-    captured. Without roots (a run that called no module) the layers stay as they are, each
-    forward checking the mode itself."""
+class Called:
+    """The module calls of a run: ``roots``, the modules called where no other module's call
+    contains the call, in the order first called so; ``root_calls``, how many such calls;
+    ``calls``, each module's number of calls."""
+
+    def __init__(self) -> None:
+        self.roots: list[nn.Module] = []
+        self.root_calls = 0
+        self.calls: dict[nn.Module, int] = {}
+
+    def per_root_call(self, modules: Sequence[nn.Module]) -> float:
+        """How many calls of ``modules`` each call of a root made, on average."""
+        return sum(self.calls.get(module, 0) for module in modules) / self.root_calls if self.root_calls else 0.0
+
+
+def rest(forms: Sequence[keep.Form], called: Called) -> None:
+    """Put each of ``forms`` whose eager calls run torch's forward in its torch form, and hook the
+    run's outermost modules (``called.roots``) to put them in gemmtune's while a CUDA graph is
+    captured, where the model's call makes at least ``REST_FROM`` calls of them; else (and without
+    roots: a run that called no module) the layers stay as they are, each forward checking the
+    mode itself."""
     resting = [form for form in forms if form.layer.torch_when_capturing is False]
-    if not resting or not roots:
+    if not resting or called.per_root_call([form.layer for form in resting]) < REST_FROM:
         return
     hooks = Capture(resting)
     for form in resting:
         form.to_torch()
-    for root in roots:
+    for root in called.roots:
         root.register_forward_pre_hook(hooks.enter)
         root.register_forward_hook(hooks.leave, always_call=True)
 
 
 @contextlib.contextmanager
-def outermost() -> Iterator[list[nn.Module]]:
-    """The modules called while the block runs that no other module's call contains, in the order
-    first called."""
-    roots: list[nn.Module] = []
+def calls() -> Iterator[Called]:
+    """The module calls made while the block runs (``Called``)."""
+    called = Called()
     depth = [0]
 
     def before(module: nn.Module, args: tuple) -> None:
-        if not depth[0] and all(module is not root for root in roots):
-            roots.append(module)
+        if not depth[0]:
+            called.root_calls += 1
+            if all(module is not root for root in called.roots):
+                called.roots.append(module)
+        called.calls[module] = called.calls.get(module, 0) + 1
         depth[0] += 1
 
     def after(module: nn.Module, args: tuple, output: object) -> None:
@@ -85,7 +111,7 @@ def outermost() -> Iterator[list[nn.Module]]:
     pre = nn.modules.module.register_module_forward_pre_hook(before)
     post = nn.modules.module.register_module_forward_hook(after, always_call=True)
     try:
-        yield roots
+        yield called
     finally:
         pre.remove()
         post.remove()
