@@ -63,7 +63,8 @@ def rounds_of(sides: dict, rounds: int, calls: int) -> dict:
 
 def against(times: dict, base: str = "base") -> dict:
     """Each side's ratio to ``base`` (median of per-round ratios, spread), and rest over check."""
-    out = {name: dict(zip(("ratio", "spread"), models.ratio_of(times[base], t))) for name, t in times.items() if name != base}
+    out = {name: dict(zip(("ratio", "spread"), models.ratio_of(times[base], t)))
+           for name, t in times.items() if name != base}
     if "rest" in times and "check" in times:
         out["rest_over_check"] = dict(zip(("ratio", "spread"), models.ratio_of(times["check"], times["rest"])))
     return out
@@ -84,7 +85,8 @@ def probe_case(case, entry, rounds: int) -> dict:
                  "rest": models.step_of(case, tuned, tuned, kwargs),
                  "check": models.step_of(case, check, check, case.kwargs(check, shared))}
         reference = models.first_tensor(steps["base"]()).float()
-        errors = {name: models.rel_err(models.first_tensor(steps[name]()).float(), reference) for name in ("rest", "check")}
+        errors = {name: models.rel_err(models.first_tensor(steps[name]()).float(), reference)
+                  for name in ("rest", "check")}
         per_call = min(models.loop_ms(steps["base"], 1, "cuda") for _ in range(3))
         calls = max(1, min(500, round(100.0 / per_call)))
         eager = rounds_of(steps, rounds, calls)

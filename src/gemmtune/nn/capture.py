@@ -11,8 +11,8 @@ back after it: the graph replays gemmtune's kernels. A capture that starts below
 graph of one block alone) captures torch's forward, as the model without gemmtune would.
 
 The hooks cost each call of the model too: a module with hooks takes torch's longer call path,
-2.3-2.8 us of host time on an H200's host and 4-6.5 us on a CPU host, where the checks cost
-0.23-0.56 and 0.47-0.49 us a layer call (``benchmarks/probes/capture_hook.py``,
+2.5-7 us of host time on an H200's host and 4-6.5 us on a CPU host, where the checks cost
+0.75-0.82 and 0.47-0.49 us a layer call (``benchmarks/probes/capture_hook.py``,
 ``capture-hook-h200-20261129.json``). So the layers rest only where the model's call makes at
 least ``REST_FROM`` calls of them; else each checks the mode itself (the seeds' two-layer MLP).
 """
@@ -26,7 +26,8 @@ from torch import nn
 
 from gemmtune.nn import keep
 
-REST_FROM = 12  # resting layers' calls per call of the model, the least at which they rest (the hooks' cost in checks)
+# resting layers' calls per call of the model, the least at which they rest: the hooks' cost in checks, and a margin
+REST_FROM = 12
 
 
 def at_rest(module: nn.Module) -> bool:
