@@ -457,6 +457,15 @@ def entry_of(name: str) -> Entry:
     return MODELS[name] if name in MODELS else named_entry(name)
 
 
+def inference_cases(names: str) -> Iterator[tuple[Case, Entry]]:
+    """Each inference case of the comma-separated model ``names``, with its entry (the probes' loop)."""
+    for name in names.split(","):
+        entry = entry_of(name)
+        for case in entry.cases(name, False):
+            if case.phase == "inference":
+                yield case, entry
+
+
 # --------------------------------------------------------------------------------------------
 # Running one side one way
 

@@ -96,13 +96,10 @@ def main() -> None:
     parser.add_argument("--models", default="bert-base,whisper-tiny-encoder")
     args = parser.parse_args()
     rows = []
-    for name in args.models.split(","):
-        entry = models.entry_of(name)
-        for case in entry.cases(name, False):
-            if case.phase == "inference":
-                rows.append(probe_case(case, entry))
-                with open(args.out, "w") as f:
-                    json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    for case, entry in models.inference_cases(args.models):
+        rows.append(probe_case(case, entry))
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
