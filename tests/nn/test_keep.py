@@ -254,6 +254,7 @@ def test_optimize_of_a_training_model_times_a_train_step_and_keeps_the_layers_on
         return S(1.05, 0.01) if len(timed) == 1 else train
 
     monkeypatch.setattr(keep, "on_a_gpu", lambda forms: True)
+    monkeypatch.setattr(keep, "host_bound", lambda run, forms: False)  # the GPU paces it: no lean kernels tried
     monkeypatch.setattr(keep, "speedup", speedup)
     monkeypatch.setattr(keep, "graph_speedup", lambda run, forms, **_: None)
     model = mlp().train()
@@ -273,6 +274,7 @@ def test_a_model_in_eval_mode_or_without_gradients_times_no_train_step(fake_tuni
     fake_tuning(lambda p: "triton_tiled")
     timed = []
     monkeypatch.setattr(keep, "on_a_gpu", lambda forms: True)
+    monkeypatch.setattr(keep, "host_bound", lambda run, forms: False)  # the GPU paces it: no lean kernels tried
     monkeypatch.setattr(keep, "speedup", lambda run, forms, **_: timed.append(1) or S(1.05, 0.01))
     monkeypatch.setattr(keep, "graph_speedup", lambda run, forms, **_: None)
     gemmtune.optimize(mlp().eval(), (torch.randn(4, 16),))
@@ -294,6 +296,7 @@ def test_a_train_step_that_fails_leaves_the_forward_s_verdict_with_a_warning(fak
         return S(1.05, 0.01)
 
     monkeypatch.setattr(keep, "on_a_gpu", lambda forms: True)
+    monkeypatch.setattr(keep, "host_bound", lambda run, forms: False)  # the GPU paces it: no lean kernels tried
     monkeypatch.setattr(keep, "speedup", speedup)
     monkeypatch.setattr(keep, "graph_speedup", lambda run, forms, **_: None)
     model = mlp().train()
@@ -301,3 +304,101 @@ def test_a_train_step_that_fails_leaves_the_forward_s_verdict_with_a_warning(fak
         gemmtune.optimize(model, (torch.randn(4, 16),))
     assert type(model[0]) is gnn.Linear and len(calls) == 2
     assert "a train step on the example failed (OutOfMemoryError" in caplog.text
+
+
+@pytest.fixture
+def lean_calls(monkeypatch):
+    """The dispatcher's lean serving recorded, not done: ('serve', problems) and ('drop', problems)."""
+    from gemmtune.serving.dispatch import DISPATCHER
+
+    calls = []
+    monkeypatch.setattr(DISPATCHER, "serve_lean", lambda picks, index: calls.append(("serve", set(picks))))
+    monkeypatch.setattr(DISPATCHER, "drop_lean", lambda problems, index: calls.append(("drop", set(problems))))
+    monkeypatch.setattr(keep, "on_a_gpu", lambda forms: True)
+    monkeypatch.setattr(keep, "device_index", lambda forms: 0)
+    return calls
+
+
+@pytest.mark.parametrize("bound, picked, eager, served", [
+    (False, True, S(1.2, 0.01), False),  # the GPU paces the run: nothing tried
+    (True, False, S(1.2, 0.01), False),  # no GEMM has a lean kernel
+    (True, True, S(1.0, 0.02), False),   # tried, and not faster beyond the noise: dropped
+    (True, True, S(1.15, 0.03), True),
+])
+def test_lean_kernels_serve_a_host_bound_run_s_eager_calls_only_where_it_measures_faster(
+        lean_calls, monkeypatch, bound, picked, eager, served):
+    model = gemmtune.optimize(mlp())
+    forms = [keep.Form(model[0]), keep.Form(model[2])]
+    problem = Problem(4, 32, 16, "float32", "linear", True, False, "gelu")
+    picks = {problem: object()} if picked else {}
+    monkeypatch.setattr(keep, "host_bound", lambda run, forms: bound)
+    monkeypatch.setattr(keep, "lean_picks", lambda layer_problems, results: picks)
+    timed = []
+    monkeypatch.setattr(keep, "speedup", lambda run, forms: timed.append(list(forms)) or eager)
+    found = keep.lean(lambda: None, forms, {}, {})
+    assert (found is not None) == served
+    tried = bound and picked
+    assert timed == ([forms] if tried else [])
+    dropped = [("drop", {problem})] if tried and not served else []
+    assert lean_calls == ([("serve", {problem})] if tried else []) + dropped
+    if served:
+        assert found.eager == eager and "eager calls of 1 GEMMs on Triton kernels" in str(found)
+
+
+def test_lean_picks_ask_the_dispatcher_per_gemm_and_leave_fp8_products_alone(monkeypatch):
+    from gemmtune.serving.dispatch import DISPATCHER
+
+    plain, scaled = Problem(4, 32, 16), Problem(16, 32, 64, "float8_e4m3fn", "linear", scaling="tensor",
+                                                  out_dtype="bfloat16")
+    results = {p.key(): result(p, "cublas") for p in (plain, scaled)}
+    asked = []
+    monkeypatch.setattr(DISPATCHER, "lean_pick", lambda problem, device, chosen: asked.append(problem) or "pick")
+    picks = keep.lean_picks({"a": {plain.key()}, "b": {plain.key(), scaled.key(), Problem(2, 2, 2).key()}}, results)
+    assert picks == {plain: "pick"} and asked == [plain]
+
+
+@pytest.mark.parametrize("train, kept", [(None, True), (S(0.9, 0.01), False)])
+def test_where_lean_kernels_serve_the_run_every_layer_stays_for_the_check_s_verdict(
+        fake_tuning, lean_calls, monkeypatch, caplog, train, kept):
+    """Every GEMM tuned to cuBLAS, which alone would send each layer back to torch; the first
+    layer's GEMM has a lean kernel serving its eager calls: that layer stays, and goes back (the
+    kernel dropped) only where the check's verdict says so; the others go back."""
+    fake_tuning(lambda p: "cublas")
+    first = Problem(4, 32, 16, "float32", "linear", True, False, "gelu")
+    lean = keep.Lean({first: None}, 0, S(1.15, 0.02))
+    monkeypatch.setattr(keep, "lean", lambda run, forms, layer_problems, results: lean)
+    monkeypatch.setattr(keep, "speedup", lambda run, forms, **_: pytest.fail("eager timed twice"))
+    monkeypatch.setattr(keep, "graph_speedup", lambda run, forms, **_: S(1.0, 0.001))
+    model = mlp()
+    if train is not None:
+        model.train()
+        monkeypatch.setattr(gnn, "_train_speedup", lambda step, forms: train)
+    else:
+        model.eval()
+    with caplog.at_level("INFO", logger="gemmtune"):
+        gemmtune.optimize(model, (torch.randn(4, 16),))
+    assert (type(model[0]) is gnn.Linear) == kept and type(model[4]) is nn.Linear and type(model[2]) is nn.Linear
+    assert "the eager calls of 1 GEMMs on Triton kernels" in caplog.text and "eager 1.15x +-0.02" in caplog.text
+    assert lean_calls == ([] if kept else [("drop", {first})])
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_run_of_tiny_layers_is_host_bound_and_one_large_gemm_is_not():
+    tiny = gemmtune.optimize(nn.Sequential(*[nn.Linear(8, 8) for _ in range(50)]).cuda())
+    large = gemmtune.optimize(nn.Sequential(nn.Linear(8192, 8192)).to("cuda", torch.bfloat16))
+    x, y = torch.randn(4, 8, device="cuda"), torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert keep.host_bound(lambda: tiny(x), [keep.Form(layer) for layer in tiny])
+        assert not keep.host_bound(lambda: large(y), [keep.Form(large[0])])
+    assert all(type(layer) is gnn.Linear for layer in tiny)  # left in gemmtune's form
+
+
+def test_a_layer_whose_gemm_runs_a_lean_kernel_in_eager_counts_as_served():
+    model = gemmtune.optimize(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8)))
+    first, second = Problem(4, 32, 16, bias=True), Problem(4, 8, 32, bias=True)
+    problems = {model[0]: {first.key()}, model[1]: {second.key()}}
+    results = {p.key(): result(p, "cublas") for p in (first, second)}
+    forms = [keep.Form(model[0]), keep.Form(model[1])]
+    kept = keep.served(forms, problems, results, keep.Lean({first: None}, 0, S(1.1, 0.01)))
+    assert kept == forms[:1] and not forms[0].graph_only and model[0].torch_when_capturing is None
+    assert type(model[0]) is gnn.Linear and type(model[1]) is nn.Linear

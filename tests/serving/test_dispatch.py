@@ -364,3 +364,45 @@ def test_where_no_kernel_is_faster_for_graphs_the_choice_alone_is_served(store, 
     store.put(with_trials(stored(PROBLEM, "cublas", {}), 0.0299))
     kernel = Dispatcher(store).kernel(DispatchKey.of(PROBLEM))
     assert not isinstance(kernel, ByMode) and built == [(PROBLEM, "cublas", {})]
+
+
+# ----- eager calls on a lean kernel -------------------------------------------------------------
+
+def test_served_lean_eager_calls_run_the_picked_kernel_and_graphs_what_they_ran_before(store, built, no_tuning):
+    """A host-bound model measured faster with the tiled kernel in eager calls: they run it, a CUDA
+    graph captures the choice's kernel (cuBLAS), the pick survives dropping built kernels, and
+    dropping the pick serves the choice alone again."""
+    from gemmtune.serving.modes import ByMode
+
+    store.put(with_trials(stored(PROBLEM, "cublas", {}), 0.0299))
+    dispatcher = Dispatcher(store)
+    key = DispatchKey.of(PROBLEM, None)
+    plain = dispatcher.kernel(key)
+    pick = dispatcher.lean_pick(PROBLEM, current(), "cublas")
+    assert (pick.backend, pick.config) == ("triton_tiled", TILED)
+    dispatcher.front[("a front key",)] = plain
+    dispatcher.serve_lean({PROBLEM: pick}, None)
+    assert dispatcher.front == {} and key not in dispatcher.kernels
+    kernel = dispatcher.kernel(key)
+    assert isinstance(kernel, ByMode) and built[-1] == (PROBLEM, "triton_tiled", TILED)
+    assert type(kernel.graph) is type(plain)
+    dispatcher.forget()
+    assert isinstance(dispatcher.kernel(key), ByMode)
+    dispatcher.drop_lean([PROBLEM], None)
+    assert not isinstance(dispatcher.kernel(key), ByMode) and dispatcher.lean == {}
+
+
+def test_a_lean_kernel_s_graph_side_is_the_graph_kernel_of_a_pair(store, built, no_tuning):
+    """Where cuBLAS is paired with a faster kernel for graphs, the lean pick takes the eager side
+    and the graphs keep that faster kernel: no pair inside a pair."""
+    from gemmtune.serving.modes import ByMode
+
+    store.put(with_trials(stored(PROBLEM, "cublas", {}), 0.027))
+    dispatcher = Dispatcher(store)
+    key = DispatchKey.of(PROBLEM, None)
+    paired = dispatcher.kernel(key)
+    assert isinstance(paired, ByMode)
+    dispatcher.serve_lean({PROBLEM: dispatcher.lean_pick(PROBLEM, current(), "cublas")}, None)
+    kernel = dispatcher.kernel(key)
+    assert isinstance(kernel, ByMode) and not isinstance(kernel.graph, ByMode)
+    assert type(kernel.graph) is type(paired.graph)

@@ -377,19 +377,29 @@ def _keep_what_pays(run: Callable[[], object], per_layer: dict, results: list, *
     training ``step`` (optimize of a model in training mode), layers kept so stay only if the step
     pays too: a call that needs a gradient runs gemmtune's forward through autograd and its
     activation unfused, which cost a ViT-B/16 train step with every layer gemmtune's 1.09x torch's
-    time on an H100 (docs/python.md, training). One log line."""
+    time on an H100 (docs/python.md, training). Before all this, where the run is paced by its host,
+    its GEMMs' eager calls are tried on the kernels whose launches cost the host least, and where
+    the run measures faster so, they serve them, and the layers whose calls they serve count as
+    served (``keep.lean``). One log line."""
     forms = [keep.Form(layer) for layer in per_layer]
-    kept = keep.served(forms, per_layer, {r.problem_key: r for r in results})
+    by_key = {r.problem_key: r for r in results}
+    with torch.no_grad():
+        lean = keep.lean(run, forms, per_layer, by_key)
+    kept = keep.served(forms, per_layer, by_key, lean)
     verdict = "nothing to time"
     if kept and keep.on_a_gpu(kept):
         with torch.no_grad():
-            eager = keep.speedup(run, kept)
+            eager = keep.speedup(run, kept) if lean is None else lean.eager
             graph = keep.graph_speedup(run, kept)
         verdict, kept_any, torch_when_capturing = keep.decide(eager, graph)
         if kept_any and step is not None:
             train = _train_speedup(step, kept)
             if train is not None:
                 verdict, kept_any = keep.decide_training(verdict, train)
+        if lean is not None:
+            verdict = f"{lean}; {verdict}"
+            if not kept_any:
+                lean.drop()
         kept = keep.settle(kept, kept_any, torch_when_capturing)
         capture.rest(kept, called)
     log.info("gemmtune.optimize: %d GEMM calls seen in %d layers, %d layers served by gemmtune, %d left to torch; "

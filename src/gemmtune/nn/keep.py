@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
@@ -24,7 +26,7 @@ from torch import nn
 from gemmtune import backends
 from gemmtune.device import current
 from gemmtune.problem import Problem
-from gemmtune.results import TuneResult
+from gemmtune.results import Trial, TuneResult
 from gemmtune.serving import calls, modes, recording
 from gemmtune.serving.dispatch import DISPATCHER
 from gemmtune.tuning import measure
@@ -32,6 +34,9 @@ from gemmtune.tuning import measure
 log = logging.getLogger("gemmtune")
 
 CHECK_BUDGET_MS = 2000.0  # the wall time the model's self-check may take (several rounds at least)
+# the share of a forward's wall time its host takes to queue it, from which the host paces it
+# (BERT-base at 32 x 128 on an H200: 4.4 ms of host work for 1.9 of GPU work, docs/models.md)
+HOST_BOUND = 0.9
 
 
 # what optimize puts on a layer
@@ -148,17 +153,20 @@ def graph_gains(layer_problems: set, results: dict[str, TuneResult]) -> bool:
                for key in layer_problems if key in results)
 
 
-def served(forms: Iterable[Form], layer_problems: dict, results: dict[str, TuneResult]) -> list[Form]:
+def served(forms: Iterable[Form], layer_problems: dict, results: dict[str, TuneResult],
+           lean: Lean | None = None) -> list[Form]:
     """The layers still gemmtune's after those that gain nothing from it went back to torch
     (released for good), where their class is judged alone (``judged_alone``: a plain layer); a
     layer the run never called stays, and a joined or padded layer is judged with the model. A
     layer tuned to cuBLAS (``on_torch``) gains nothing in eager calls, which cuBLAS serves either
     way: it goes back unless its CUDA graphs would replay a faster kernel (``graph_gains``), and
-    then stays for graphs alone (``Form.graph_only``: its eager calls torch's forward)."""
+    then stays for graphs alone (``Form.graph_only``: its eager calls torch's forward). A GEMM
+    whose eager calls run a ``lean`` kernel counts as served."""
+    leaned = set() if lean is None else {problem.key() for problem in lean.picks}
     kept = []
     for form in forms:
         problems = layer_problems.get(form.layer)
-        if form.cls.judged_alone and problems is not None and on_torch(problems, results):
+        if form.cls.judged_alone and problems is not None and not problems & leaned and on_torch(problems, results):
             if not graph_gains(problems, results):
                 form.release()
                 continue
@@ -166,6 +174,87 @@ def served(forms: Iterable[Form], layer_problems: dict, results: dict[str, TuneR
             form.layer.torch_when_capturing = False
         kept.append(form)
     return kept
+
+
+def host_bound(run: Callable[[], object], forms: list[Form]) -> bool:
+    """Whether the run with every layer in its torch form is paced by the host: queuing one call
+    takes the host at least HOST_BOUND of the call's wall time, started on an idle GPU (the median
+    of three calls; a run that reads a result on the host mid-way counts so too). The layers are
+    left in gemmtune's form."""
+    shares = []
+    try:
+        for form in forms:
+            form.to_torch()
+        for _ in range(3):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            run()
+            queued = time.perf_counter()
+            torch.cuda.synchronize()
+            shares.append((queued - started) / max(time.perf_counter() - started, 1e-9))
+    finally:
+        for form in forms:
+            form.to_gemmtune()
+    return statistics.median(shares) >= HOST_BOUND
+
+
+def lean_picks(layer_problems: dict, results: dict[str, TuneResult]) -> dict[Problem, Trial]:
+    """Per GEMM the layers performed (``layer_problems``: each layer's ``Problem.key()`` values)
+    and tuned (``results``), the kernel its eager calls could run in a model paced by its host
+    (``Dispatcher.lean_pick``: a Triton finalist nearly as fast as cuBLAS, whose launch costs the
+    host less), where there is one; fp8 products keep their choice."""
+    device, picks = current(), {}
+    for key in set().union(*layer_problems.values()):
+        problem = Problem.from_key(key)
+        if key in results and not problem.scaled:
+            pick = DISPATCHER.lean_pick(problem, device, results[key].label())
+            if pick is not None:
+                picks[problem] = pick
+    return picks
+
+
+class Lean(NamedTuple):
+    """The kernels ``lean_picks`` found, serving their GEMMs' eager calls (``Dispatcher.serve_lean``)
+    because the run measured faster with them: ``eager``, that speedup."""
+
+    picks: dict[Problem, Trial]
+    index: int
+    eager: Speedup
+
+    def drop(self) -> None:
+        """Eager calls of those GEMMs run their choice's kernel again."""
+        DISPATCHER.drop_lean(list(self.picks), self.index)
+
+    def __str__(self) -> str:
+        return f"the eager calls of {len(self.picks)} GEMMs on Triton kernels, whose launches cost the host less"
+
+
+def lean(run: Callable[[], object], forms: list[Form], layer_problems: dict,
+         results: dict[str, TuneResult]) -> Lean | None:
+    """Where the run is paced by its host (``host_bound``) and some of its GEMMs have a kernel
+    whose launch costs the host less (``lean_picks``): those kernels serve the GEMMs' eager calls,
+    and the run with every layer in gemmtune's form is timed against torch's form (``speedup``).
+    They stay where it measures faster beyond its noise (a ``Lean``), else they go (None). A Triton
+    kernel's bound launch costs the host less than ``F.linear``'s call: BERT-base's eager forward
+    ran 1.15-1.19x as fast with them on an H200, where gemmtune's choices (cuBLASLt's, faster on
+    the GPU) ran it 0.88-0.94x (host-lean-h200-20261129.json)."""
+    if not forms or not on_a_gpu(forms) or not host_bound(run, forms):
+        return None
+    picks = lean_picks(layer_problems, results)
+    if not picks:
+        return None
+    index = device_index(forms)
+    DISPATCHER.serve_lean(picks, index)
+    found = Lean(picks, index, speedup(run, forms))
+    if found.eager.ratio >= 1.0 + found.eager.noise:
+        return found
+    found.drop()
+    return None
+
+
+def device_index(forms: list[Form]) -> int:
+    """The GPU the layers' parameters lie on (the first one found)."""
+    return next(p.get_device() for form in forms for p in form.layer.parameters() if p.is_cuda)
 
 
 def settle(kept: list[Form], kept_any: bool, torch_when_capturing: bool | None) -> list[Form]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 from gemmtune import backends, settings
@@ -16,7 +16,7 @@ from gemmtune.results import Status, Trial
 from gemmtune.shapes import append_miss, entry
 from gemmtune.store import ServerStore, Store, open_store
 from gemmtune.serving.modes import ByMode
-from gemmtune.tuning.tuner import TuneOptions, graph_choice, tune_many, tune_problem
+from gemmtune.tuning.tuner import TuneOptions, graph_choice, lean_choice, tune_many, tune_problem
 
 log = logging.getLogger("gemmtune")
 
@@ -79,6 +79,9 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._capture_misses: set[tuple] = set()
         self._local = threading.local()  # .deferring: this thread is inside deferring()
+        # the kernels eager calls run instead of the choice's where a host-bound model measured
+        # faster with them (``serve_lean``); kept when built kernels are dropped
+        self.lean: dict[DispatchKey, Trial] = {}
 
     @property
     def store(self) -> Store | ServerStore:
@@ -91,7 +94,8 @@ class Dispatcher:
         kernel = self.kernels.get(key)
         if kernel is None:
             with self._lock:
-                kernel = self.kernels.get(key) or self._resolve(key.problem(), current(key.device))
+                kernel = self.kernels.get(key) or self._with_lean(key, self._resolve(key.problem(),
+                                                                                     current(key.device)))
                 self.kernels[key] = kernel
         return kernel
 
@@ -189,6 +193,46 @@ class Dispatcher:
         log.info("gemmtune: %s runs %s in eager calls and %s in CUDA graphs", problem.describe(), choice.label(),
                  pick.label())
         return ByMode(kernel, graph)
+
+    def lean_pick(self, problem: Problem, device: Device, chosen: str) -> Trial | None:
+        """What a host-bound model's eager calls of ``problem`` could run instead of its choice
+        ``chosen`` (a trial's label): the Triton kernel its stored tuning timed
+        (``tuner.lean_choice``) where its backend serves the problem here; else None."""
+        pick = lean_choice(self.trials(problem, device), chosen)
+        return pick if pick is not None and _serves(pick.backend, problem, device) else None
+
+    def serve_lean(self, picks: Mapping[Problem, Trial], index: int) -> None:
+        """From now on, eager calls of each problem on GPU ``index`` run its picked trial's
+        kernel, and CUDA graphs capture what they captured before (``ByMode``): every caller of
+        those GEMMs in this process, not one model's alone."""
+        with self._lock:
+            for problem, trial in picks.items():
+                key = DispatchKey.of(problem, index)
+                self.lean[key] = trial
+                self.kernels.pop(key, None)
+            self.front.clear()
+
+    def drop_lean(self, problems: Sequence[Problem], index: int) -> None:
+        """Eager calls of ``problems`` on GPU ``index`` run their choice's kernel again."""
+        with self._lock:
+            for problem in problems:
+                key = DispatchKey.of(problem, index)
+                self.lean.pop(key, None)
+                self.kernels.pop(key, None)
+            self.front.clear()
+
+    def _with_lean(self, key: DispatchKey, kernel):
+        """``kernel`` (a problem's, as resolved), its eager calls on the kernel ``serve_lean``
+        picked for ``key`` where there is one: ``ByMode`` of that and what CUDA graphs capture."""
+        pick = self.lean.get(key)
+        if pick is None:
+            return kernel
+        try:
+            eager = backends.build(key.problem(), pick.backend, pick.config, current(key.device))
+        except Exception as exc:  # noqa: BLE001 - the choice serves eager calls too
+            log.warning("gemmtune: %s cannot be built here for %s (%s)", pick.label(), key.problem().describe(), exc)
+            return kernel
+        return ByMode(eager, kernel.graph if isinstance(kernel, ByMode) else kernel)
 
     def _stored(self, problem: Problem, device: Device) -> Iterator[Choice]:
         """The stored choices that can serve ``problem``: its own shape's first, then its bucket's."""

@@ -36,6 +36,10 @@ log = logging.getLogger("gemmtune.tuning.tuner")
 MIN_GAIN = 0.02  # a win smaller than this is not worth leaving cuBLAS for
 SHORTLIST = 3  # candidates a problem inherits from one that differs from it in its epilogue alone
 HOST_SLACK = 0.1  # how much more host time per call than cuBLAS's a choice may take (see select)
+# how much slower than cuBLAS's a kernel a host-bound model's eager calls may run instead of the
+# choice (lean_choice): BERT-base's fastest Triton finalists ran 1.00-1.20x, and its eager forward
+# 1.15-1.19x as fast with them (host-lean-h200-20261129.json)
+LEAN_CEILING = 1.25
 MIN_ROUNDS_FINAL = 20
 # compile_batch keeps its problems' operands (and, in each thread, an output) on the GPU at once:
 # at most this share of the free memory, so a model that nearly fills a small GPU still tunes
@@ -373,6 +377,25 @@ def graph_choice(trials: Sequence[Trial], chosen: str) -> Trial | None:
         return None
     timings = {label: t.timing for label, t in final.items()}
     return final[_first_fastest(faster, timings, reference.timing, list(final))]
+
+
+def lean_choice(trials: Sequence[Trial], chosen: str) -> Trial | None:
+    """What eager calls of a problem whose choice is ``chosen`` could run in a model paced by its
+    host, from its tuning's stored ``trials``: the Triton finalist with the fastest kernel (a
+    Triton kernel's bound launch costs the host less than ``F.linear``'s call or cuBLASLt's,
+    docs/host-cost.md) where its kernel takes at most LEAN_CEILING times cuBLAS's; None where the
+    choice is a Triton kernel already, no such finalist ran, or the final rounds are not on
+    record. ``select`` does not choose such a kernel, whose extra GPU time a caller the GPU paces
+    pays: only a model's check, which times the model with it, does (``gemmtune.nn.keep``)."""
+    found = final_rounds(trials)
+    if found is None or chosen.startswith("triton_"):
+        return None
+    reference, final = found
+    triton = [t for t in final.values() if t.backend.startswith("triton_")]
+    if not triton:
+        return None
+    best = min(triton, key=lambda t: t.timing.ratio_to(reference.timing))
+    return best if best.timing.ratio_to(reference.timing) <= LEAN_CEILING else None
 
 
 def final_rounds(trials: Sequence[Trial]) -> tuple[Trial, dict[str, Trial]] | None:

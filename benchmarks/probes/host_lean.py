@@ -1,0 +1,122 @@
+"""Probe: whether a host-bound model's eager forward gains from the kernels whose calls cost the
+host least, where the chosen ones won on the GPU.
+
+A zoo model (``benchmarks/models.py``) with every layer gemmtune's (``optimize(check=False)``) and
+its GEMMs tuned. Then, per GEMM the forward performs, the fastest Triton kernel its tuning timed in
+the final rounds (a bound Triton launch costs the host less than ``F.linear``'s call or
+cuBLASLt's: docs/host-cost.md), where there is one. Four sides in alternated rounds of queued
+eager forwards, each side's kernels put in the dispatcher before its loop: the model without
+gemmtune, an A/A copy of it, the optimized model with its tuned kernels, and with the Triton
+ones ("lean"); then the same sides' CUDA graphs replayed (the GPU's time alone: where the lean
+kernels would make the GPU pace the forward). Ratios are the model without gemmtune over each
+side (above 1: faster), medians of per-round ratios with their spreads. Written to OUT.json.
+
+    PYTHONPATH=src:benchmarks python3 benchmarks/probes/host_lean.py OUT.json [--models bert-base]
+"""
+import argparse
+import copy
+import json
+
+import torch
+
+import gemmtune
+import models
+from gemmtune import backends
+from gemmtune.device import current
+from gemmtune.nn import tune_calls
+from gemmtune.serving.dispatch import DISPATCHER, DispatchKey
+from gemmtune.tuning import measure
+from gemmtune.tuning.tuner import final_rounds
+
+
+def optimized(case, base, shared):
+    """A copy of ``base`` with every layer gemmtune's and the step's GEMMs tuned; its inputs."""
+    tuned = copy.deepcopy(base)
+    kwargs = case.kwargs(tuned, shared)
+    if case.positional:
+        gemmtune.optimize(tuned, tuple(kwargs.values()), check=False)
+    else:
+        gemmtune.optimize(tuned, check=False)
+        tune_calls(models.step_of(case, tuned, tuned, kwargs), check=False)
+    return tuned, kwargs
+
+
+def lean_kernels(problems, device) -> tuple[dict, list]:
+    """Per dispatch key the fastest Triton kernel of its problem's final rounds, built; and per
+    problem what was found (its label, its kernel time over cuBLAS's)."""
+    index, lean, found = torch.cuda.current_device(), {}, []
+    for problem, calls in problems:
+        rounds = final_rounds(DISPATCHER.trials(problem, device))
+        triton = [] if rounds is None else [t for t in rounds[1].values() if t.backend.startswith("triton")]
+        row = {"problem": problem.describe(), "calls": calls, "lean": None}
+        if triton:
+            best = min(triton, key=lambda t: t.timing.median)
+            lean[DispatchKey.of(problem, index)] = backends.build(problem, best.backend, best.config, device)
+            row.update(lean=best.label(), lean_over_cublas=best.timing.ratio_to(rounds[0].timing))
+        found.append(row)
+    return lean, found
+
+
+def installer(kernels: dict, step):
+    """Put ``kernels`` in the dispatcher and run ``step`` once, untimed (its calls bind anew)."""
+    def install():
+        DISPATCHER.kernels.update(kernels)
+        DISPATCHER.front.clear()
+        step()
+    return install
+
+
+def ratios(timings: dict) -> dict:
+    base = timings["torch"]
+    return {name: {"speedup": 1.0 / t.ratio_to(base), "spread": t.spread_against(base), "median_ms": t.median}
+            for name, t in timings.items()}
+
+
+def probe_case(case, entry) -> dict:
+    torch.manual_seed(0)
+    device = current()
+    base = entry.build(False).to("cuda", case.dtype).eval()
+    shared = case.inputs("cuda", case.dtype)
+    tuned, kwargs = optimized(case, base, shared)
+    control = copy.deepcopy(base)
+    with torch.no_grad():
+        problems = models.recorded(case, tuned, kwargs, deferring=False)
+        index = torch.cuda.current_device()
+        as_tuned = {key: DISPATCHER.kernels[key] for key in (DispatchKey.of(p, index) for p, _ in problems)
+                    if key in DISPATCHER.kernels}
+        lean, found = lean_kernels(problems, device)
+        steps = {"torch": models.step_of(case, base, base, case.kwargs(base, shared)),
+                 "control": models.step_of(case, control, control, case.kwargs(control, shared))}
+        step = models.step_of(case, tuned, tuned, kwargs)
+        steps.update(tuned=step, lean=step)
+        enter = {"tuned": installer(as_tuned, step), "lean": installer({**as_tuned, **lean}, step)}
+        reference = models.first_tensor(steps["torch"]()).float()
+        errors = {}
+        for name in ("tuned", "lean"):
+            enter[name]()
+            errors[name] = models.rel_err(models.first_tensor(step()).float(), reference)
+        eager = measure.loops(steps, device, budget_ms=40000.0, rounds=21, loop_ms=100.0, enter=enter)
+        graphs = {}
+        for name in ("torch", "tuned", "lean"):
+            enter.get(name, lambda: None)()
+            graphs[name], _ = models.captured(steps[name])
+        replayed = measure.loops(graphs, device, budget_ms=20000.0, rounds=15, loop_ms=50.0)
+        enter["tuned"]()
+    return {"case": case.label(), "gemms": found, "rel_err": errors, "eager": ratios(eager),
+            "graph": ratios(replayed)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out")
+    parser.add_argument("--models", default="bert-base")
+    args = parser.parse_args()
+    rows = []
+    for case, entry in models.inference_cases(args.models):
+        rows.append(probe_case(case, entry))
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
