@@ -61,7 +61,8 @@ step's GEMMs each checked against float64 from its own inputs (wrong ones, worst
 eager step: ``gemms``, the GEMM calls gemmtune saw (every nn.Linear's and Conv1D's);
 ``gemms_kept``, those still going through gemmtune after ``optimize`` (whose check hands layers
 that do not pay back to torch); ``gemms_served``, those of them a kernel other than cuBLAS serves
-(``served_by``: calls per backend); ``graph_only`` and ``eager_only``, the layers optimize's
+in eager calls (``served_by``: calls per backend, of a pair for eager calls and CUDA graphs the
+eager kernel's); ``graph_only`` and ``eager_only``, the layers optimize's
 check kept for one mode (torch's forward in the other: such a layer's calls are not in the
 eager counts above when it is graph-only); ``optimize_said``, optimize's own log lines (what its
 check read in each mode, with its noise, and what it kept); ``fused_kept``, the layers left
@@ -913,9 +914,15 @@ def one_mode(tuned: nn.Module, torch_when_capturing: bool) -> int:
 
 def backend_of(kernel) -> str:
     """The backend a built kernel comes from: the module of its class or function
-    (``gemmtune.backends.<name>``); cuBLAS's kernels are functions of ``gemmtune.backends.cublas``."""
+    (``gemmtune.backends.<name>``); cuBLAS's kernels are functions of ``gemmtune.backends.cublas``.
+    Of a pair serving eager calls and CUDA graphs apart (``ByMode``), the eager kernel's: what an
+    eager call runs."""
+    from gemmtune.serving.modes import ByMode
+
     if kernel is None:
         return "torch"
+    if isinstance(kernel, ByMode):
+        return backend_of(kernel.eager)
     module = getattr(kernel, "__module__", None) or type(kernel).__module__
     return module.rsplit(".", 1)[-1] if module.startswith("gemmtune.backends.") else module
 
