@@ -181,16 +181,16 @@ def host_bound(run: Callable[[], object], forms: list[Form]) -> bool:
     takes the host at least HOST_BOUND of the call's wall time, started on an idle GPU (the median
     of three calls; a run that reads a result on the host mid-way counts so too). The layers are
     left in gemmtune's form."""
-    shares = []
+    shares, index = [], device_index(forms)
     try:
         for form in forms:
             form.to_torch()
         for _ in range(3):
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(index)
             started = time.perf_counter()
             run()
             queued = time.perf_counter()
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(index)
             shares.append((queued - started) / max(time.perf_counter() - started, 1e-9))
     finally:
         for form in forms:
