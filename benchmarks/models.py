@@ -458,13 +458,18 @@ def entry_of(name: str) -> Entry:
     return MODELS[name] if name in MODELS else named_entry(name)
 
 
-def inference_cases(names: str) -> Iterator[tuple[Case, Entry]]:
-    """Each inference case of the comma-separated model ``names``, with its entry (the probes' loop)."""
+def probe_rows(out: str, names: str, probe: Callable[[Case, Entry], dict]) -> None:
+    """A probe's rows: ``probe(case, entry)`` of each inference case of the comma-separated model
+    ``names``, written to ``out`` (JSON, with the device) after each, so that a run cut short
+    keeps what it measured."""
+    rows = []
     for name in names.split(","):
         entry = entry_of(name)
         for case in entry.cases(name, False):
             if case.phase == "inference":
-                yield case, entry
+                rows.append(probe(case, entry))
+                with open(out, "w") as f:
+                    json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
 # --------------------------------------------------------------------------------------------

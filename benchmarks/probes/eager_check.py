@@ -20,7 +20,6 @@ plus the verdict the check gave inside optimize. Written to OUT.json.
 """
 import argparse
 import copy
-import json
 
 import torch
 
@@ -95,11 +94,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--models", default="bert-base,whisper-tiny-encoder")
     args = parser.parse_args()
-    rows = []
-    for case, entry in models.inference_cases(args.models):
-        rows.append(probe_case(case, entry))
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    models.probe_rows(args.out, args.models, probe_case)
 
 
 if __name__ == "__main__":

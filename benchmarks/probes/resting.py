@@ -15,7 +15,6 @@ outputs of both sides against the model without gemmtune, eager and replayed. Wr
 import argparse
 import copy
 import gc
-import json
 
 import torch
 
@@ -120,11 +119,7 @@ def main() -> None:
     parser.add_argument("--models", default="bert-base,whisper-tiny-encoder")
     parser.add_argument("--rounds", type=int, default=21)
     args = parser.parse_args()
-    rows = []
-    for case, entry in models.inference_cases(args.models):
-        rows.append(probe_case(case, entry, args.rounds))
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    models.probe_rows(args.out, args.models, lambda case, entry: probe_case(case, entry, args.rounds))
 
 
 if __name__ == "__main__":
