@@ -6,6 +6,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 from torch import nn
 
@@ -43,6 +45,16 @@ def resting_mlp():
     return model
 
 
+def torch_linear(x, weight, bias=None, activation=None):
+    """``gemmtune.linear`` as torch computes it."""
+    out = F.linear(x, weight, bias)
+    return out if activation is None else gemmtune.activation.apply(out, activation, inplace=False)
+
+
+def fail(*args, **kwargs):
+    raise RuntimeError("capture failed")
+
+
 @pytest.fixture
 def capturing(monkeypatch):
     """``set(True)``: every capture test (the hook's, the layers') answers that a CUDA graph is
@@ -52,8 +64,7 @@ def capturing(monkeypatch):
 
     def linear(x, weight, bias=None, activation=None):
         calls.append(activation)
-        out = F.linear(x, weight, bias)
-        return out if activation is None else gemmtune.activation.apply(out, activation, inplace=False)
+        return torch_linear(x, weight, bias, activation)
 
     def set_to(value: bool) -> None:
         calls.clear()
@@ -122,10 +133,6 @@ def test_while_a_graph_is_captured_the_resting_layer_runs_gemmtune_s_forward_and
 def test_a_capture_that_fails_leaves_the_layer_at_rest(capturing, monkeypatch):
     model = resting_mlp()
     capturing(True)
-
-    def fail(*args):
-        raise RuntimeError("capture failed")
-
     with monkeypatch.context() as patch, pytest.raises(RuntimeError, match="capture failed"):
         patch.setattr(gnn.api, "linear", fail)
         model(torch.randn(3, 16))
@@ -238,3 +245,27 @@ def test_on_the_gpu_a_cuda_graph_of_the_model_replays_gemmtune_s_kernels_for_a_r
     assert eager_calls == ["silu", None] and calls[-3:] == ["gelu", "silu", None]
     assert type(model[0]) is nn.Linear and type(model[1]) is nn.GELU
     assert torch.allclose(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=8))
+def test_after_any_sequence_of_calls_captured_or_not_failed_or_not_the_layer_is_at_rest(calls):
+    """Each call (captured?, fails?) of the model: a call that returns computes the original's
+    output; after any call, returned or failed, the layer rests in its torch form and the hooks
+    hold no capture open."""
+    reference, model = mlp(), resting_mlp()
+    hooks = next(iter(model._forward_pre_hooks.values())).__self__
+    x = torch.randn(3, 16)
+    for captured, fails in calls:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(keep, "capturing", lambda: captured)
+            patch.setattr(gnn, "_capturing", lambda: captured)
+            if fails:
+                patch.setattr(gnn.api, "linear", fail)
+                patch.setattr(torch.nn.functional, "linear", fail)
+                with pytest.raises(RuntimeError, match="capture failed"):
+                    model(x)
+            else:
+                patch.setattr(gnn.api, "linear", torch_linear)
+                assert torch.allclose(model(x), reference(x), rtol=1e-5, atol=1e-6)
+        assert type(model[0]) is nn.Linear and type(model[1]) is nn.GELU and hooks.depth == 0
