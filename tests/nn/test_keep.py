@@ -346,15 +346,25 @@ def test_lean_kernels_serve_a_host_bound_run_s_eager_calls_only_where_it_measure
 
 
 def test_lean_picks_ask_the_dispatcher_per_gemm_and_leave_fp8_products_alone(monkeypatch):
+    """Both GEMMs tuned to cuBLAS with a Triton finalist level with it: the plain one's is picked;
+    the fp8 one's (an fp8 kernel, not a lean backend's) is not; a GEMM without a result is not asked."""
+    from gemmtune.results import Status, Timing, Trial
+    from gemmtune.serving import dispatch
     from gemmtune.serving.dispatch import DISPATCHER
 
     plain, scaled = Problem(4, 32, 16), Problem(16, 32, 64, "float8_e4m3fn", "linear", scaling="tensor",
                                                   out_dtype="bfloat16")
     results = {p.key(): result(p, "cublas") for p in (plain, scaled)}
+    rounds = Timing((0.03,) * 24)
+    trials = {plain: [Trial("cublas", {}, Status.OK, timing=rounds), Trial("triton_tiled", {"n": 1}, Status.OK,
+                                                                          timing=rounds)],
+              scaled: [Trial("cublas", {}, Status.OK, timing=rounds), Trial("triton_scaled", {"n": 1}, Status.OK,
+                                                                           timing=rounds)]}
     asked = []
-    monkeypatch.setattr(DISPATCHER, "lean_pick", lambda problem, device, chosen: asked.append(problem) or "pick")
+    monkeypatch.setattr(DISPATCHER, "trials", lambda problem, device: asked.append(problem) or trials[problem])
+    monkeypatch.setattr(dispatch, "_serves", lambda backend, problem, device: True)
     picks = keep.lean_picks({"a": {plain.key()}, "b": {plain.key(), scaled.key(), Problem(2, 2, 2).key()}}, results)
-    assert picks == {plain: "pick"} and asked == [plain]
+    assert picks == {plain: trials[plain][1]} and sorted(asked, key=str) == sorted([plain, scaled], key=str)
 
 
 @pytest.mark.parametrize("train, kept", [(None, True), (S(0.9, 0.01), False)])

@@ -202,14 +202,13 @@ def lean_picks(layer_problems: dict, results: dict[str, TuneResult]) -> dict[Pro
     """Per GEMM the layers performed (``layer_problems``: each layer's ``Problem.key()`` values)
     and tuned (``results``), the kernel its eager calls could run in a model paced by its host
     (``Dispatcher.lean_pick``: a Triton finalist nearly as fast as cuBLAS, whose launch costs the
-    host less), where there is one; fp8 products keep their choice."""
+    host less), where there is one."""
     device, picks = current(), {}
-    for key in set().union(*layer_problems.values()):
+    for key in set().union(*layer_problems.values()) & results.keys():
         problem = Problem.from_key(key)
-        if key in results and not problem.scaled:
-            pick = DISPATCHER.lean_pick(problem, device, results[key].label())
-            if pick is not None:
-                picks[problem] = pick
+        pick = DISPATCHER.lean_pick(problem, device, results[key].label())
+        if pick is not None:
+            picks[problem] = pick
     return picks
 
 

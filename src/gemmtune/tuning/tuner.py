@@ -381,21 +381,20 @@ def graph_choice(trials: Sequence[Trial], chosen: str) -> Trial | None:
 
 def lean_choice(trials: Sequence[Trial], chosen: str) -> Trial | None:
     """What eager calls of a problem whose choice is ``chosen`` could run in a model paced by its
-    host, from its tuning's stored ``trials``: the Triton finalist with the fastest kernel (a
-    Triton kernel's bound launch costs the host less than ``F.linear``'s call or cuBLASLt's,
-    docs/host-cost.md) where its kernel takes at most LEAN_CEILING times cuBLAS's; None where the
-    choice is a Triton kernel already, no such finalist ran, or the final rounds are not on
-    record. ``select`` does not choose such a kernel, whose extra GPU time a caller the GPU paces
+    host, from its tuning's stored ``trials``: the finalist of a ``backends.LEAN`` backend with
+    the fastest kernel (a bound Triton launch), where its kernel takes at most LEAN_CEILING times
+    cuBLAS's; None where the choice is such a kernel already, no such finalist ran (an fp8
+    product's), or the final rounds are not on record. ``select`` does not choose such a kernel, whose extra GPU time a caller the GPU paces
     pays: only a model's check, which times the model with it, does (``gemmtune.nn.keep``)."""
     found = final_rounds(trials)
-    if found is None or chosen.startswith("triton_"):
+    if found is None or chosen in found[1] and found[1][chosen].backend in backends.LEAN:
         return None
     reference, final = found
-    triton = [t for t in final.values() if t.backend.startswith("triton_")]
-    if not triton:
+    lean = [(t.timing.ratio_to(reference.timing), t) for t in final.values() if t.backend in backends.LEAN]
+    if not lean:
         return None
-    best = min(triton, key=lambda t: t.timing.ratio_to(reference.timing))
-    return best if best.timing.ratio_to(reference.timing) <= LEAN_CEILING else None
+    ratio, best = min(lean, key=lambda pair: pair[0])
+    return best if ratio <= LEAN_CEILING else None
 
 
 def final_rounds(trials: Sequence[Trial]) -> tuple[Trial, dict[str, Trial]] | None:
