@@ -182,13 +182,8 @@ class Dispatcher:
         tuning found a faster kernel for them (``graph_pick``: ``ByMode``); ``kernel`` alone
         otherwise."""
         pick = self.graph_pick(problem, device, choice.label())
-        if pick is None:
-            return kernel
-        try:
-            graph = backends.build(problem, pick.backend, pick.config, device)
-        except Exception as exc:  # noqa: BLE001 - the choice serves graphs too
-            log.warning("gemmtune: %s, faster for CUDA graphs on %s, cannot be built here (%s)",
-                        pick.label(), problem.describe(), exc)
+        graph = None if pick is None else _built(pick, problem, device, "for CUDA graphs")
+        if graph is None:
             return kernel
         log.info("gemmtune: %s runs %s in eager calls and %s in CUDA graphs", problem.describe(), choice.label(),
                  pick.label())
@@ -205,19 +200,21 @@ class Dispatcher:
         """From now on, eager calls of each problem on GPU ``index`` run its picked trial's
         kernel, and CUDA graphs capture what they captured before (``ByMode``): every caller of
         those GEMMs in this process, not one model's alone."""
-        with self._lock:
-            for problem, trial in picks.items():
-                key = DispatchKey.of(problem, index)
-                self.lean[key] = trial
-                self.kernels.pop(key, None)
-            self.front.clear()
+        self._set_lean({DispatchKey.of(problem, index): trial for problem, trial in picks.items()})
 
     def drop_lean(self, problems: Sequence[Problem], index: int) -> None:
         """Eager calls of ``problems`` on GPU ``index`` run their choice's kernel again."""
+        self._set_lean({DispatchKey.of(problem, index): None for problem in problems})
+
+    def _set_lean(self, picks: Mapping[DispatchKey, Trial | None]) -> None:
+        """Each key's lean pick set (None: dropped), its built kernel and every bound call dropped,
+        so that the next call resolves it anew."""
         with self._lock:
-            for problem in problems:
-                key = DispatchKey.of(problem, index)
-                self.lean.pop(key, None)
+            for key, trial in picks.items():
+                if trial is None:
+                    self.lean.pop(key, None)
+                else:
+                    self.lean[key] = trial
                 self.kernels.pop(key, None)
             self.front.clear()
 
@@ -225,12 +222,8 @@ class Dispatcher:
         """``kernel`` (a problem's, as resolved), its eager calls on the kernel ``serve_lean``
         picked for ``key`` where there is one: ``ByMode`` of that and what CUDA graphs capture."""
         pick = self.lean.get(key)
-        if pick is None:
-            return kernel
-        try:
-            eager = backends.build(key.problem(), pick.backend, pick.config, current(key.device))
-        except Exception as exc:  # noqa: BLE001 - the choice serves eager calls too
-            log.warning("gemmtune: %s cannot be built here for %s (%s)", pick.label(), key.problem().describe(), exc)
+        eager = None if pick is None else _built(pick, key.problem(), current(key.device), "for eager calls")
+        if eager is None:
             return kernel
         return ByMode(eager, kernel.graph if isinstance(kernel, ByMode) else kernel)
 
@@ -295,6 +288,18 @@ def _append_miss(problem: Problem) -> None:
     path = settings.misses_file()
     if path is not None:
         append_miss(path, entry(problem))
+
+
+def _built(pick: Trial, problem: Problem, device: Device, purpose: str):
+    """The kernel of ``pick`` (a stored trial chosen ``purpose``: for CUDA graphs, for eager
+    calls) for ``problem``, or None where it cannot be built here (said once per resolve; the
+    choice's kernel serves in its place)."""
+    try:
+        return backends.build(problem, pick.backend, pick.config, device)
+    except Exception as exc:  # noqa: BLE001 - the choice serves in its place
+        log.warning("gemmtune: %s, picked %s on %s, cannot be built here (%s)", pick.label(), purpose,
+                    problem.describe(), exc)
+        return None
 
 
 def _serves(backend_name: str, problem: Problem, device: Device) -> bool:
