@@ -458,16 +458,27 @@ def entry_of(name: str) -> Entry:
     return MODELS[name] if name in MODELS else named_entry(name)
 
 
-def probe_rows(out: str, names: str, probe: Callable[[Case, Entry], dict]) -> None:
-    """A probe's rows: ``probe(case, entry)`` of each inference case of the comma-separated model
-    ``names``, written to ``out`` (JSON, with the device) after each, so that a run cut short
-    keeps what it measured."""
+def probe_parser(doc: str, default: str) -> argparse.ArgumentParser:
+    """A probe's command line: OUT.json, and ``--models`` (``default`` where not given)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out")
+    parser.add_argument("--models", default=default)
+    return parser
+
+
+def probe_rows(out: str, names: str, probe: Callable[[Case, nn.Module, dict], dict]) -> None:
+    """A probe's rows: ``probe(case, model, inputs)`` of each inference case of the
+    comma-separated model ``names`` (the model built on the GPU in the case's dtype from seed 0,
+    in eval mode; its inputs, the keyword inputs the case shares), written to ``out`` (JSON, with
+    the device) after each, so that a run cut short keeps what it measured."""
     rows = []
     for name in names.split(","):
         entry = entry_of(name)
         for case in entry.cases(name, False):
             if case.phase == "inference":
-                rows.append(probe(case, entry))
+                torch.manual_seed(0)
+                model = entry.build(False).to("cuda", case.dtype).eval()
+                rows.append(probe(case, model, case.inputs("cuda", case.dtype)))
                 with open(out, "w") as f:
                     json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 

@@ -18,7 +18,6 @@ plus the verdict the check gave inside optimize. Written to OUT.json.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/probes/eager_check.py OUT.json [--models bert-base]
 """
-import argparse
 import copy
 
 import torch
@@ -33,10 +32,7 @@ def as_dict(speedup: keep.Speedup) -> dict:
     return {"ratio": speedup.ratio, "noise": speedup.noise}
 
 
-def probe_case(case, entry) -> dict:
-    torch.manual_seed(0)
-    base = entry.build(False).to("cuda", case.dtype).eval()
-    shared = case.inputs("cuda", case.dtype)
+def probe_case(case, base, shared) -> dict:
     checked = {}
     speedup, decide = keep.speedup, keep.decide
 
@@ -90,12 +86,8 @@ def probe_case(case, entry) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out")
-    parser.add_argument("--models", default="bert-base,whisper-tiny-encoder")
-    args = parser.parse_args()
+    args = models.probe_parser(__doc__, "bert-base,whisper-tiny-encoder").parse_args()
     models.probe_rows(args.out, args.models, probe_case)
-
 
 if __name__ == "__main__":
     main()

@@ -13,7 +13,6 @@ side (above 1: faster), medians of per-round ratios with their spreads. Written 
 
     PYTHONPATH=src:benchmarks python3 benchmarks/probes/host_lean.py OUT.json [--models bert-base]
 """
-import argparse
 import copy
 
 import torch
@@ -71,11 +70,8 @@ def ratios(timings: dict) -> dict:
             for name, t in timings.items()}
 
 
-def probe_case(case, entry) -> dict:
-    torch.manual_seed(0)
+def probe_case(case, base, shared) -> dict:
     device = current()
-    base = entry.build(False).to("cuda", case.dtype).eval()
-    shared = case.inputs("cuda", case.dtype)
     tuned, kwargs = optimized(case, base, shared)
     control = copy.deepcopy(base)
     with torch.no_grad():
@@ -106,12 +102,8 @@ def probe_case(case, entry) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out")
-    parser.add_argument("--models", default="bert-base")
-    args = parser.parse_args()
+    args = models.probe_parser(__doc__, "bert-base").parse_args()
     models.probe_rows(args.out, args.models, probe_case)
-
 
 if __name__ == "__main__":
     main()

@@ -12,7 +12,6 @@ outputs of both sides against the model without gemmtune, eager and replayed. Wr
 
     PYTHONPATH=src:benchmarks python3 benchmarks/probes/resting.py OUT.json [--models bert-base,whisper-tiny-encoder]
 """
-import argparse
 import copy
 import gc
 
@@ -69,10 +68,7 @@ def against(times: dict, base: str = "base") -> dict:
     return out
 
 
-def probe_case(case, entry, rounds: int) -> dict:
-    torch.manual_seed(0)
-    base = entry.build(False).to("cuda", case.dtype).eval()
-    shared = case.inputs("cuda", case.dtype)
+def probe_case(case, base, shared, rounds: int) -> dict:
     tuned, kwargs, setup_s, said = models.tune_side(case, base, shared)
     check = checking_copy(tuned)
     resting = sum(len(c.forms) for c in set(captures(tuned).values()))
@@ -114,13 +110,10 @@ def probe_case(case, entry, rounds: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out")
-    parser.add_argument("--models", default="bert-base,whisper-tiny-encoder")
+    parser = models.probe_parser(__doc__, "bert-base,whisper-tiny-encoder")
     parser.add_argument("--rounds", type=int, default=21)
     args = parser.parse_args()
-    models.probe_rows(args.out, args.models, lambda case, entry: probe_case(case, entry, args.rounds))
-
+    models.probe_rows(args.out, args.models, lambda case, base, shared: probe_case(case, base, shared, args.rounds))
 
 if __name__ == "__main__":
     main()
