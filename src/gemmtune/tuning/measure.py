@@ -193,7 +193,12 @@ def _capture(fns) -> tuple[dict | None, tuple[str, str] | None]:
     for name, fn in fns.items():
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=pool):
+            # On the side stream, of the current GPU: torch's default capture stream is made once
+            # per process, on the GPU current then, and capturing on it makes that GPU current, so
+            # a second GPU's kernels were captured off their device (a cuBLASLt launch then ran on
+            # GPU 1's stream with GPU 0 current, failed, and left an illegal memory access:
+            # tests/test_two_gpus.py).
+            with torch.cuda.graph(graph, pool=pool, stream=side):
                 out = fn()
         except RuntimeError as exc:
             torch.cuda.synchronize()
