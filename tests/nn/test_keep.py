@@ -13,7 +13,7 @@ from gemmtune import nn as gnn
 from gemmtune.device import Device
 from gemmtune.nn import keep
 from gemmtune.problem import Problem
-from gemmtune.results import TuneResult
+from gemmtune.results import Timing, TuneResult
 from gemmtune.serving import recording
 
 
@@ -201,6 +201,28 @@ def test_the_check_keeps_the_layers_where_either_mode_pays_beyond_its_noise(eage
     assert ("goes back to torch" in words) == (not kept)
 
 
+@pytest.mark.parametrize("readings, expected", [
+    ([(1.05, 0.09), (1.13, 0.02)], S(1.13, 0.02, retimed=True)),  # undecided, then timed again: the second decides
+    ([(1.05, 0.09), (0.98, 0.02)], S(0.98, 0.02, retimed=True)),
+    ([(1.13, 0.02)], S(1.13, 0.02)), ([(0.97, 0.05)], S(0.97, 0.05)),  # decided at once: timed once
+])
+def test_an_undecided_eager_reading_is_timed_once_more_and_the_second_decides(monkeypatch, readings, expected):
+    """Each reading as ``measure.loops`` would give it: rounds whose per-round ratio (torch's time
+    over gemmtune's) has the reading's median and half inter-quartile range."""
+    def rounds(ratio, noise):
+        return {"gemmtune": Timing((1.0,) * 8), "torch": Timing((ratio - 2 * noise, ratio - noise, ratio - noise,
+                                                                 ratio, ratio, ratio + noise, ratio + noise,
+                                                                 ratio + 2 * noise))}
+
+    timed = [rounds(*reading) for reading in readings]
+    monkeypatch.setattr(keep.measure, "loops", lambda fns, device, budget_ms, enter: timed.pop(0))
+    found = keep.speedup(lambda: None, [])
+    assert not timed, "every reading taken, and no more"
+    assert found.retimed == expected.retimed and found.ratio == pytest.approx(expected.ratio, abs=1e-9)
+    assert found.noise == pytest.approx(expected.noise, rel=0.35)
+    assert ("timed twice" in str(found)) == expected.retimed
+
+
 @pytest.mark.gpu
 def test_on_the_gpu_the_graph_check_times_both_forms_or_says_it_cannot():
     model = gemmtune.optimize(mlp().to("cuda", torch.bfloat16))
@@ -342,13 +364,13 @@ def test_lean_kernels_serve_a_host_bound_run_s_eager_calls_only_where_it_measure
     dropped = [("drop", {problem})] if tried and not served else []
     assert lean_calls == ([("serve", {problem})] if tried else []) + dropped
     if served:
-        assert found.eager == eager and "eager calls of 1 GEMMs on Triton kernels" in str(found)
+        assert found.eager == eager and "eager calls of 1 GEMM on Triton kernels" in str(found)
 
 
 def test_lean_picks_ask_the_dispatcher_per_gemm_and_leave_fp8_products_alone(monkeypatch):
     """Both GEMMs tuned to cuBLAS with a Triton finalist level with it: the plain one's is picked;
     the fp8 one's (an fp8 kernel, not a lean backend's) is not; a GEMM without a result is not asked."""
-    from gemmtune.results import Status, Timing, Trial
+    from gemmtune.results import Status, Trial
     from gemmtune.serving import dispatch
     from gemmtune.serving.dispatch import DISPATCHER
 
@@ -388,7 +410,7 @@ def test_where_lean_kernels_serve_the_run_every_layer_stays_for_the_check_s_verd
     with caplog.at_level("INFO", logger="gemmtune"):
         gemmtune.optimize(model, (torch.randn(4, 16),))
     assert (type(model[0]) is gnn.Linear) == kept and type(model[4]) is nn.Linear and type(model[2]) is nn.Linear
-    assert "the eager calls of 1 GEMMs on Triton kernels" in caplog.text and "eager 1.15x +-0.02" in caplog.text
+    assert "the eager calls of 1 GEMM on Triton kernels" in caplog.text and "eager 1.15x +-0.02" in caplog.text
     assert lean_calls == ([] if kept else [("drop", {first})])
 
 
