@@ -204,7 +204,8 @@ def test_the_check_keeps_the_layers_where_either_mode_pays_beyond_its_noise(eage
 @pytest.mark.parametrize("readings, expected", [
     ([(1.05, 0.09), (1.13, 0.02)], S(1.13, 0.02, retimed=True)),  # undecided, then timed again: the second decides
     ([(1.05, 0.09), (0.98, 0.02)], S(0.98, 0.02, retimed=True)),
-    ([(1.13, 0.02)], S(1.13, 0.02)), ([(0.97, 0.05)], S(0.97, 0.05)),  # decided at once: timed once
+    ([(0.86, 0.10), (1.16, 0.01)], S(1.16, 0.01, retimed=True)),  # slower, within twice its noise
+    ([(1.13, 0.02)], S(1.13, 0.02)), ([(0.94, 0.02)], S(0.94, 0.02)),  # decided at once: timed once
 ])
 def test_an_undecided_eager_reading_is_timed_once_more_and_the_second_decides(monkeypatch, readings, expected):
     """Each reading as ``measure.loops`` would give it: rounds whose per-round ratio (torch's time
