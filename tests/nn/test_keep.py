@@ -277,7 +277,7 @@ def test_optimize_of_a_training_model_times_a_train_step_and_keeps_the_layers_on
         return S(1.05, 0.01) if len(timed) == 1 else train
 
     monkeypatch.setattr(keep, "on_a_gpu", lambda forms: True)
-    monkeypatch.setattr(keep, "host_bound", lambda run, forms: False)  # the GPU paces it: no lean kernels tried
+    monkeypatch.setattr(keep, "host_share", lambda run, forms: 0.0)  # the GPU paces it: no lean kernels tried
     monkeypatch.setattr(keep, "speedup", speedup)
     monkeypatch.setattr(keep, "graph_speedup", lambda run, forms, **_: None)
     model = mlp().train()
@@ -297,7 +297,7 @@ def test_a_model_in_eval_mode_or_without_gradients_times_no_train_step(fake_tuni
     fake_tuning(lambda p: "triton_tiled")
     timed = []
     monkeypatch.setattr(keep, "on_a_gpu", lambda forms: True)
-    monkeypatch.setattr(keep, "host_bound", lambda run, forms: False)  # the GPU paces it: no lean kernels tried
+    monkeypatch.setattr(keep, "host_share", lambda run, forms: 0.0)  # the GPU paces it: no lean kernels tried
     monkeypatch.setattr(keep, "speedup", lambda run, forms, **_: timed.append(1) or S(1.05, 0.01))
     monkeypatch.setattr(keep, "graph_speedup", lambda run, forms, **_: None)
     gemmtune.optimize(mlp().eval(), (torch.randn(4, 16),))
@@ -319,7 +319,7 @@ def test_a_train_step_that_fails_leaves_the_forward_s_verdict_with_a_warning(fak
         return S(1.05, 0.01)
 
     monkeypatch.setattr(keep, "on_a_gpu", lambda forms: True)
-    monkeypatch.setattr(keep, "host_bound", lambda run, forms: False)  # the GPU paces it: no lean kernels tried
+    monkeypatch.setattr(keep, "host_share", lambda run, forms: 0.0)  # the GPU paces it: no lean kernels tried
     monkeypatch.setattr(keep, "speedup", speedup)
     monkeypatch.setattr(keep, "graph_speedup", lambda run, forms, **_: None)
     model = mlp().train()
@@ -354,12 +354,15 @@ def test_lean_kernels_serve_a_host_bound_run_s_eager_calls_only_where_it_measure
     forms = [keep.Form(model[0]), keep.Form(model[2])]
     problem = Problem(4, 32, 16, "float32", "linear", True, False, "gelu")
     picks = {problem: object()} if picked else {}
-    monkeypatch.setattr(keep, "host_bound", lambda run, forms: bound)
+    monkeypatch.setattr(keep, "host_share", lambda run, forms: 0.97 if bound else 0.6)
     monkeypatch.setattr(keep, "lean_picks", lambda layer_problems, results: picks)
     timed = []
     monkeypatch.setattr(keep, "speedup", lambda run, forms: timed.append(list(forms)) or eager)
-    found = keep.lean(lambda: None, forms, {}, {})
+    found, said = keep.lean(lambda: None, forms, {}, {})
     assert (found is not None) == served
+    assert said.startswith("the host paces the eager run (0.97 of its wall time)") == bound and (said == "") != bound
+    assert ("no GEMM has a Triton finalist" in said) == (bound and not picked)
+    assert ("so they go" in said) == (bound and picked and not served)
     tried = bound and picked
     assert timed == ([forms] if tried else [])
     dropped = [("drop", {problem})] if tried and not served else []
@@ -399,7 +402,7 @@ def test_where_lean_kernels_serve_the_run_every_layer_stays_for_the_check_s_verd
     fake_tuning(lambda p: "cublas")
     first = Problem(4, 32, 16, "float32", "linear", True, False, "gelu")
     lean = keep.Lean({first: None}, 0, S(1.15, 0.02))
-    monkeypatch.setattr(keep, "lean", lambda run, forms, layer_problems, results: lean)
+    monkeypatch.setattr(keep, "lean", lambda run, forms, layer_problems, results: (lean, f"paced: {lean}"))
     monkeypatch.setattr(keep, "speedup", lambda run, forms, **_: pytest.fail("eager timed twice"))
     monkeypatch.setattr(keep, "graph_speedup", lambda run, forms, **_: S(1.0, 0.001))
     model = mlp()
@@ -411,7 +414,7 @@ def test_where_lean_kernels_serve_the_run_every_layer_stays_for_the_check_s_verd
     with caplog.at_level("INFO", logger="gemmtune"):
         gemmtune.optimize(model, (torch.randn(4, 16),))
     assert (type(model[0]) is gnn.Linear) == kept and type(model[4]) is nn.Linear and type(model[2]) is nn.Linear
-    assert "the eager calls of 1 GEMM on Triton kernels" in caplog.text and "eager 1.15x +-0.02" in caplog.text
+    assert "paced: the eager calls of 1 GEMM on Triton kernels" in caplog.text and "eager 1.15x +-0.02" in caplog.text
     assert lean_calls == ([] if kept else [("drop", {first})])
 
 
@@ -421,8 +424,8 @@ def test_on_the_gpu_a_run_of_tiny_layers_is_host_bound_and_one_large_gemm_is_not
     large = gemmtune.optimize(nn.Sequential(nn.Linear(8192, 8192)).to("cuda", torch.bfloat16))
     x, y = torch.randn(4, 8, device="cuda"), torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        assert keep.host_bound(lambda: tiny(x), [keep.Form(layer) for layer in tiny])
-        assert not keep.host_bound(lambda: large(y), [keep.Form(large[0])])
+        assert keep.host_share(lambda: tiny(x), [keep.Form(layer) for layer in tiny]) >= keep.HOST_BOUND
+        assert keep.host_share(lambda: large(y), [keep.Form(large[0])]) < keep.HOST_BOUND
     assert all(type(layer) is gnn.Linear for layer in tiny)  # left in gemmtune's form
 
 

@@ -384,7 +384,7 @@ def _keep_what_pays(run: Callable[[], object], per_layer: dict, results: list, *
     forms = [keep.Form(layer) for layer in per_layer]
     by_key = {r.problem_key: r for r in results}
     with torch.no_grad():
-        lean = keep.lean(run, forms, per_layer, by_key)
+        lean, paced = keep.lean(run, forms, per_layer, by_key)
     kept = keep.served(forms, per_layer, by_key, lean)
     verdict = "nothing to time"
     if kept and keep.on_a_gpu(kept):
@@ -396,12 +396,12 @@ def _keep_what_pays(run: Callable[[], object], per_layer: dict, results: list, *
             train = _train_speedup(step, kept)
             if train is not None:
                 verdict, kept_any = keep.decide_training(verdict, train)
-        if lean is not None:
-            verdict = f"{lean}; {verdict}"
-            if not kept_any:
-                lean.drop()
+        if lean is not None and not kept_any:
+            lean.drop()
         kept = keep.settle(kept, kept_any, torch_when_capturing)
         capture.rest(kept, called)
+    if paced:
+        verdict = f"{paced}; {verdict}"
     log.info("gemmtune.optimize: %d GEMM calls seen in %d layers, %d layers served by gemmtune, %d left to torch; "
              "%s; setup %.1f s", calls, len(forms), len(kept), len(forms) - len(kept), verdict,
              time.perf_counter() - started)

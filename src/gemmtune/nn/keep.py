@@ -176,11 +176,11 @@ def served(forms: Iterable[Form], layer_problems: dict, results: dict[str, TuneR
     return kept
 
 
-def host_bound(run: Callable[[], object], forms: list[Form]) -> bool:
-    """Whether the run with every layer in its torch form is paced by the host: queuing one call
-    takes the host at least HOST_BOUND of the call's wall time, started on an idle GPU (the median
-    of three calls; a run that reads a result on the host mid-way counts so too). The layers are
-    left in gemmtune's form."""
+def host_share(run: Callable[[], object], forms: list[Form]) -> float:
+    """The share of one call's wall time, started on an idle GPU, that queuing it takes the host,
+    with every layer in its torch form (the median of three calls; a run that reads a result on
+    the host mid-way counts as queuing it all). From HOST_BOUND on, the host paces the run. The
+    layers are left in gemmtune's form."""
     shares, index = [], device_index(forms)
     try:
         for form in forms:
@@ -195,7 +195,7 @@ def host_bound(run: Callable[[], object], forms: list[Form]) -> bool:
     finally:
         for form in forms:
             form.to_gemmtune()
-    return statistics.median(shares) >= HOST_BOUND
+    return statistics.median(shares)
 
 
 def lean_picks(layer_problems: dict, results: dict[str, TuneResult]) -> dict[Problem, Trial]:
@@ -230,26 +230,31 @@ class Lean(NamedTuple):
 
 
 def lean(run: Callable[[], object], forms: list[Form], layer_problems: dict,
-         results: dict[str, TuneResult]) -> Lean | None:
-    """Where the run is paced by its host (``host_bound``) and some of its GEMMs have a kernel
+         results: dict[str, TuneResult]) -> tuple[Lean | None, str]:
+    """Where the run is paced by its host (``host_share``) and some of its GEMMs have a kernel
     whose launch costs the host less (``lean_picks``): those kernels serve the GEMMs' eager calls,
     and the run with every layer in gemmtune's form is timed against torch's form (``speedup``).
-    They stay where it measures faster beyond its noise (a ``Lean``), else they go (None). A Triton
-    kernel's bound launch costs the host less than ``F.linear``'s call: BERT-base's eager forward
-    ran 1.15-1.19x as fast with them on an H200, where gemmtune's choices (cuBLASLt's, faster on
-    the GPU) ran it 0.88-0.94x (host-lean-h200-20261129.json)."""
-    if not forms or not on_a_gpu(forms) or not host_bound(run, forms):
-        return None
+    They stay where it measures faster beyond its noise (a ``Lean``), else they go (None); with
+    what happened in words, for optimize's log line (empty where the host does not pace the run).
+    A Triton kernel's bound launch costs the host less than ``F.linear``'s call: BERT-base's eager
+    forward ran 1.15-1.19x as fast with them on an H200, where gemmtune's choices (cuBLASLt's,
+    faster on the GPU) ran it 0.88-0.94x (host-lean-h200-20261129.json)."""
+    if not forms or not on_a_gpu(forms):
+        return None, ""
+    share = host_share(run, forms)
+    if share < HOST_BOUND:
+        return None, ""
+    paced = f"the host paces the eager run ({share:.2f} of its wall time)"
     picks = lean_picks(layer_problems, results)
     if not picks:
-        return None
+        return None, f"{paced}, and no GEMM has a Triton finalist nearly as fast as cuBLAS to serve its eager calls"
     index = device_index(forms)
     DISPATCHER.serve_lean(picks, index)
     found = Lean(picks, index, speedup(run, forms))
     if found.eager.pays():
-        return found
+        return found, f"{paced}: {found}"
     found.drop()
-    return None
+    return None, f"{paced}: {found} read {found.eager}, so they go"
 
 
 def device_index(forms: list[Form]) -> int:
