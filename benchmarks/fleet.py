@@ -23,7 +23,8 @@ and the file says:
   runs in a CUDA graph (``tuner.graph_choice``). Each difference is then crosschecked: its two choices timed
   side by side with cuBLAS on GPU 0, in rounds like the tuner's final ones; ``kernel`` and
   ``cost`` are the other choice's over plain's (medians of per-round ratios, with their noise),
-  and ``within_noise`` counts the differences where both are level (see ``crosscheck``); each
+  and ``within_noise`` counts the differences where both are level, ``cost_level`` those where
+  the cost is (see ``crosscheck``); each
   difference says where it ``started`` (the final rounds, a screening cut, or screening). The
   ``--gpus all`` run's differences are crosschecked on each other GPU too (``on_gpu1``, ...):
   half its problems were tuned there, and two chips of one model need not read alike.
@@ -189,10 +190,12 @@ def crosscheck(comparison: dict, budget_ms: float, gpu: int = 0) -> None:
     judges) of the other choice over plain's, each the median of per-round ratios with its
     ``*_noise`` (the half inter-quartile range of those ratios), and ``host``, the host's time per
     call, where the kernels are short enough for it to be measured. A difference is within noise
-    where both its kernel and its cost are level (within max(MIN_GAIN, noise)) with plain's. On
-    GPU 0 the readings are the difference's own fields and ``within_noise`` the comparison's
-    count; on another GPU they go under ``on_gpu<N>`` (each difference's and the comparison's):
-    whether two GPUs of one model read the same two choices alike."""
+    where both its kernel and its cost are level (within max(MIN_GAIN, noise)) with plain's, and
+    ``cost_level`` where its cost is (what selection judges an eager call by; the kernel a CUDA
+    graph replays is chosen apart, ``graph_same``). On GPU 0 the readings are the difference's own
+    fields and ``within_noise`` and ``cost_level`` the comparison's counts; on another GPU they go
+    under ``on_gpu<N>`` (each difference's and the comparison's): whether two GPUs of one model
+    read the same two choices alike."""
     from gemmtune.device import current
     from gemmtune.problem import Problem
     from gemmtune.results import Status, Trial
@@ -202,7 +205,7 @@ def crosscheck(comparison: dict, budget_ms: float, gpu: int = 0) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(gpu)
     runner = LocalRunner(current(gpu if torch.cuda.is_available() else None))
-    within = 0
+    within = cost_level = 0
     for difference in comparison["differences"]:
         if difference.get("missing"):
             continue
@@ -214,19 +217,21 @@ def crosscheck(comparison: dict, budget_ms: float, gpu: int = 0) -> None:
         if mine is None or theirs is None:
             readings["failed"] = "a choice failed its build or check in the crosscheck"
             continue
-        level = True
+        levels = []
         for i, what in enumerate(("kernel", "cost")):
             ratio, noise = theirs[i].ratio_to(mine[i]), theirs[i].spread_against(mine[i])
             readings[what], readings[f"{what}_noise"] = ratio, noise
-            level = level and abs(ratio - 1.0) <= max(MIN_GAIN, noise)
+            levels.append(abs(ratio - 1.0) <= max(MIN_GAIN, noise))
         if mine[2] is not None and theirs[2] is not None:
             readings["host"] = theirs[2].ratio_to(mine[2])
-        readings["within_noise"] = level
-        within += level
+        readings["within_noise"], readings["cost_level"] = all(levels), levels[1]
+        within += all(levels)
+        cost_level += levels[1]
+    counts = {"within_noise": within, "cost_level": cost_level}
     if gpu == 0:
-        comparison["within_noise"] = within
+        comparison |= counts
     else:
-        comparison[f"on_gpu{gpu}"] = {"within_noise": within}
+        comparison[f"on_gpu{gpu}"] = counts
 
 
 def scale_file(result: dict) -> dict:
@@ -240,6 +245,7 @@ def scale_file(result: dict) -> dict:
                       "wall_s": result["gpus_all_s"], "one_gpu_wall_s": result["plain_s"],
                       "speedup_vs_one": result["scaling"], "choice_agreement": result["agreement"],
                       "same_or_within_noise": (result["same"] + result["within_noise"]) / result["problems"],
+                      "same_or_cost_level": (result["same"] + result["cost_level"]) / result["problems"],
                       "entries_lost": lost}]}
 
 
@@ -304,8 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         args.scale_out.write_text(json.dumps(scale_file(result), indent=1))
     print(f"{gpus} GPUs: scaling {result['scaling']:.2f}x (ideal {gpus}), scheduler overhead "
           f"{result['scheduler_overhead']:+.1%}, agreement {result['same']}/{result['problems']} "
-          f"({result['within_noise']} of the differences within noise; one GPU twice: "
-          f"{result['repeat']['same']}/{result['repeat']['problems']}, {result['repeat']['within_noise']}); "
+          f"({result['within_noise']} of the differences within noise, {result['cost_level']} level in cost; one GPU "
+          f"twice: {result['repeat']['same']}/{result['repeat']['problems']}, {result['repeat']['within_noise']}, "
+          f"{result['repeat']['cost_level']}); "
           f"CUDA-graph kernels the same: {result['graph_same']}/{result['problems']}, one GPU twice "
           f"{result['repeat']['graph_same']}",
           file=sys.stderr)

@@ -11,6 +11,7 @@ import torch
 from gemmtune.problem import Problem
 from gemmtune.results import Status, Timing, TuneResult, Trial
 from gemmtune.store import Store
+from gemmtune.tuning.tuner import MIN_GAIN
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUNDS = 40
@@ -98,7 +99,11 @@ def test_the_crosscheck_reads_each_difference_on_gpu_0_in_place_and_on_another_g
     assert set(missing) == {"problem", "missing"}
     for readings in (first, first["on_gpu1"]):
         assert readings["kernel"] > 0 and readings["cost"] > 0 and readings["kernel_noise"] >= 0
-        assert isinstance(readings["within_noise"], bool)
+        assert isinstance(readings["within_noise"], bool) and isinstance(readings["cost_level"], bool)
+        assert readings["cost_level"] == (abs(readings["cost"] - 1) <= max(MIN_GAIN, readings["cost_noise"]))
+        assert readings["cost_level"] or not readings["within_noise"]  # within noise: its cost level too
     assert "on_gpu1" not in first["on_gpu1"]
     assert comparison["within_noise"] == int(first["within_noise"])
-    assert comparison["on_gpu1"] == {"within_noise": int(first["on_gpu1"]["within_noise"])}
+    assert comparison["cost_level"] == int(first["cost_level"])
+    assert comparison["on_gpu1"] == {"within_noise": int(first["on_gpu1"]["within_noise"]),
+                                     "cost_level": int(first["on_gpu1"]["cost_level"])}
