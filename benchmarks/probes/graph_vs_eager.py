@@ -42,7 +42,8 @@ def main() -> None:
            "rounds": rounds,
            "gpu_ms": {way: sum(k.values()) for way, k in kernels.items()},
            "kernels": {way: len(k) for way, k in kernels.items()},
-           "moved": [{"kernel": n[:140], "eager_ms": kernels["eager"][n], "graph_ms": kernels["graph"][n]} for n in moved]}
+           "moved": [{"kernel": n[:140], "eager_ms": kernels["eager"][n], "graph_ms": kernels["graph"][n]}
+                     for n in moved]}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
 

@@ -384,8 +384,9 @@ def lean_choice(trials: Sequence[Trial], chosen: str) -> Trial | None:
     host, from its tuning's stored ``trials``: the finalist of a ``backends.LEAN`` backend with
     the fastest kernel (a bound Triton launch), where its kernel takes at most LEAN_CEILING times
     cuBLAS's; None where the choice is such a kernel already, no such finalist ran (an fp8
-    product's), or the final rounds are not on record. ``select`` does not choose such a kernel, whose extra GPU time a caller the GPU paces
-    pays: only a model's check, which times the model with it, does (``gemmtune.nn.keep``)."""
+    product's), or the final rounds are not on record. ``select`` does not choose such a kernel,
+    whose extra GPU time a caller the GPU paces pays: only a model's check, which times the model
+    with it, does (``gemmtune.nn.keep``)."""
     found = final_rounds(trials)
     if found is None or chosen in found[1] and found[1][chosen].backend in backends.LEAN:
         return None
