@@ -183,7 +183,7 @@ def test_optimize_leaves_a_layer_kept_for_graphs_alone_at_rest_and_hooks_the_mod
         return keep.Speedup(1.05, 0.01)
 
     monkeypatch.setattr(keep, "on_a_gpu", lambda forms: True)
-    monkeypatch.setattr(keep, "host_share", lambda run, forms: 0.0)  # the GPU paces it: no lean kernels tried
+    monkeypatch.setattr(keep, "host_pace", lambda run, forms: keep.Pace(0.0, 0.0))  # GPU-paced: no lean kernels
     monkeypatch.setattr(keep, "speedup", speedup)
     monkeypatch.setattr(keep, "graph_speedup", lambda run, forms, **_: keep.Speedup(1.05, 0.001))
     model = gemmtune.optimize(mlp().eval(), (torch.randn(4, 16),))

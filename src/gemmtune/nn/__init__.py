@@ -338,8 +338,8 @@ def tune_calls(run: Callable[[], object], *, options: TuneOptions | None = None,
         return []
     results = api.tune(problems, options=options)  # which drops the kernels built before it
     if check:
-        _keep_what_pays(run, per_layer, results, calls=sum(seen.counts.values()), started=started, step=step,
-                        called=called)
+        _keep_what_pays(run, per_layer, results, calls={problem.key(): n for problem, n in seen.problems()},
+                        started=started, step=step, called=called)
     return results
 
 
@@ -361,7 +361,7 @@ def _train_speedup(step: Callable[[], bool], kept: list) -> keep.Speedup | None:
         return None
 
 
-def _keep_what_pays(run: Callable[[], object], per_layer: dict, results: list, *, calls: int,
+def _keep_what_pays(run: Callable[[], object], per_layer: dict, results: list, *, calls: dict[str, int],
                     started: float, called: capture.Called, step: Callable[[], bool] | None = None) -> None:
     """The layers the run called that were tuned to cuBLAS alone go back to torch, but for those
     whose CUDA graphs would replay a faster kernel, kept for graphs alone (``keep.served``); the
@@ -378,13 +378,14 @@ def _keep_what_pays(run: Callable[[], object], per_layer: dict, results: list, *
     pays too: a call that needs a gradient runs gemmtune's forward through autograd and its
     activation unfused, which cost a ViT-B/16 train step with every layer gemmtune's 1.09x torch's
     time on an H100 (docs/python.md, training). Before all this, where the run is paced by its host,
-    its GEMMs' eager calls are tried on the kernels whose launches cost the host least, and where
-    the run measures faster so, they serve them, and the layers whose calls they serve count as
+    its GEMMs' eager calls are tried on the kernels whose launches cost the host least, where the
+    GPU has room for their extra time (``calls``: each GEMM's calls in the run), and where the run
+    measures faster so, they serve them, and the layers whose calls they serve count as
     served (``keep.lean``). One log line."""
     forms = [keep.Form(layer) for layer in per_layer]
     by_key = {r.problem_key: r for r in results}
     with torch.no_grad():
-        lean, paced = keep.lean(run, forms, per_layer, by_key)
+        lean, paced = keep.lean(run, forms, per_layer, by_key, calls)
     kept = keep.served(forms, per_layer, by_key, lean)
     verdict = "nothing to time"
     if kept and keep.on_a_gpu(kept):
@@ -403,5 +404,5 @@ def _keep_what_pays(run: Callable[[], object], per_layer: dict, results: list, *
     if paced:
         verdict = f"{paced}; {verdict}"
     log.info("gemmtune.optimize: %d GEMM calls seen in %d layers, %d layers served by gemmtune, %d left to torch; "
-             "%s; setup %.1f s", calls, len(forms), len(kept), len(forms) - len(kept), verdict,
+             "%s; setup %.1f s", sum(calls.values()), len(forms), len(kept), len(forms) - len(kept), verdict,
              time.perf_counter() - started)
