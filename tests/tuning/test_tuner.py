@@ -451,17 +451,20 @@ def test_a_backend_with_its_own_topk_count_gets_it_unless_the_options_give_one()
 
 
 def test_a_host_bound_model_s_eager_calls_may_run_the_fastest_triton_finalist_within_the_ceiling():
-    """cuBLAS chosen, a cuBLASLt algorithm faster on the GPU: the lean kernel is the fastest Triton
-    finalist whose kernel is within LEAN_CEILING of cuBLAS's, not the cuBLASLt one."""
+    """cuBLAS chosen, a cuBLASLt algorithm faster on the GPU: the lean kernel is the fastest
+    finalist of a lean backend (a bound Triton launch) whose kernel is within LEAN_CEILING of
+    cuBLAS's, not the cuBLASLt one nor a TMA kernel's, whose calls build descriptors."""
     from gemmtune.tuning.tuner import LEAN_CEILING, lean_choice
 
     trials = [finalist("cublas", {}, 0.0300, seed=1), finalist("cublaslt", {"algo": 1}, 0.0280, seed=2),
               finalist("triton_tiled", {"n": 1}, 0.0345, seed=3),
-              finalist("triton_persistent", {"n": 2}, 0.0330, seed=4),
+              finalist("triton_splitk", {"n": 2}, 0.0330, seed=4),
+              finalist("triton_persistent", {"n": 4}, 0.0290, seed=6),
               finalist("triton_stream", {"n": 3}, 0.0200, rounds=5, seed=5)]  # screened only: other rounds
     assert lean_choice(trials, "cublas") is trials[3]
     assert lean_choice(trials, trials[1].label()) is trials[3]
-    assert lean_choice(trials, trials[2].label()) is None  # the choice is a Triton kernel already
+    assert lean_choice(trials, trials[4].label()) is trials[3]  # a persistent kernel's calls are not lean
+    assert lean_choice(trials, trials[2].label()) is None  # the choice is a lean kernel already
     slow = [trials[0], finalist("triton_tiled", {"n": 1}, 0.0300 * (LEAN_CEILING + 0.05), seed=3)]
     assert lean_choice(slow, "cublas") is None  # beyond the ceiling
     assert lean_choice(trials[:2], "cublas") is None  # no Triton finalist

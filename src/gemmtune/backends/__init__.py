@@ -30,10 +30,13 @@ CACHED_COMPILES = ("cute",)
 SCALED = ("scaled_mm_fast", "triton_scaled", "triton_scaled_stream")
 # backends asked for both kinds, whose kernels take scales where the problem has them
 EITHER = ("cublaslt", "cute")
-# Triton kernels launched from their compiled binary, whose call costs the host less than
-# F.linear's or cuBLASLt's (docs/host-cost.md): what a host-bound model's eager calls may run
-# instead of a library's choice (``tuner.lean_choice``); the fp8 kernels are not among them
-LEAN = ("triton_persistent", "triton_splitk", "triton_stream", "triton_tiled")
+# Triton kernels launched from their compiled binary with bound arguments, whose call costs the
+# host less than F.linear's or cuBLASLt's (docs/host-cost.md): what a host-bound model's eager
+# calls may run instead of a library's choice (``tuner.lean_choice``). Not the TMA kernels: the
+# persistent one builds three descriptors and goes through Triton's JIT on every call (ViT-B/16's
+# eager forward 0.64x with them, 0.94x as a graph: host-lean-h200-vit-20261129.json), and the
+# stream one encodes its descriptors on every call (20 us, F.linear's 13.6-17.2); nor fp8 kernels
+LEAN = ("triton_splitk", "triton_tiled")
 # the backends of batched products (``Problem.batch`` > 1, torch.bmm's): torch's own and the tiled
 # kernel the compiler's batched template stands for; no other's kernel takes a batch
 BATCHED = ("cublas", "triton_tiled")
