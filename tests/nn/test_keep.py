@@ -376,6 +376,21 @@ def test_lean_kernels_serve_a_host_bound_run_s_eager_calls_only_where_it_measure
         assert found.eager == eager and "eager calls of 1 GEMM on Triton kernels" in str(found)
 
 
+def test_without_torch_s_sleep_kernel_the_room_is_unknown_and_every_lean_kernel_is_tried(lean_calls, monkeypatch):
+    model = gemmtune.optimize(mlp())
+    forms = [keep.Form(model[0]), keep.Form(model[2])]
+    problem = Problem(4, 32, 16, "float32", "linear", True, False, "gelu")
+    monkeypatch.delattr(torch.cuda, "_sleep", raising=False)
+    monkeypatch.setattr(keep, "host_pace", lambda run, forms: keep.Pace(0.97, 4.0))
+    monkeypatch.setattr(keep, "lean_picks", lambda layer_problems, results: {problem: object()})
+    monkeypatch.setattr(keep, "extra_ms", lambda picks, results: pytest.fail("no room to weigh"))
+    monkeypatch.setattr(keep, "speedup", lambda run, forms: S(1.15, 0.03))
+    assert keep.gpu_ms(lambda: None, forms, 4.0) is None
+    found, said = keep.lean(lambda: None, forms, {}, {}, {problem.key(): 8})
+    assert found is not None and lean_calls == [("serve", {problem})]
+    assert said.startswith("the host paces the eager run (0.97 of its wall time): the eager calls of 1 GEMM")
+
+
 def test_lean_kernels_take_the_gpu_s_room_least_extra_time_a_call_first():
     """Room 4 ms: half of it, 2 ms, for the kernels' extra GPU time. The kernel as fast as its
     choice's costs nothing; then 0.01 ms a call over 100 calls (1 ms); 0.05 over 30 (1.5 ms) no

@@ -211,12 +211,15 @@ def host_pace(run: Callable[[], object], forms: list[Form]) -> Pace:
     return Pace(statistics.median(shares), statistics.median(queued))
 
 
-def gpu_ms(run: Callable[[], object], forms: list[Form], host_ms: float) -> float:
+def gpu_ms(run: Callable[[], object], forms: list[Form], host_ms: float) -> float | None:
     """The GPU's time for one call of the run, the layers in the form they are in: the call queued
     behind a sleep kernel that outlasts the host's queuing of it (``host_ms``), so that the GPU runs
     its kernels back to back, timed by events around them (the median of three). Where the run
     waits for the GPU mid-way, the host's time after the wait counts too, and the room a host-paced
-    run leaves the GPU reads smaller than it is."""
+    run leaves the GPU reads smaller than it is. None where torch has no sleep kernel (a private
+    function of ``torch.cuda``): the room is then not known."""
+    if not hasattr(torch.cuda, "_sleep"):
+        return None
     index = device_index(forms)
     times = []
     with torch.cuda.device(index):
@@ -300,11 +303,12 @@ def lean(run: Callable[[], object], forms: list[Form], layer_problems: dict, res
     if not picks:
         return None, f"{paced}, and no GEMM has a Triton finalist nearly as fast as cuBLAS to serve its eager calls"
     gpu = gpu_ms(run, forms, pace.host_ms)
-    paced = (f"the host paces the eager run ({pace.share:.2f} of its wall time; {pace.host_ms:.2f} ms of host work "
-             f"for {gpu:.2f} ms of GPU work)")
-    picks = affordable(picks, extra_ms(picks, results), calls or {}, pace.host_ms - gpu)
-    if not picks:
-        return None, f"{paced}, too little room on the GPU for kernels slower there that launch faster"
+    if gpu is not None:  # else every pick is tried, and the timing below decides alone
+        paced = (f"the host paces the eager run ({pace.share:.2f} of its wall time; {pace.host_ms:.2f} ms of host "
+                 f"work for {gpu:.2f} ms of GPU work)")
+        picks = affordable(picks, extra_ms(picks, results), calls or {}, pace.host_ms - gpu)
+        if not picks:
+            return None, f"{paced}, too little room on the GPU for kernels slower there that launch faster"
     index = device_index(forms)
     DISPATCHER.serve_lean(picks, index)
     found = Lean(picks, index, speedup(run, forms))
