@@ -1,0 +1,84 @@
+"""Probe: whether optimize's eager check and the models benchmark read one optimized model alike
+in one process, and if not, which difference between them moves the reading.
+
+In the zoo run `models-h200-room-zoo-20261129.json` torchvision's ViT-B read 0.892 +-0.008 in the
+benchmark's eager rounds (A/A 1.013) where optimize's check had read its layers 1.02x +-0.00 and
+kept them. The two differ in three ways: the check swaps one model's layers between their forms
+(``keep.Form``) where the benchmark times two models (the optimized copy and the model without
+gemmtune); the check's loops fill 20 ms (``measure.loops``), the benchmark's 100 ms; and they run
+at different moments of the process. Here, per model (zoo names; each optimized as the zoo does
+it, ``models.tune_side``), four readings of gemmtune's eager speed over torch's, in this order,
+the whole sequence twice: the check itself (``keep.speedup`` on the optimized model's layers);
+``measure.loops`` over the two models at 20 ms loops, then at 100 ms loops; and the benchmark's
+``models.paired_rounds`` (100 ms rounds, with its A/A control). Written to OUT.json after each model.
+
+    PYTHONPATH=src:benchmarks python3 benchmarks/probes/check_loops.py OUT.json \
+        [--models vit_b_16-torchvision,bert-base,vit_base_patch16_224,mixer_b16_224]
+"""
+import argparse
+import copy
+import json
+
+import torch
+
+import models
+from gemmtune.device import current
+from gemmtune.nn import keep
+from gemmtune.tuning import measure
+
+
+def forms_of(model: torch.nn.Module) -> list:
+    """The check's forms of the layers optimize left gemmtune's (those in their gemmtune class)."""
+    return [keep.Form(module) for module in model.modules() if isinstance(module, keep.TakenOver)]
+
+
+def readings(base_run, tuned_run, control_run, forms: list) -> dict:
+    """The four readings, each a speedup (above 1: gemmtune's side faster) and its spread."""
+    found = {}
+    check = keep.speedup(tuned_run, forms)
+    found["check"] = {"speedup": check.ratio, "spread": check.noise, "retimed": check.retimed}
+    for loop_ms in (20.0, 100.0):
+        timings = measure.loops({"gemmtune": tuned_run, "torch": base_run}, current(),
+                                budget_ms=2000.0 * loop_ms / 20.0, loop_ms=loop_ms)
+        two = keep.Speedup.of(timings)
+        found[f"loops_{loop_ms:.0f}ms"] = {"speedup": two.ratio, "spread": two.noise}
+    bench = models.paired_rounds(base_run, tuned_run, rounds=15, round_ms=100.0, device="cuda", control=control_run)
+    found["benchmark"] = {key: bench[key] for key in ("speedup", "spread", "control", "control_spread",
+                                                      "calls_per_round")}
+    return found
+
+
+def probe(name: str) -> dict:
+    entry = models.entry_of(name)
+    case = next(c for c in entry.cases(name, False) if c.phase == "inference")
+    torch.manual_seed(0)
+    base = entry.build(False).to("cuda", case.dtype).eval()
+    shared = case.inputs("cuda", case.dtype)
+    control = copy.deepcopy(base)
+    with torch.no_grad():
+        tuned, kwargs, setup_s, said = models.tune_side(case, base, shared)
+        base_run = models.step_of(case, base, base, case.kwargs(base, shared))
+        control_run = models.step_of(case, control, control, case.kwargs(control, shared))
+        tuned_run = models.step_of(case, tuned, tuned, kwargs)
+        forms = forms_of(tuned)
+        sequences = [readings(base_run, tuned_run, control_run, forms) for _ in range(2)]
+    models.release("cuda")
+    return {"case": case.label(), "setup_s": setup_s, "optimize_said": said, "layers_timed": len(forms),
+            "sequences": sequences}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out")
+    parser.add_argument("--models", default="vit_b_16-torchvision,bert-base,vit_base_patch16_224,mixer_b16_224")
+    args = parser.parse_args()
+    rows = []
+    for name in args.models.split(","):
+        rows.append(probe(name))
+        print(json.dumps(rows[-1]), flush=True)
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
