@@ -7,7 +7,10 @@ the final rounds (a bound Triton launch costs the host less than ``F.linear``'s 
 cuBLASLt's: docs/host-cost.md), where there is one. Four sides in alternated rounds of queued
 eager forwards, each side's kernels put in the dispatcher before its loop: the model without
 gemmtune, an A/A copy of it, the optimized model with its tuned kernels, and with the Triton
-ones ("lean"); then the same sides' CUDA graphs replayed (the GPU's time alone: where the lean
+ones ("lean"); where ``optimize`` would pick lean kernels (``keep.lean_picks``: bound launches
+within the ceiling), two sides more: those picks put in the dispatcher as they are ("picks"), and
+served as optimize serves them (``Dispatcher.serve_lean``: each a ``ByMode`` of the pick and the
+choice, "served"); then the first three sides' CUDA graphs replayed (the GPU's time alone: where the lean
 kernels would make the GPU pace the forward). Ratios are the model without gemmtune over each
 side (above 1: faster), medians of per-round ratios with their spreads. Written to OUT.json.
 
@@ -21,7 +24,7 @@ import gemmtune
 import models
 from gemmtune import backends
 from gemmtune.device import current
-from gemmtune.nn import tune_calls
+from gemmtune.nn import keep, tune_calls
 from gemmtune.serving.dispatch import DISPATCHER, DispatchKey
 from gemmtune.tuning import measure
 from gemmtune.tuning.tuner import final_rounds
@@ -55,10 +58,23 @@ def lean_kernels(problems, device) -> tuple[dict, list]:
     return lean, found
 
 
-def installer(kernels: dict, step):
-    """Put ``kernels`` in the dispatcher and run ``step`` once, untimed (its calls bind anew)."""
+def optimize_picks(problems) -> dict:
+    """Per problem the kernel ``optimize`` would serve its eager calls with where the host paces the
+    run (``keep.lean_picks``), where there is one; the choices read from the store."""
+    results = {r.problem_key: r for r in gemmtune.tune([problem for problem, _ in problems])}
+    return keep.lean_picks({"run": set(results)}, results)
+
+
+def installer(kernels: dict, step, picks: dict, served: bool = False):
+    """Put ``kernels`` in the dispatcher, and where ``served`` serve ``picks`` as optimize does
+    (else no pick is served), then run ``step`` once, untimed (its calls bind anew)."""
+    index = torch.cuda.current_device()
+
     def install():
+        DISPATCHER.drop_lean(list(picks), index)
         DISPATCHER.kernels.update(kernels)
+        if served:
+            DISPATCHER.serve_lean(picks, index)
         DISPATCHER.front.clear()
         step()
     return install
@@ -75,6 +91,7 @@ def probe_case(case, base, shared) -> dict:
     tuned, kwargs = optimized(case, base, shared)
     control = copy.deepcopy(base)
     with torch.no_grad():
+        picks = optimize_picks(models.recorded(case, tuned, kwargs, deferring=False))
         problems = models.recorded(case, tuned, kwargs, deferring=False)
         index = torch.cuda.current_device()
         as_tuned = {key: DISPATCHER.kernels[key] for key in (DispatchKey.of(p, index) for p, _ in problems)
@@ -84,10 +101,15 @@ def probe_case(case, base, shared) -> dict:
                  "control": models.step_of(case, control, control, case.kwargs(control, shared))}
         step = models.step_of(case, tuned, tuned, kwargs)
         steps.update(tuned=step, lean=step)
-        enter = {"tuned": installer(as_tuned, step), "lean": installer({**as_tuned, **lean}, step)}
+        enter = {"tuned": installer(as_tuned, step, picks), "lean": installer({**as_tuned, **lean}, step, picks)}
+        if picks:
+            built = {DispatchKey.of(p, index): backends.build(p, t.backend, t.config, device) for p, t in picks.items()}
+            steps.update(picks=step, served=step)
+            enter.update(picks=installer({**as_tuned, **built}, step, picks),
+                         served=installer(as_tuned, step, picks, served=True))
         reference = models.first_tensor(steps["torch"]()).float()
         errors = {}
-        for name in ("tuned", "lean"):
+        for name in enter:
             enter[name]()
             errors[name] = models.rel_err(models.first_tensor(step()).float(), reference)
         eager = measure.loops(steps, device, budget_ms=40000.0, rounds=21, loop_ms=100.0, enter=enter)
@@ -97,7 +119,8 @@ def probe_case(case, base, shared) -> dict:
             graphs[name], _ = models.captured(steps[name])
         replayed = measure.loops(graphs, device, budget_ms=20000.0, rounds=15, loop_ms=50.0)
         enter["tuned"]()
-    return {"case": case.label(), "gemms": found, "rel_err": errors, "eager": ratios(eager),
+    return {"case": case.label(), "gemms": found, "picks": {p.describe(): t.label() for p, t in picks.items()},
+            "rel_err": errors, "eager": ratios(eager),
             "graph": ratios(replayed)}
 
 
