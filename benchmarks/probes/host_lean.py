@@ -7,7 +7,7 @@ the final rounds (a bound Triton launch costs the host less than ``F.linear``'s 
 cuBLASLt's: docs/host-cost.md), where there is one. Four sides in alternated rounds of queued
 eager forwards, each side's kernels put in the dispatcher before its loop: the model without
 gemmtune, an A/A copy of it, the optimized model with its tuned kernels, and with the Triton
-ones ("lean"); where ``optimize`` would pick lean kernels (``keep.lean_picks``: bound launches
+ones ("lean"); where ``optimize`` would pick lean kernels (``gemmtune.nn.lean.lean_picks``: bound launches
 within the ceiling), two sides more: those picks put in the dispatcher as they are ("picks"), and
 served as optimize serves them (``Dispatcher.serve_lean``: each a ``ByMode`` of the pick and the
 choice, "served"); then the first three sides' CUDA graphs replayed (the GPU's time alone: where the lean
@@ -24,7 +24,8 @@ import gemmtune
 import models
 from gemmtune import backends
 from gemmtune.device import current
-from gemmtune.nn import keep, tune_calls
+from gemmtune.nn import tune_calls
+from gemmtune.nn.lean import lean_picks
 from gemmtune.serving.dispatch import DISPATCHER, DispatchKey
 from gemmtune.tuning import measure
 from gemmtune.tuning.tuner import final_rounds
@@ -60,9 +61,9 @@ def lean_kernels(problems, device) -> tuple[dict, list]:
 
 def optimize_picks(problems) -> dict:
     """Per problem the kernel ``optimize`` would serve its eager calls with where the host paces the
-    run (``keep.lean_picks``), where there is one; the choices read from the store."""
+    run (``gemmtune.nn.lean.lean_picks``), where there is one; the choices read from the store."""
     results = {r.problem_key: r for r in gemmtune.tune([problem for problem, _ in problems])}
-    return keep.lean_picks({"run": set(results)}, results)
+    return lean_picks({"run": set(results)}, results)
 
 
 def installer(kernels: dict, step, picks: dict, served: bool = False):

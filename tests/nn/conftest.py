@@ -34,3 +34,18 @@ def fake_tuning(monkeypatch):
         return tuned
 
     return install
+
+
+@pytest.fixture
+def lean_calls(monkeypatch):
+    """The dispatcher's lean serving recorded, not done: ('serve', problems) and ('drop', problems);
+    the layers taken to lie on GPU 0."""
+    from gemmtune.nn import keep
+    from gemmtune.serving.dispatch import DISPATCHER
+
+    calls = []
+    monkeypatch.setattr(DISPATCHER, "serve_lean", lambda picks, index: calls.append(("serve", set(picks))))
+    monkeypatch.setattr(DISPATCHER, "drop_lean", lambda problems, index: calls.append(("drop", set(problems))))
+    monkeypatch.setattr(keep, "on_a_gpu", lambda forms: True)
+    monkeypatch.setattr(keep, "device_index", lambda forms: 0)
+    return calls

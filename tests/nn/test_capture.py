@@ -13,7 +13,7 @@ from torch import nn
 
 import gemmtune
 from gemmtune import nn as gnn
-from gemmtune.nn import capture, keep
+from gemmtune.nn import capture, keep, lean
 from gemmtune.results import Status, Trial
 from gemmtune.serving.dispatch import DISPATCHER
 
@@ -183,7 +183,7 @@ def test_optimize_leaves_a_layer_kept_for_graphs_alone_at_rest_and_hooks_the_mod
         return keep.Speedup(1.05, 0.01)
 
     monkeypatch.setattr(keep, "on_a_gpu", lambda forms: True)
-    monkeypatch.setattr(keep, "host_pace", lambda run, forms: keep.Pace(0.0, 0.0))  # GPU-paced: no lean kernels
+    monkeypatch.setattr(lean, "host_pace", lambda run, forms: lean.Pace(0.0, 0.0))  # GPU-paced: no lean kernels
     monkeypatch.setattr(keep, "speedup", speedup)
     monkeypatch.setattr(keep, "graph_speedup", lambda run, forms, **_: keep.Speedup(1.05, 0.001))
     model = gemmtune.optimize(mlp().eval(), (torch.randn(4, 16),))

@@ -34,6 +34,7 @@ from gemmtune.nn import conv1d as conv1d_layers
 from gemmtune.nn import fusion
 from gemmtune.nn import joined as sibling_layers
 from gemmtune.nn import keep
+from gemmtune.nn import lean as lean_kernels
 from gemmtune.nn import padded as aligned_layers
 from gemmtune.nn import refused
 from gemmtune.nn.scaled import ScaledLinear  # noqa: F401 - gemmtune.nn.ScaledLinear
@@ -381,12 +382,12 @@ def _keep_what_pays(run: Callable[[], object], per_layer: dict, results: list, *
     its GEMMs' eager calls are tried on the kernels whose launches cost the host least, where the
     GPU has room for their extra time (``calls``: each GEMM's calls in the run), and where the run
     measures faster so, they serve them, and the layers whose calls they serve count as
-    served (``keep.lean``). One log line."""
+    served (``gemmtune.nn.lean``). One log line."""
     forms = [keep.Form(layer) for layer in per_layer]
     by_key = {r.problem_key: r for r in results}
     with torch.no_grad():
-        lean, paced = keep.lean(run, forms, per_layer, by_key, calls)
-    kept = keep.served(forms, per_layer, by_key, lean)
+        lean, paced = lean_kernels.tried(run, forms, per_layer, by_key, calls)
+    kept = keep.served(forms, per_layer, by_key, () if lean is None else lean.keys())
     verdict = "nothing to time"
     if kept and keep.on_a_gpu(kept):
         with torch.no_grad():
