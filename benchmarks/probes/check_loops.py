@@ -18,6 +18,7 @@ the whole sequence twice: the check itself (``keep.speedup`` on the optimized mo
 import argparse
 import copy
 import json
+import logging
 
 import torch
 
@@ -25,6 +26,8 @@ import models
 from gemmtune.device import current
 from gemmtune.nn import keep
 from gemmtune.tuning import measure
+
+log = logging.getLogger("check_loops")
 
 
 def forms_of(model: torch.nn.Module) -> list:
@@ -72,10 +75,11 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--models", default="vit_b_16-torchvision,bert-base,vit_base_patch16_224,mixer_b16_224")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
     rows = []
     for name in args.models.split(","):
         rows.append(probe(name))
-        print(json.dumps(rows[-1]), flush=True)
+        log.info("%s", json.dumps(rows[-1]))
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 

@@ -20,12 +20,15 @@ collection's time; the caching allocator's segments. Written to OUT.json after e
 import argparse
 import gc
 import json
+import logging
 import statistics
 import time
 
 import torch
 
 import models
+
+log = logging.getLogger("host_state")
 
 
 def inference_case(name: str) -> tuple[models.Case, torch.nn.Module, dict]:
@@ -90,6 +93,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--calls", type=int, default=20)
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
     watched = {name: inference_case(name) for name in args.watch.split(",")}
     steps = {name: models.step_of(case, model, model, shared) for name, (case, model, shared) in watched.items()}
     stages, kept = [], []
@@ -100,7 +104,7 @@ def main() -> None:
                 step()
             row = {"stage": label, "stage_s": seconds, "watched": timed(steps, args.rounds, args.calls)} | state()
         stages.append(row)
-        print(json.dumps(row), flush=True)
+        log.info("%s", json.dumps(row))
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "watch": args.watch, "then": args.then,
                        "rounds": args.rounds, "calls": args.calls, "stages": stages}, f, indent=1)
