@@ -473,14 +473,21 @@ def probe_rows(out: str, names: str, probe: Callable[[Case, nn.Module, dict], di
     the device) after each, so that a run cut short keeps what it measured."""
     rows = []
     for name in names.split(","):
-        entry = entry_of(name)
-        for case in entry.cases(name, False):
-            if case.phase == "inference":
-                torch.manual_seed(0)
-                model = entry.build(False).to("cuda", case.dtype).eval()
-                rows.append(probe(case, model, case.inputs("cuda", case.dtype)))
-                with open(out, "w") as f:
-                    json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        for case, model, inputs in inference_models(name):
+            rows.append(probe(case, model, inputs))
+            with open(out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+def inference_models(name: str) -> Iterator[tuple[Case, nn.Module, dict]]:
+    """Each inference case of zoo model ``name``: the case, its model built on the GPU in the
+    case's dtype from seed 0 (eval mode), and the keyword inputs the case shares."""
+    entry = entry_of(name)
+    for case in entry.cases(name, False):
+        if case.phase == "inference":
+            torch.manual_seed(0)
+            model = entry.build(False).to("cuda", case.dtype).eval()
+            yield case, model, case.inputs("cuda", case.dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,12 +10,11 @@ at different moments of the process. Here, per model (zoo names; each optimized 
 it, ``models.tune_side``), four readings of gemmtune's eager speed over torch's, in this order,
 the whole sequence twice: the check itself (``keep.speedup`` on the optimized model's layers);
 ``measure.loops`` over the two models at 20 ms loops, then at 100 ms loops; and the benchmark's
-``models.paired_rounds`` (100 ms rounds, with its A/A control). Written to OUT.json after each model.
+``models.paired_rounds`` (100 ms rounds, with its A/A control). Written to OUT.json after each case.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/probes/check_loops.py OUT.json \
         [--models vit_b_16-torchvision,bert-base,vit_base_patch16_224,mixer_b16_224]
 """
-import argparse
 import copy
 import json
 import logging
@@ -51,12 +50,7 @@ def readings(base_run, tuned_run, control_run, forms: list) -> dict:
     return found
 
 
-def probe(name: str) -> dict:
-    entry = models.entry_of(name)
-    case = next(c for c in entry.cases(name, False) if c.phase == "inference")
-    torch.manual_seed(0)
-    base = entry.build(False).to("cuda", case.dtype).eval()
-    shared = case.inputs("cuda", case.dtype)
+def probe_case(case, base, shared) -> dict:
     control = copy.deepcopy(base)
     with torch.no_grad():
         tuned, kwargs, setup_s, said = models.tune_side(case, base, shared)
@@ -65,23 +59,18 @@ def probe(name: str) -> dict:
         tuned_run = models.step_of(case, tuned, tuned, kwargs)
         forms = forms_of(tuned)
         sequences = [readings(base_run, tuned_run, control_run, forms) for _ in range(2)]
+    row = {"case": case.label(), "setup_s": setup_s, "optimize_said": said, "layers_timed": len(forms),
+           "sequences": sequences}
+    log.info("%s", json.dumps(row))
     models.release("cuda")
-    return {"case": case.label(), "setup_s": setup_s, "optimize_said": said, "layers_timed": len(forms),
-            "sequences": sequences}
+    return row
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out")
-    parser.add_argument("--models", default="vit_b_16-torchvision,bert-base,vit_base_patch16_224,mixer_b16_224")
-    args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
-    rows = []
-    for name in args.models.split(","):
-        rows.append(probe(name))
-        log.info("%s", json.dumps(rows[-1]))
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    default = "vit_b_16-torchvision,bert-base,vit_base_patch16_224,mixer_b16_224"
+    args = models.probe_parser(__doc__, default).parse_args()
+    models.probe_rows(args.out, args.models, probe_case)
 
 
 if __name__ == "__main__":

@@ -92,11 +92,11 @@ def probe_case(case, base, shared) -> dict:
     tuned, kwargs = optimized(case, base, shared)
     control = copy.deepcopy(base)
     with torch.no_grad():
-        picks = optimize_picks(models.recorded(case, tuned, kwargs, deferring=False))
         problems = models.recorded(case, tuned, kwargs, deferring=False)
         index = torch.cuda.current_device()
         as_tuned = {key: DISPATCHER.kernels[key] for key in (DispatchKey.of(p, index) for p, _ in problems)
                     if key in DISPATCHER.kernels}
+        picks = optimize_picks(problems)  # its store lookups drop the dispatcher's kernels: as_tuned keeps them
         lean, found = lean_kernels(problems, device)
         steps = {"torch": models.step_of(case, base, base, case.kwargs(base, shared)),
                  "control": models.step_of(case, control, control, case.kwargs(control, shared))}

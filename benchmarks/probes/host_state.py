@@ -32,13 +32,9 @@ log = logging.getLogger("host_state")
 
 
 def inference_case(name: str) -> tuple[models.Case, torch.nn.Module, dict]:
-    """The first inference case of zoo model ``name``, its model built from seed 0 on the GPU in
-    the case's dtype (eval mode), and its inputs."""
-    entry = models.entry_of(name)
-    case = next(c for c in entry.cases(name, False) if c.phase == "inference")
-    torch.manual_seed(0)
-    model = entry.build(False).to("cuda", case.dtype).eval()
-    return case, model, case.inputs("cuda", case.dtype)
+    """The first inference case of zoo model ``name``, its model and its inputs
+    (``models.inference_models``)."""
+    return next(models.inference_models(name))
 
 
 def timed(steps: dict, rounds: int, calls: int) -> dict:
