@@ -13,6 +13,8 @@ Then, per served layer, on the input the model gives it:
   sleep (all launched before the GPU reaches them: the kernels' time alone);
 - the host us per call of each, and the median of their per-round ratios, over alternated rounds;
 - the GPU us per call of both replayed as CUDA graphs (the served side then runs its graph kernel).
+- for attention (``nn.MultiheadAttention``, whose inference calls torch runs as one fused op), torch's
+  call with that fused path turned off too: its GPU time, and its host time against the fused call's.
 
 Whole forwards are not timed here (``benchmarks/models.py`` does): queued behind a sleep, a
 model's forwards fill the launch queue and the host waits for the GPU.
@@ -112,38 +114,61 @@ def host_ratio(served, plain, rounds: int = ROUNDS, calls: int = CALLS) -> tuple
 
 
 def torch_twin(layer):
-    """``layer`` as the torch module it stands for, sharing its parameters, with its fused
+    """``layer``'s call as the torch module it stands for, sharing its parameters, with its fused
     activation run after it: a model's call of the layer before ``optimize`` (the module call
-    included, which ``torch_forward`` skips)."""
+    included, which ``torch_forward`` skips). It takes the layer's arguments."""
     twin = copy.copy(layer)  # the same parameter dict: nothing copied
     twin.__class__ = layer.torch_class
     act = getattr(layer, "activation", "none")
-    return twin, (lambda x: twin(x)) if act == "none" else (lambda x: activations.apply(twin(x), act, inplace=False))
+    if act == "none":
+        return twin
+    return lambda *args, **kwargs: activations.apply(twin(*args, **kwargs), act, inplace=False)
+
+
+def without_fastpath(call):
+    """``call`` with torch's fused inference path of ``nn.MultiheadAttention`` turned off: the
+    projections, attention and reshapes it runs one by one from Python instead."""
+    def slow(*args, **kwargs):
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            return call(*args, **kwargs)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
+    return slow
 
 
 def layers(tuned, run) -> list[dict]:
-    """Per served linear layer (its first call's input): the served call and its torch twin's,
-    GPU time queued and graphed, host time in alternated rounds."""
+    """Per served layer (its first call's arguments): the served call and its torch twin's, GPU
+    time queued and graphed, host time in alternated rounds; for attention, torch's call without
+    its fused inference path too (host and GPU time)."""
     inputs = {}
 
-    def keep_input(module, args) -> None:  # None: a pre-hook's return value would replace the args
-        inputs.setdefault(module, args[0])
+    def keep_input(module, args, kwargs) -> None:  # None: a pre-hook's return value would replace the args
+        inputs.setdefault(module, (args, kwargs))
 
-    hooks = [m.register_forward_pre_hook(keep_input) for m in tuned.modules()
-             if isinstance(m, TakenOver) and hasattr(m, "torch_forward")]  # attention: no single product
+    hooks = [m.register_forward_pre_hook(keep_input, with_kwargs=True) for m in tuned.modules()
+             if isinstance(m, TakenOver)]
     run()
     for hook in hooks:
         hook.remove()
     rows = []
-    for layer, x in inputs.items():
-        _, twin_call = torch_twin(layer)
-        served, plain = (lambda: layer(x)), (lambda: twin_call(x))  # noqa: E731
+    for layer, (args, kwargs) in inputs.items():
+        twin_call = torch_twin(layer)
+        served, plain = (lambda: layer(*args, **kwargs)), (lambda: twin_call(*args, **kwargs))  # noqa: E731
         served_host, plain_host, ratio = host_ratio(served, plain)
-        rows.append({"layer": type(layer).__name__, "input": list(x.shape), "contiguous": x.is_contiguous(),
-                     "activation": getattr(layer, "activation", "none"),
-                     "served_gpu_us": queued(served)[0], "torch_gpu_us": queued(plain)[0],
-                     "served_host_us": served_host, "torch_host_us": plain_host, "host_ratio": ratio,
-                     "served_graph_us": graphed_us(served), "torch_graph_us": graphed_us(plain)})
+        x = args[0] if args else next(iter(kwargs.values()))
+        row = {"layer": type(layer).__name__, "input": list(x.shape), "contiguous": x.is_contiguous(),
+               "activation": getattr(layer, "activation", "none"),
+               "served_gpu_us": queued(served)[0], "torch_gpu_us": queued(plain)[0],
+               "served_host_us": served_host, "torch_host_us": plain_host, "host_ratio": ratio,
+               "served_graph_us": graphed_us(served), "torch_graph_us": graphed_us(plain)}
+        if isinstance(layer, torch.nn.MultiheadAttention):
+            slow = without_fastpath(twin_call)
+            slow_gpu, _ = queued(lambda: slow(*args, **kwargs))
+            slow_host, fast_host, slow_ratio = host_ratio(lambda: slow(*args, **kwargs), plain)
+            row.update({"torch_slowpath_gpu_us": slow_gpu, "torch_slowpath_host_us": slow_host,
+                        "torch_fastpath_host_us": fast_host, "slowpath_host_ratio": slow_ratio})
+        rows.append(row)
     return rows
 
 

@@ -94,6 +94,57 @@ def test_the_example_run_records_both_projections_of_each_attention(fake_tuning)
     assert type(model.attn) is attention.MultiheadAttention
 
 
+@pytest.mark.parametrize("batch_first, training, heads, fastpath, fused", [
+    (True, False, 4, True, True),
+    (False, False, 4, True, False),  # sequence first: torch runs it call by call
+    (True, True, 4, True, False),    # training
+    (True, False, 3, True, False),   # an odd number of heads
+    (True, False, 4, False, False),  # the fused path turned off
+])
+def test_its_served_eager_call_costs_the_host_more_where_torch_runs_attention_as_one_fused_op(
+        batch_first, training, heads, fastpath, fused):
+    module = made(embed=24, heads=heads, batch_first=batch_first).train(training)
+    gemmtune.optimize(module)
+    was = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(fastpath)
+    try:
+        assert module.eager_host_us() == (attention.FUSED_CALL_HOST_US if fused else 0.0)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(was)
+
+
+@pytest.mark.parametrize("cublas_ms, chosen_ms, training, graph_only", [
+    (0.050, 0.045, False, True),   # 2 x 5 us saved on the GPU, under the fused call's host saving
+    (0.100, 0.080, False, False),  # 2 x 20 us saved: the served call pays
+    (0.050, 0.045, True, False),   # training: torch's forward is no cheaper on the host
+])
+def test_attention_whose_gemms_save_less_than_torch_s_fused_call_serves_graphs_alone(
+        monkeypatch, cublas_ms, chosen_ms, training, graph_only):
+    from gemmtune.results import Status, Timing, Trial, TuneResult
+    from gemmtune.serving.dispatch import DISPATCHER
+
+    module, reference = made(batch_first=True).train(training), made(batch_first=True).train(training)
+    gemmtune.optimize(module)
+    inner, outer, unrecorded = Problem(10, 72, 24, bias=True), Problem(10, 24, 24, bias=True), Problem(10, 8, 24)
+    final = lambda ms: Timing((ms,) * 24)  # noqa: E731 - as long as cuBLAS's: the final rounds'
+    trials = [Trial("cublas", {}, Status.OK, timing=final(cublas_ms)),
+              Trial("triton_tiled", {"n": 1}, Status.OK, timing=final(chosen_ms))]
+    monkeypatch.setattr(DISPATCHER, "trials", lambda problem, device: [] if problem == unrecorded else trials)
+    results = {p.key(): TuneResult(p.key(), "fake-device", "triton_tiled", {"n": 1}, 1.0, 1.0, 0.1)
+               for p in (inner, outer, unrecorded)}
+    problems = {module: {inner.key(), outer.key(), unrecorded.key()}}  # one without final rounds saves nothing
+    assert keep.eager_gain_us(problems[module], results) == pytest.approx(2e3 * (cublas_ms - chosen_ms))
+    form = keep.Form(module)
+    assert keep.served([form], problems, results) == [form]
+    assert form.graph_only == graph_only and module.torch_when_capturing is (False if graph_only else None)
+    if graph_only:  # its eager calls run torch's forward
+        monkeypatch.setattr(attention.MultiheadAttention, "served_forward", lambda self, q: pytest.fail("served"))
+        x = torch.randn(2, 5, 24)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x, x, x, need_weights=False)[0],
+                                       reference(x, x, x, need_weights=False)[0], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.gpu
 def test_on_the_gpu_an_encoder_s_attention_runs_through_gemmtune():
     torch.manual_seed(0)

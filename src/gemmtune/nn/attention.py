@@ -12,6 +12,14 @@ projection through ``gemmtune.linear``; any other call runs torch's own forward,
 while torch.compile traces it (the compiler chooses those GEMMs) or torch.autocast is on (it
 casts torch's operands) and, where ``optimize``'s check found torch's faster there, calls
 captured in a CUDA graph.
+
+Where torch runs an inference call as one fused op (``torch._native_multi_head_attention``: eval
+mode, batch first, gradients off), that op costs the host less than the served forward's five
+calls: torchvision's ViT-B's attention served cost 1.16-1.24x its fused call's host time on an
+H200, 11-16 us more a call (31-38 us while that host ran slow), for the same GPU time
+(eager-layers-h200-vit_b_16-torchvision-mha-20261129.json). ``optimize`` then keeps the layer's
+eager calls on torch's forward unless its GEMMs save more than that on the GPU
+(``keep.served``).
 """
 
 from __future__ import annotations
@@ -27,18 +35,29 @@ from gemmtune.nn import keep, refused
 
 _is_compiling, _capturing, _autocast = keep.is_compiling, keep.capturing, keep.any_autocast
 
+# what a served eager call costs the host over torch's fused inference call, beyond its GEMMs (us)
+FUSED_CALL_HOST_US = 15.0
+
 
 class MultiheadAttention(keep.TakenOver, nn.MultiheadAttention):
     torch_class = nn.MultiheadAttention  # nothing is fused into it: optimize fuses into FUSABLE layers only
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
-        if not self._serves(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal) \
-                or _is_compiling() or _autocast() \
-                or self.torch_when_capturing is not None and self.torch_when_capturing == _capturing():
+        if _is_compiling() or self.torch_when_capturing is not None and self.torch_when_capturing == _capturing() \
+                or _autocast() or not self._serves(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                                   is_causal):
             return nn.MultiheadAttention.forward(self, query, key, value, key_padding_mask, need_weights, attn_mask,
                                                  average_attn_weights, is_causal)
         return self.served_forward(query), None
+
+    def eager_host_us(self) -> float:
+        """FUSED_CALL_HOST_US where torch's forward runs this layer's self-attention calls as one
+        fused op (in eval mode with its inputs batch first: torch's condition that gradients be off
+        is the caller's, and a model in eval mode is run for inference), else none."""
+        fused = torch.backends.mha.get_fastpath_enabled() and self.batch_first and not self.training \
+            and self.num_heads % 2 == 0 and self.in_proj_bias is not None
+        return FUSED_CALL_HOST_US if fused else 0.0
 
     def _serves(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal) -> bool:
         """Whether this call is one ``served_forward`` computes as torch's forward does."""

@@ -28,6 +28,7 @@ from gemmtune.results import TuneResult
 from gemmtune.serving import calls, modes, recording
 from gemmtune.serving.dispatch import DISPATCHER
 from gemmtune.tuning import measure
+from gemmtune.tuning.tuner import final_rounds
 
 log = logging.getLogger("gemmtune")
 
@@ -59,6 +60,12 @@ class TakenOver:
     # None: gemmtune's forward always; True: torch's while a CUDA graph is captured, False: torch's
     # outside captures (optimize's check found torch's faster in that mode, gemmtune's in the other)
     torch_when_capturing: bool | None = None
+
+    def eager_host_us(self) -> float:
+        """The host time (us) a served eager call costs over torch's call of the layer beyond
+        what its GEMMs' own calls cost (which tuning judged): none where gemmtune's forward adds
+        only those."""
+        return 0.0
 
 
 class Form:
@@ -148,6 +155,19 @@ def graph_gains(layer_problems: set, results: dict[str, TuneResult]) -> bool:
                for key in layer_problems if key in results)
 
 
+def eager_gain_us(layer_problems: set, results: dict[str, TuneResult]) -> float:
+    """What a layer's eager call saves on the GPU (us) with its GEMMs' choices over cuBLAS, from
+    their stored tunings' final rounds (where both were timed side by side); a GEMM whose final
+    rounds are not on record saves nothing."""
+    device, saved = current(), 0.0
+    for key in layer_problems & results.keys():
+        found = final_rounds(DISPATCHER.trials(Problem.from_key(key), device))
+        chosen = None if found is None else found[1].get(results[key].label())
+        if chosen is not None:
+            saved += (found[0].timing.median - chosen.timing.median) * 1e3
+    return saved
+
+
 def served(forms: Iterable[Form], layer_problems: dict, results: dict[str, TuneResult],
            leaned: Collection[str] = ()) -> list[Form]:
     """The layers still gemmtune's after those that gain nothing from it went back to torch
@@ -155,19 +175,25 @@ def served(forms: Iterable[Form], layer_problems: dict, results: dict[str, TuneR
     layer the run never called stays, and a joined or padded layer is judged with the model. A
     layer tuned to cuBLAS (``on_torch``) gains nothing in eager calls, which cuBLAS serves either
     way: it goes back unless its CUDA graphs would replay a faster kernel (``graph_gains``), and
-    then stays for graphs alone (``Form.graph_only``: its eager calls torch's forward). A GEMM
-    whose eager calls run a lean kernel (``leaned``: their ``Problem.key()`` values) counts as
-    served."""
+    then stays for graphs alone (``Form.graph_only``: its eager calls torch's forward). So does a
+    layer whose served eager call costs the host more than its GEMMs save on the GPU
+    (``TakenOver.eager_host_us`` against ``eager_gain_us``: attention that torch runs as one fused
+    op). A GEMM whose eager calls run a lean kernel (``leaned``: their ``Problem.key()`` values)
+    counts as served."""
     leaned = set(leaned)
     kept = []
     for form in forms:
         problems = layer_problems.get(form.layer)
-        if form.cls.judged_alone and problems is not None and not problems & leaned and on_torch(problems, results):
-            if not graph_gains(problems, results):
-                form.release()
-                continue
-            form.graph_only = True
-            form.layer.torch_when_capturing = False
+        if form.cls.judged_alone and problems is not None and not problems & leaned:
+            if on_torch(problems, results):
+                if not graph_gains(problems, results):
+                    form.release()
+                    continue
+                form.graph_only = True
+            elif form.layer.eager_host_us() > eager_gain_us(problems, results):
+                form.graph_only = True
+            if form.graph_only:
+                form.layer.torch_when_capturing = False
         kept.append(form)
     return kept
 
