@@ -24,7 +24,7 @@ from torch import nn
 from gemmtune import backends
 from gemmtune.device import current
 from gemmtune.problem import Problem
-from gemmtune.results import TuneResult
+from gemmtune.results import Trial, TuneResult
 from gemmtune.serving import calls, modes, recording
 from gemmtune.serving.dispatch import DISPATCHER
 from gemmtune.tuning import measure
@@ -155,16 +155,23 @@ def graph_gains(layer_problems: set, results: dict[str, TuneResult]) -> bool:
                for key in layer_problems if key in results)
 
 
+def final_pair(problem: Problem, chosen: str) -> tuple[Trial, Trial] | None:
+    """cuBLAS's trial and that of ``problem``'s choice ``chosen`` (a trial's label) from the final
+    rounds of its stored tuning on this GPU, where both were timed side by side; None where those
+    rounds or the choice are not on record there."""
+    found = final_rounds(DISPATCHER.trials(problem, current()))
+    pick = None if found is None else found[1].get(chosen)
+    return None if pick is None else (found[0], pick)
+
+
 def eager_gain_us(layer_problems: set, results: dict[str, TuneResult]) -> float:
-    """What a layer's eager call saves on the GPU (us) with its GEMMs' choices over cuBLAS, from
-    their stored tunings' final rounds (where both were timed side by side); a GEMM whose final
-    rounds are not on record saves nothing."""
-    device, saved = current(), 0.0
+    """What a layer's eager call saves on the GPU (us) with its GEMMs' choices over cuBLAS
+    (``final_pair``); a GEMM whose final rounds are not on record saves nothing."""
+    saved = 0.0
     for key in layer_problems & results.keys():
-        found = final_rounds(DISPATCHER.trials(Problem.from_key(key), device))
-        chosen = None if found is None else found[1].get(results[key].label())
-        if chosen is not None:
-            saved += (found[0].timing.median - chosen.timing.median) * 1e3
+        pair = final_pair(Problem.from_key(key), results[key].label())
+        if pair is not None:
+            saved += (pair[0].timing.median - pair[1].timing.median) * 1e3
     return saved
 
 

@@ -20,7 +20,6 @@ from gemmtune.nn import keep
 from gemmtune.problem import Problem
 from gemmtune.results import Trial, TuneResult
 from gemmtune.serving.dispatch import DISPATCHER
-from gemmtune.tuning.tuner import final_rounds
 
 # the share of a forward's wall time its host takes to queue it, from which the host paces it
 # (BERT-base at 32 x 128 on an H200: 4.4 ms of host work for 1.9 of GPU work, docs/models.md)
@@ -191,10 +190,9 @@ def affordable(picks: dict[Problem, Trial], extra: Mapping[Problem, float], call
 def extra_ms(picks: dict[Problem, Trial], results: dict[str, TuneResult]) -> dict[Problem, float]:
     """Per picked GEMM, how much longer its lean kernel takes than its choice's kernel (ms a call),
     from the final rounds of its stored tuning, where both were timed side by side; the pick's whole
-    time where the choice's is not on record there."""
-    device, extra = current(), {}
+    time where the choice's is not on record there (``keep.final_pair``)."""
+    extra = {}
     for problem, pick in picks.items():
-        found = final_rounds(DISPATCHER.trials(problem, device))
-        chosen = None if found is None else found[1].get(results[problem.key()].label())
-        extra[problem] = pick.timing.median - (chosen.timing.median if chosen is not None else 0.0)
+        pair = keep.final_pair(problem, results[problem.key()].label())
+        extra[problem] = pick.timing.median - (pair[1].timing.median if pair is not None else 0.0)
     return extra
