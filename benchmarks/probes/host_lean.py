@@ -12,7 +12,8 @@ within the ceiling), two sides more: those picks put in the dispatcher as they a
 served as optimize serves them (``Dispatcher.serve_lean``: each a ``ByMode`` of the pick and the
 choice, "served"); then the first three sides' CUDA graphs replayed (the GPU's time alone: where the lean
 kernels would make the GPU pace the forward). Ratios are the model without gemmtune over each
-side (above 1: faster), medians of per-round ratios with their spreads. Written to OUT.json.
+side (above 1: faster), medians of per-round ratios with their spreads; per GEMM its choice, its
+fastest Triton finalist and that kernel's time over cuBLAS's. Written to OUT.json.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/probes/host_lean.py OUT.json [--models bert-base]
 """
@@ -59,11 +60,12 @@ def lean_kernels(problems, device) -> tuple[dict, list]:
     return lean, found
 
 
-def optimize_picks(problems) -> dict:
+def optimize_picks(problems) -> tuple[dict, dict]:
     """Per problem the kernel ``optimize`` would serve its eager calls with where the host paces the
-    run (``gemmtune.nn.lean.lean_picks``), where there is one; the choices read from the store."""
+    run (``gemmtune.nn.lean.lean_picks``), where there is one; and the choices, read from the store,
+    by ``Problem.key()``."""
     results = {r.problem_key: r for r in gemmtune.tune([problem for problem, _ in problems])}
-    return lean_picks({"run": set(results)}, results)
+    return lean_picks({"run": set(results)}, results), results
 
 
 def installer(kernels: dict, step, picks: dict, served: bool = False):
@@ -96,8 +98,11 @@ def probe_case(case, base, shared) -> dict:
         index = torch.cuda.current_device()
         as_tuned = {key: DISPATCHER.kernels[key] for key in (DispatchKey.of(p, index) for p, _ in problems)
                     if key in DISPATCHER.kernels}
-        picks = optimize_picks(problems)  # its store lookups drop the dispatcher's kernels: as_tuned keeps them
+        # its store lookups drop the dispatcher's kernels: as_tuned keeps them
+        picks, results = optimize_picks(problems)
         lean, found = lean_kernels(problems, device)
+        for (problem, _), row in zip(problems, found):
+            row["choice"] = results[problem.key()].label() if problem.key() in results else None
         steps = {"torch": models.step_of(case, base, base, case.kwargs(base, shared)),
                  "control": models.step_of(case, control, control, case.kwargs(control, shared))}
         step = models.step_of(case, tuned, tuned, kwargs)
