@@ -192,14 +192,12 @@ def served(forms: Iterable[Form], layer_problems: dict, results: dict[str, TuneR
     for form in forms:
         problems = layer_problems.get(form.layer)
         if form.cls.judged_alone and problems is not None and not problems & leaned:
-            if on_torch(problems, results):
-                if not graph_gains(problems, results):
-                    form.release()
-                    continue
+            cublas = on_torch(problems, results)
+            if cublas and not graph_gains(problems, results):
+                form.release()
+                continue
+            if cublas or form.layer.eager_host_us() > eager_gain_us(problems, results):
                 form.graph_only = True
-            elif form.layer.eager_host_us() > eager_gain_us(problems, results):
-                form.graph_only = True
-            if form.graph_only:
                 form.layer.torch_when_capturing = False
         kept.append(form)
     return kept
