@@ -68,7 +68,9 @@ def front_call(entry, x, w, bias):
 def test_a_model_activation_binds_its_rows_for_a_kernel_of_2d_operands():
     """x (..., K) contiguous, served by a kernel that takes (M, K) alone: the front path takes the
     kernel's launch bound to x's rows, instead of calling the kernel's wrapper (and its checks)
-    on every call; a non-contiguous x is not bound."""
+    on every call. A non-contiguous x is bound by its rows too, made per call: a copy where its
+    strides do not allow a view (a transposed x), a view where they do (the first K columns of
+    wider rows); each call's own rows reach the launch, new values and all."""
     w, bias = torch.randn(6, 8), torch.randn(6)
     x = torch.randn(2, 3, 5, 8)
     kernel = TwoDimensional()
@@ -77,11 +79,15 @@ def test_a_model_activation_binds_its_rows_for_a_kernel_of_2d_operands():
         out = front_call(entry, x, w, bias)
         assert out.shape == (2, 3, 5, 6) and torch.allclose(out, F.linear(x, w, bias), atol=1e-6)
     assert kernel.bound == [(30, 8)] and kernel.bound_calls == 2
-    strided = torch.randn(2, 5, 3, 8).transpose(1, 2)
-    kernel = TwoDimensional()
-    out = front_call(launch.front_entry(kernel, strided, w, bias), strided, w, bias)
-    assert torch.allclose(out, F.linear(strided, w, bias), atol=1e-6)
-    assert kernel.bound == [] and kernel.bound_calls == 0
+    for make in (lambda: torch.randn(2, 5, 3, 8).transpose(1, 2), lambda: torch.randn(2, 3, 5, 16)[..., :8]):
+        strided = make()
+        kernel = TwoDimensional()
+        entry = launch.front_entry(kernel, strided, w, bias)
+        for _ in range(2):
+            strided = make()
+            out = front_call(entry, strided, w, bias)
+            assert out.shape == (2, 3, 5, 6) and torch.allclose(out, F.linear(strided, w, bias), atol=1e-6)
+        assert kernel.bound == [(30, 8)] and kernel.bound_calls == 2
 
 
 @pytest.mark.interpreter
@@ -265,6 +271,34 @@ def test_the_front_entry_calls_cublas_linear_itself_and_flattens_only_for_two_d_
     assert torch.allclose(front_entry(two_d, x2, w, None)(x2, w, None, 0, 0, 0), F.linear(x2, w))
     assert torch.allclose(front_entry(two_d, x, w, None)(x, w, None, 0, 0, 0), F.linear(x, w))
     assert calls == [2, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, config", [("triton_tiled", TILED), ("triton_splitk", FMA)])
+def test_a_non_contiguous_activation_gets_a_launch_bound_to_its_rows(name, config):
+    """x (batch, K, tokens) transposed, as an MLP-Mixer's token mixing passes it (its rows a copy
+    per call), and x the first K columns of wider rows (its rows a view): the front entry is the
+    launch bound to the rows, right on new activations of that layout, with the bias and the
+    activation."""
+    from gemmtune.backends.launch import front_entry
+
+    problem = Problem(2 * 33, 24, 40, "bfloat16", "linear", bias=True, activation="gelu")
+    kernel = build(problem, name, config)
+    _, w, bias = verify.make_operands(problem, "cuda", seed=0)
+    layouts = {"transposed": lambda g: torch.randn(2, 40, 33, device="cuda", generator=g).bfloat16().transpose(1, 2),
+               "sliced": lambda g: torch.randn(2, 33, 56, device="cuda", generator=g).bfloat16()[..., :40]}
+    for seed, (layout, make) in enumerate(layouts.items()):
+        g = torch.Generator("cuda").manual_seed(seed)
+        x = make(g)
+        kernel(x, w, bias)  # the first call makes the binary a bound launch needs
+        entry = front_entry(kernel, x, w, bias)
+        assert entry.__qualname__.startswith("_rows_launch"), layout
+        for _ in range(2):
+            x = make(g)
+            out = entry(x, w, bias, x.data_ptr(), w.data_ptr(), bias.data_ptr())
+            assert out.shape == (2, 33, 24) and out.is_contiguous()
+            ref = verify.reference(problem, x.reshape(-1, 40), w, bias)
+            assert verify.rel_err(out.reshape(-1, 24), ref) <= verify.tolerance(problem), layout
 
 
 STREAM = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 1, "num_stages": 1}

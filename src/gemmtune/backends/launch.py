@@ -192,9 +192,13 @@ def front_entry(kernel: Kernel, x, weight, bias) -> BoundCall:
     shapes, strides, dtypes, devices and 16-byte alignment, everything a launch depends on. Where
     the kernel can ``bind`` its launch to these operands, that bound launch (nothing recomputed
     per call but the output; cuBLASLt binds a contiguous x's rows though it serves 2-D calls
-    only); else the kernel's ``front`` (itself, or cuBLAS's cheaper F.linear), flattening x where
-    the kernel serves 2-D x only. The tuner times candidates' host cost through this same call."""
-    launch = kernel.bind(x, weight, bias)
+    only; a non-contiguous x of rank above 2 by its rows, ``_rows_launch``); else the kernel's
+    ``front`` (itself, or cuBLAS's cheaper F.linear), flattening x where the kernel serves 2-D x
+    only. The tuner times candidates' host cost through this same call."""
+    if x.dim() > 2 and not x.is_contiguous():
+        launch = _rows_launch(kernel, x, weight, bias)
+    else:
+        launch = kernel.bind(x, weight, bias)
     if launch is not None:
         return launch
     call = kernel.front if x.dim() == 2 or kernel.serves_any_rank else any_rank(kernel)
@@ -203,6 +207,26 @@ def front_entry(kernel: Kernel, x, weight, bias) -> BoundCall:
         return call(x, weight, bias)
 
     return unbound
+
+
+def _rows_launch(kernel: Kernel, x, weight, bias) -> BoundCall | None:
+    """For x (..., K) of rank above 2 that is not contiguous (a transposed activation: an
+    MLP-Mixer's token mixing): the launch ``kernel`` binds to x's rows as one (M, K) matrix, which
+    each call makes (``reshape``: a view where x's strides allow, else a contiguous copy; the front
+    path's key fixes which, and a copy is 16-byte aligned as every new allocation is), its result
+    shaped (..., N). None where the kernel binds nothing. Where it went through the kernel's
+    wrapper, such a call cost the host 1.7-1.8x torch's (``eager-layers-h200-mixer_b16_224-20261129.json``)."""
+    k = x.shape[-1]
+    launch = kernel.bind(x.reshape(-1, k), weight, bias)
+    if launch is None:
+        return None
+    out_shape = (*x.shape[:-1], weight.shape[0])
+
+    def rows_call(x, weight, bias, px: int, pw: int, pbias: int):
+        rows = x.reshape(-1, k)
+        return launch(rows, weight, bias, rows.data_ptr(), pw, pbias).reshape(out_shape)
+
+    return rows_call
 
 
 def bind_gemm(kernel, launcher: Launcher, a, b, bias, linear: bool) -> Callable | None:
