@@ -25,6 +25,14 @@ def on_cpu(monkeypatch):
     monkeypatch.setattr(aligned, "current", lambda: Device("H100", (9, 0), 132, 232448, 50 << 20))
     monkeypatch.setattr(aligned.measure, "measure", lambda ways, device, **kwargs: {
         "plain": Timing((2.0,) * 10), "padded": Timing((1.0,) * 10)})
+    monkeypatch.setattr(aligned.measure, "host_rounds", lambda ways, device, **kwargs: host_times(ways, 0.5, 0.5))
+
+
+def host_times(ways, plain_ms: float, padded_ms: float) -> dict:
+    """What ``measure.host_rounds`` returns for the two ways: each a loop's and the host's own
+    milliseconds per call (the loop's are not read)."""
+    ms = {"plain": plain_ms, "padded": padded_ms}
+    return {way: (Timing((ms[way],) * 5), Timing((ms[way],) * 5)) for way in ways}
 
 
 def model(bias=True):
@@ -105,6 +113,25 @@ def test_the_first_call_of_each_row_count_measures_both_ways(on_cpu, monkeypatch
         assert torch.allclose(optimized(x), reference(x), rtol=1e-5, atol=1e-6)
     assert 70 not in optimized.aligned.padded_for
     assert sorted((p.m, p.n, p.k) for p, _ in seen.problems()) == [(70, 7, 13), (70, 8, 16)]
+
+
+def test_a_way_costs_the_longer_of_its_gpu_and_its_host_time(on_cpu, monkeypatch):
+    """The padded GEMM faster on the GPU (1 ms against 2) but dearer on the host (3 ms a call
+    against 0.5): queued, it costs 3, so the plain layer is kept; where its host time is 1.5 it
+    still wins (1.5 against 2); where the plain layer's host time (2.5) is longer than its GPU
+    time, the plain layer costs 2.5 and the padded GEMM is kept."""
+    host = {}
+    monkeypatch.setattr(aligned.measure, "host_rounds", lambda ways, device, **kwargs: host_times(ways, *host["ms"]))
+    monkeypatch.setenv("GEMMTUNE_MODE", "lookup")
+    torch.manual_seed(0)
+    reference = nn.Linear(13, 7, bias=False)
+    optimized = gemmtune.optimize(copy.deepcopy(reference))
+    with torch.no_grad():
+        for rows, ms in ((4, (0.5, 3.0)), (5, (0.5, 1.5)), (6, (2.5, 0.5))):
+            host["ms"] = ms
+            x = torch.randn(rows, 13)
+            assert torch.allclose(optimized(x), reference(x), rtol=1e-5, atol=1e-6)
+    assert optimized.aligned.padded_for == {4: False, 5: True, 6: True}
 
 
 def test_in_place_updates_reach_the_padded_weight(on_cpu):

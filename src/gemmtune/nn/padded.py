@@ -19,7 +19,12 @@ layer on the padded parameter reads 0.86x. No rule fits both GPUs, so the first 
 count measures the two ways, the padded GEMM and the plain layer on the parameter as it is (its
 rows now 16-byte aligned), and keeps the faster; the plain layer stays unless the padded GEMM beats
 it beyond the noise. So chosen, every row of those layers was within 1% of the faster way at 132
-and 38 SMs (``aligned-layers-h200-20261123d.json`` and ``e``). ``GEMMTUNE_MODE=lookup`` measures
+and 38 SMs (``aligned-layers-h200-20261123d.json`` and ``e``). A way's cost is the longer of its GPU
+time and the host's own time per call, since a call queued behind others waits for both: the
+padded way's copies and separate steps cost the host more, which a model whose host paces its
+eager forward pays (MLP-Mixer's token mixing, K = 196 on a transposed x: 78-131 us of host time
+a call against the plain layer's 36, for about 68 us on the GPU either way,
+``eager-layers-h200-mixer_b16_224-rows-20261129.json``). ``GEMMTUNE_MODE=lookup`` measures
 too, the two ways as the store serves them (a miss by cuBLAS). Where nothing can be measured (under
 torch.compile, inside CUDA graph capture) a rule serves, without being kept: the padded GEMM from
 MIN_ROWS_K_ODD rows with K odd, from MIN_ROWS rows with only N odd. While gemmtune records
@@ -50,7 +55,8 @@ from gemmtune.tuning import measure
 
 MIN_ROWS_K_ODD = 2  # rows from which a call takes the padded GEMM with K odd, where none is measured
 MIN_ROWS = 65  # and with K aligned (only N odd): past the decode GEMMs' 64
-MEASURE_MS = 20.0  # the time a first call of a row count spends timing the two ways
+MEASURE_MS = 20.0  # the time a first call of a row count spends timing the two ways' GPU time
+HOST_ROUNDS, HOST_CALLS = 5, 10  # and the loops timing their host time
 DEVICE_TYPES = ("cuda",)  # where padding pays: cuBLAS's fast path
 DTYPES = tuple(torch_dtypes().values())
 
@@ -124,9 +130,13 @@ class Aligned:
             return rule
         for way in ways.values():
             way()  # the first call of each tunes its GEMM (in lookup mode: the store's kernel, or cuBLAS)
-        t = measure.measure(ways, current(), budget_ms=MEASURE_MS, graphs=False)
-        noise = t["padded"].spread_against(t["plain"])
-        self.padded_for[rows] = t["padded"].median < t["plain"].median * (1.0 - noise)
+        device = current()
+        gpu = measure.measure(ways, device, budget_ms=MEASURE_MS, graphs=False)
+        host = measure.host_rounds(ways, device, rounds=HOST_ROUNDS, calls=HOST_CALLS)
+        # a call queued behind others costs the longer of its GPU time and its host's own time
+        cost = {way: max(gpu[way].median, host[way][1].median) for way in ways}
+        noise = max(gpu["padded"].spread_against(gpu["plain"]), host["padded"][1].spread_against(host["plain"][1]))
+        self.padded_for[rows] = cost["padded"] < cost["plain"] * (1.0 - noise)
         return self.padded_for[rows]
 
     def padded(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
