@@ -90,6 +90,31 @@ def test_a_model_activation_binds_its_rows_for_a_kernel_of_2d_operands():
         assert kernel.bound == [(30, 8)] and kernel.bound_calls == 2
 
 
+@pytest.mark.parametrize("layout", ["permuted", "sliced rows", "offset", "expanded", "broadcast rows",
+                                    "4-D transposed"])
+def test_any_non_contiguous_activation_bound_by_its_rows_is_served_right(layout):
+    """Every view a caller can pass as x (..., K), none contiguous: a permutation, a slice, an
+    offset into a larger tensor, an expansion along a leading dimension (its rows a view with
+    stride 0 or a copy): each call through the rows' bound launch equals ``F.linear``, new values
+    in the same layout included."""
+    w, bias = torch.randn(6, 8, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    makes = {"permuted": lambda: torch.randn(5, 8, 3, dtype=torch.float64).permute(2, 0, 1),
+             "sliced rows": lambda: torch.randn(3, 10, 8, dtype=torch.float64)[:, 2:7],
+             "offset": lambda: torch.randn(3, 5, 16, dtype=torch.float64)[..., 4:12],  # rows: a view, offset
+             "expanded": lambda: torch.randn(1, 5, 8, dtype=torch.float64).expand(3, 5, 8),
+             "broadcast rows": lambda: torch.randn(8, dtype=torch.float64).expand(3, 5, 8),
+             "4-D transposed": lambda: torch.randn(2, 8, 3, 4, dtype=torch.float64).permute(0, 2, 3, 1)}
+    x = makes[layout]()
+    assert not x.is_contiguous()
+    kernel = TwoDimensional()
+    entry = launch.front_entry(kernel, x, w, bias)
+    for _ in range(3):
+        x = makes[layout]()
+        out = front_call(entry, x, w, bias)
+        torch.testing.assert_close(out, F.linear(x, w, bias))
+    assert kernel.bound_calls == 3
+
+
 @pytest.mark.interpreter
 def test_a_constexpr_the_kernel_lacks_is_refused():
     """Triton's interpreter drops a keyword the kernel has no parameter for, its compiler refuses
