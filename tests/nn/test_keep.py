@@ -363,3 +363,24 @@ def test_a_layer_whose_gemm_runs_a_lean_kernel_in_eager_counts_as_served():
     kept = keep.served(forms, problems, results, {first.key()})
     assert kept == forms[:1] and not forms[0].graph_only and model[0].torch_when_capturing is None
     assert type(model[0]) is gnn.Linear and type(model[1]) is nn.Linear
+
+
+def test_a_layer_that_costs_the_host_nothing_extra_stays_served_where_its_choice_reads_level(monkeypatch):
+    """A plain layer's served call costs the host nothing beyond its GEMMs' (``eager_host_us`` 0):
+    a choice whose final rounds read a hair slower than cuBLAS's (within noise: a negative gain)
+    leaves it served in both modes; its GEMMs' gain is not even read."""
+    from gemmtune.results import Status, Trial
+    from gemmtune.serving.dispatch import DISPATCHER
+
+    model = gemmtune.optimize(nn.Sequential(nn.Linear(16, 32)))
+    problem = Problem(4, 32, 16, bias=True)
+    read = []
+    trials = [Trial("cublas", {}, Status.OK, timing=Timing((0.0100,) * 24)),
+              Trial("triton_tiled", {"n": 1}, Status.OK, timing=Timing((0.0101,) * 24))]
+    monkeypatch.setattr(DISPATCHER, "trials", lambda p, device: read.append(p) or trials)
+    results = {problem.key(): result(problem, "triton_tiled", {"n": 1})}
+    assert keep.eager_gain_us({problem.key()}, results) < 0
+    read.clear()
+    form = keep.Form(model[0])
+    assert keep.served([form], {model[0]: {problem.key()}}, results) == [form]
+    assert not form.graph_only and model[0].torch_when_capturing is None and read == []

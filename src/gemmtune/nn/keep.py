@@ -196,7 +196,8 @@ def served(forms: Iterable[Form], layer_problems: dict, results: dict[str, TuneR
             if cublas and not graph_gains(problems, results):
                 form.release()
                 continue
-            if cublas or form.layer.eager_host_us() > eager_gain_us(problems, results):
+            extra_us = form.layer.eager_host_us()  # none for most layers: their GEMMs' gain is not read
+            if cublas or extra_us and extra_us > eager_gain_us(problems, results):
                 form.graph_only = True
                 form.layer.torch_when_capturing = False
         kept.append(form)
