@@ -134,7 +134,7 @@ class Lean(NamedTuple):
 
 
 def tried(run: Callable[[], object], forms: list[keep.Form], layer_problems: dict, results: dict[str, TuneResult],
-          calls: Mapping[str, int] | None = None) -> tuple[Lean | None, str]:
+          calls: Mapping[str, int]) -> tuple[Lean | None, str]:
     """Where the run is paced by its host (``host_pace``) and some of its GEMMs have a kernel
     whose launch costs the host less (``lean_picks``) and whose extra GPU time the run's room on the
     GPU takes (``affordable``; ``calls``: each GEMM's calls in a run, by ``Problem.key()``): those
@@ -158,7 +158,7 @@ def tried(run: Callable[[], object], forms: list[keep.Form], layer_problems: dic
     if gpu is not None:  # else every pick is tried, and the timing below decides alone
         paced = (f"the host paces the eager run ({pace.share:.2f} of its wall time; {pace.host_ms:.2f} ms of host "
                  f"work for {gpu:.2f} ms of GPU work)")
-        picks = affordable(picks, extra_ms(picks, results), calls or {}, pace.host_ms - gpu)
+        picks = affordable(picks, extra_ms(picks, results), calls, pace.host_ms - gpu)
         if not picks:
             return None, f"{paced}, too little room on the GPU for kernels slower there that launch faster"
     index = keep.device_index(forms)
