@@ -370,3 +370,59 @@ def test_fp8_operands_or_scales_it_was_not_checked_for_go_to_torch():
     assert verify.judge(kernel(wide[:, :512], b, bias, sa, sb), p, inputs).ok  # a strided view: torch's call
     out = torch.empty(64, 2048, dtype=torch.bfloat16, device="cuda")[:, ::2]  # a strided out: written through
     assert kernel(a, b, bias, sa, sb, out=out) is out and verify.judge(out, p, inputs).ok
+
+
+def _residual_launch(problem: Problem, config: dict, x, w, bias, residual):
+    """``problem``'s product through ``config``'s algorithm with ``residual`` as cuBLASLt's C."""
+    from gemmtune.backends import cublaslt_binding
+
+    matmul = cublaslt_binding.Matmul(problem, torch.cuda.current_device())
+    algo, workspace_bytes = matmul.algo(config)
+    launch = matmul.launcher(algo)
+    out = torch.empty(problem.m, problem.n, device="cuda", dtype=x.dtype)
+    workspace = torch.empty(max(workspace_bytes, 1), dtype=torch.uint8, device="cuda")
+    launch(w.data_ptr(), x.data_ptr(), out.data_ptr(), workspace.data_ptr(), workspace_bytes,
+           torch.cuda.current_stream().cuda_stream, 0 if bias is None else bias.data_ptr(),
+           residual_ptr=residual.data_ptr())
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 4096), (7, 33 * 8, 40), (33, 1000, 512), (4095, 256, 128)])
+def test_a_residual_is_added_by_every_ranked_algorithm_with_one_rounding(m, n, k, dtype, bias):
+    from gemmtune.backends import cublaslt_binding
+
+    problem = Problem(m, n, k, dtype, "linear", bias)
+    torch_dtype = getattr(torch, dtype)
+    torch.manual_seed(m * 7 + n)
+    x = torch.randn(m, k, device="cuda", dtype=torch_dtype)
+    w = torch.randn(n, k, device="cuda", dtype=torch_dtype) / k ** 0.5
+    b = torch.randn(n, device="cuda", dtype=torch_dtype) if bias else None
+    residual = torch.randn(m, n, device="cuda", dtype=torch_dtype) * 4
+    kept = residual.clone()
+    ref = x.double() @ w.double().t() + residual.double() + (0 if b is None else b.double())
+    torch_err = (F.linear(x, w, b) + residual).double().sub(ref).abs().max().item()  # fp32: no TF32 by default
+    configs = cublaslt_binding.Matmul(problem, torch.cuda.current_device()).heuristics(lt.HEURISTICS)
+    assert configs, "cuBLASLt's heuristic answered no algorithm"
+    for config in configs:
+        out = _residual_launch(problem, config, x, w, b, residual)
+        err = out.double().sub(ref).abs().max().item()
+        # one rounding of the sum, against torch's two (the product's, then the add's)
+        assert err <= max(2 * torch_err, 1e-6 * ref.abs().max().item()), (config, err, torch_err)
+        assert torch.equal(residual, kept), "the residual was written"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["relu", "gelu_tanh"])
+def test_a_residual_is_refused_where_the_activation_would_apply_to_the_sum(activation):
+    problem = Problem(33, 256, 512, "bfloat16", "linear", True, False, activation)
+    x = torch.randn(33, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(256, device="cuda", dtype=torch.bfloat16)
+    from gemmtune.backends import cublaslt_binding
+
+    config = cublaslt_binding.Matmul(problem, torch.cuda.current_device()).heuristics(1)[0]
+    with pytest.raises(ValueError, match="residual_ptr is not accepted"):
+        _residual_launch(problem, config, x, w, b, torch.randn(33, 256, device="cuda", dtype=torch.bfloat16))

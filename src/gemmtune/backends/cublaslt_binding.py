@@ -233,13 +233,19 @@ class Matmul:
         """``launch(weight_ptr, activation_ptr, out_ptr, workspace_ptr, workspace_bytes, stream,
         bias_ptr)`` of ``algo``: the product (and its epilogue, reading the bias at ``bias_ptr``
         where the problem has one) into ``out_ptr``; raises CublasLtError on a failed status.
-        An fp8 product's launch takes its scales' pointers last: ``weight_scale_ptr,
-        activation_scale_ptr``."""
+        An fp8 product's launch takes its scales' pointers next: ``weight_scale_ptr,
+        activation_scale_ptr``. ``residual_ptr``, where given, is an (M, N) tensor laid as the
+        output (contiguous rows) that is added to the product and its bias: cuBLASLt's C with a
+        beta of 1, one rounding to the output's dtype. cuBLASLt applies the epilogue's
+        activation to that sum, so a residual is refused (ValueError) with an activation or
+        with an fp8 product."""
         lib, handle_, desc = self._lib, self._handle, self.desc
         matmul, set_attribute = lib.cublasLtMatmul, lib.cublasLtMatmulDescSetAttribute
         a, b, c = self.layouts
-        alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
-        algo_ref, alpha_ref, beta_ref = ctypes.byref(algo), ctypes.byref(alpha), ctypes.byref(beta)
+        alpha, beta, one = ctypes.c_float(1.0), ctypes.c_float(0.0), ctypes.c_float(1.0)
+        algo_ref, alpha_ref, beta_ref, one_ref = ctypes.byref(algo), ctypes.byref(alpha), ctypes.byref(beta), \
+            ctypes.byref(one)
+        takes_residual = self._problem.activation == "none" and not self._problem.scaled
         bias, scale_w, scale_x = ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_void_p(0)
         size = ctypes.sizeof(bias)
         bias_ref, scale_w_ref, scale_x_ref = ctypes.byref(bias), ctypes.byref(scale_w), ctypes.byref(scale_x)
@@ -253,10 +259,17 @@ class Matmul:
         lock = threading.Lock()
         # The launch reads these by address, and this object's descriptors, which its finalizer
         # destroys: a launch kept after its Matmul (a bound call outliving its kernel) keeps it too.
-        keep = (algo, alpha, beta, bias, scale_w, scale_x, self)
+        keep = (algo, alpha, beta, one, bias, scale_w, scale_x, self)
 
         def launch(weight: int, activations: int, out: int, workspace: int, workspace_bytes: int, stream: int,
-                   bias_ptr: int = 0, weight_scale_ptr: int = 0, activation_scale_ptr: int = 0) -> None:
+                   bias_ptr: int = 0, weight_scale_ptr: int = 0, activation_scale_ptr: int = 0,
+                   residual_ptr: int = 0) -> None:
+            c_ptr, c_beta = out, beta_ref
+            if residual_ptr:
+                if not takes_residual:
+                    raise ValueError(f"cuBLASLt launch: residual_ptr is not accepted for {self._problem.describe()} "
+                                     "(an activation would apply to the sum; fp8 products take none)")
+                c_ptr, c_beta = residual_ptr, one_ref
             own = None  # the descriptor reading this bias, where it has one
             if bias_ptr and not weight_scale_ptr:
                 own = by_bias.get(bias_ptr)
@@ -266,15 +279,15 @@ class Matmul:
                         if own is None:
                             own = by_bias[bias_ptr] = self._new_desc(bias_ptr)
             if own is not None or not (bias_ptr or weight_scale_ptr):
-                status = matmul(handle_, desc if own is None else own, alpha_ref, weight, a, activations, b, beta_ref,
-                                out, c, out, c, algo_ref, workspace, workspace_bytes, stream)
+                status = matmul(handle_, desc if own is None else own, alpha_ref, weight, a, activations, b, c_beta,
+                                c_ptr, c, out, c, algo_ref, workspace, workspace_bytes, stream)
             else:
                 with lock:
                     bias.value, scale_w.value, scale_x.value = bias_ptr, weight_scale_ptr, activation_scale_ptr
                     status = (bias_ptr and set_attribute(desc, DESC_BIAS_POINTER, bias_ref, size)) or (
                         weight_scale_ptr and (set_attribute(desc, DESC_A_SCALE_POINTER, scale_w_ref, size)
                                               or set_attribute(desc, DESC_B_SCALE_POINTER, scale_x_ref, size))
-                    ) or matmul(handle_, desc, alpha_ref, weight, a, activations, b, beta_ref, out, c, out, c,
+                    ) or matmul(handle_, desc, alpha_ref, weight, a, activations, b, c_beta, c_ptr, c, out, c,
                                 algo_ref, workspace, workspace_bytes, stream)
             if status != 0:
                 raise CublasLtError(f"cuBLASLt Matmul failed with cublasStatus_t {status}")
