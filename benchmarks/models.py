@@ -816,10 +816,12 @@ def grad_mode(case: Case):
     return torch.enable_grad() if case.phase == "train" else torch.no_grad()
 
 
-def tune_side(case: Case, base: nn.Module, shared: dict) -> tuple[nn.Module, dict, float, list[str]]:
-    """A copy of ``base`` through ``gemmtune.optimize`` on this case's inputs, every GEMM of a
-    train step's backward tuned too; the copy, its inputs, the seconds it took, and what optimize
-    said of its check (its log lines: the verdict per mode, with each ratio and its noise)."""
+def tune_side(case: Case, base: nn.Module, shared: dict, residual: bool = False) -> tuple[nn.Module, dict, float,
+                                                                                        list[str]]:
+    """A copy of ``base`` through ``gemmtune.optimize`` on this case's inputs (``residual``: its
+    option of that name), every GEMM of a train step's backward tuned too; the copy, its inputs, the
+    seconds it took, and what optimize said of its check (its log lines: the verdict per mode, with
+    each ratio and its noise)."""
     import gemmtune
     from gemmtune.nn import tune_calls
 
@@ -832,9 +834,9 @@ def tune_side(case: Case, base: nn.Module, shared: dict) -> tuple[nn.Module, dic
         if case.phase == "train":  # optimize sees a model being trained (its check times a train step too),
             tuned.train()            # timed after in eval mode as the baseline is (dropout off)
         if case.positional:
-            gemmtune.optimize(tuned, tuple(kwargs.values()))
+            gemmtune.optimize(tuned, tuple(kwargs.values()), residual=residual)
         else:
-            gemmtune.optimize(tuned)
+            gemmtune.optimize(tuned, residual=residual)
             tune_calls(step_of(case, tuned, tuned, kwargs))
     tuned.eval()
     if case.phase == "train":  # optimize runs the example without gradients: the backward's GEMMs
@@ -922,6 +924,14 @@ def served_by(case: Case, tuned: nn.Module, kwargs: dict) -> Counter:
     for problem, count in calls:
         by[backend_of(DISPATCHER.kernels.get(DispatchKey.of(problem, index)))] += count
     return by
+
+
+def residual_fused(tuned: nn.Module) -> list[int]:
+    """How many of the model's residual adds (``optimize(residual=True)``) cuBLASLt fuses into the
+    GEMM before them for some row count, and of how many found."""
+    from gemmtune.nn import residual
+
+    return list(residual.fused(tuned))
 
 
 def fused_kept(tuned: nn.Module) -> int:
@@ -1065,10 +1075,11 @@ def run_case(case: Case, master: nn.Module, modes: list[str], args, budget: Budg
     sides = {"base": (base, base_kwargs)}
     tune_s = 0.0
     if any(MODES[m][1] not in GEMMTUNE_COMPILE for m in modes):  # a mode times optimize's side
-        tuned, tuned_kwargs, tune_s, said = tune_side(case, base, shared)
+        tuned, tuned_kwargs, tune_s, said = tune_side(case, base, shared, args.residual)
         by = served_by(case, tuned, tuned_kwargs)
         common |= {"tune_s": tune_s, "optimize_said": said, "served_by": dict(by), "fused_kept": fused_kept(tuned),
                    "graph_only": one_mode(tuned, False), "eager_only": one_mode(tuned, True),
+                   "residual_fused": residual_fused(tuned),
                    "gemms_served": sum(c for b, c in by.items() if b not in ("torch", "cublas")),
                    "gemms_kept": sum(c for b, c in by.items() if b != "torch")}
         sides["tuned"] = (tuned, tuned_kwargs)
@@ -1178,7 +1189,8 @@ def header(device: str, args) -> dict:
             "date": datetime.date.today().isoformat(),
             "timings": "GPU" if device == "cuda" else
             "CPU: no CUDA GPU, so these are CPU timings of a smoke run, NOT GPU timings",
-            "tiny": args.tiny, "rounds": args.rounds, "round_ms": args.round_ms, "time_budget_s": args.time_budget_s,
+            "tiny": args.tiny, "residual": args.residual, "rounds": args.rounds, "round_ms": args.round_ms,
+            "time_budget_s": args.time_budget_s,
             "store": os.environ["GEMMTUNE_CACHE_DIR"], "fresh_store": args.store is None,
             "caches": None if args.caches is None else str(args.caches), "dtypes": args.dtypes or None,
             "models": args.models, "modes": args.modes, "skipped": [], "rows": []}
@@ -1225,6 +1237,8 @@ def parse_args(argv=None):
     parser.add_argument("--time-budget-s", type=float, default=480.0,
                         help="after this many seconds the models and modes left are skipped and listed (default 480)")
     parser.add_argument("--tiny", action="store_true", help="tiny configs of every model: a smoke run, CPU too")
+    parser.add_argument("--residual", action="store_true",
+                        help="optimize(residual=True): residual adds in the epilogue of the GEMM before them")
     parser.add_argument("--store", help="use this gemmtune store directory (GEMMTUNE_CACHE_DIR) instead of a "
                                         "fresh one: setup_s is then warm")
     parser.add_argument("--caches", type=Path,

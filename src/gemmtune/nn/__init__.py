@@ -37,6 +37,7 @@ from gemmtune.nn import keep
 from gemmtune.nn import lean as lean_kernels
 from gemmtune.nn import padded as aligned_layers
 from gemmtune.nn import refused
+from gemmtune.nn import residual as residual_sites
 from gemmtune.nn.scaled import ScaledLinear  # noqa: F401 - gemmtune.nn.ScaledLinear
 from gemmtune.serving import recording
 from gemmtune.serving.dispatch import DISPATCHER
@@ -110,7 +111,7 @@ LAYERS = FUSABLE + (attention.MultiheadAttention,)  # the layers optimize takes 
 
 def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
              filter: Callable[[str, nn.Module], bool] | None = None, fuse: bool = True,
-             siblings: bool = False, align: bool = True, check: bool = True,
+             siblings: bool = False, align: bool = True, check: bool = True, residual: bool = False,
              options: TuneOptions | None = None) -> nn.Module:
     """Run ``model``'s ``nn.Linear`` layers and transformers' ``Conv1D`` layers (GPT-2's; those
     ``filter(name, layer)`` accepts; all by default) through gemmtune, in place, and return the
@@ -144,6 +145,12 @@ def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
     views of the padded buffers (only the padding is added), so that a call of enough rows copies
     its input, not the weight, and runs the aligned GEMM (``gemmtune.nn.padded`` says when).
 
+    ``residual`` (off by default): where a module's forward adds a layer's output to another tensor
+    of its shape (a transformer block's residual: ``x + mlp(norm(x))``, BERT's
+    ``LayerNorm(dense(h) + x)``), the module's eval-mode calls run a traced forward in which
+    cuBLASLt adds it in the GEMM's epilogue, where the first call of each row count measures that
+    faster than the GEMM and the add (``gemmtune.nn.residual`` says which forwards and calls).
+
     The example's runs (one to record, more in the check) leave the running statistics of the
     model's normalization layers and the random generators as they were, so that optimizing a
     model in training mode does not pull its BatchNorm statistics toward the example batch.
@@ -170,8 +177,13 @@ def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
             if type(module) is Linear and aligned_layers.misaligned(module):
                 module.aligned = aligned_layers.Aligned(module)
                 module.__class__ = AlignedLinear
+    if residual:
+        sites = residual_sites.rewrite(model, lambda module: isinstance(module, Linear))
+        log.info("gemmtune.optimize: %d residual adds found after layers, each fused into its GEMM where it "
+                 "measures faster", sites)
     if example_inputs is not None:
         tune_model(model, example_inputs, options=options, siblings=siblings, check=check)
+        residual_sites.forget(model)
     return model
 
 

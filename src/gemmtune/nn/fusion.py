@@ -172,15 +172,15 @@ class _Proxy(fx.Proxy):
 
 
 class _ChildrenAsLeaves(fx.Tracer):
-    """A tracer of a module's own forward: every module it calls is a leaf (one node), and every
-    tensor reads as of ``dtype``."""
+    """A tracer of a module's own forward: every module it calls is a leaf (one node) but those
+    in ``inline`` (ids), whose forwards are traced through, and every tensor reads as of ``dtype``."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, inline: frozenset = frozenset()) -> None:
         super().__init__()
-        self.dtype = dtype
+        self.dtype, self.inline = dtype, inline
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return True
+        return id(m) not in self.inline
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self)
@@ -252,6 +252,35 @@ def _traced(parent: nn.Module, is_layer: Callable, registered: dict) -> list[Pai
                   "it is fused", type(parent).__name__, changed)
         return []
     return sorted(found, key=lambda pair: list(parent._modules).index(pair.layer))
+
+
+def eval_trace(parent: nn.Module, dtype: torch.dtype, inline: set[int], defaults: dict) -> fx.Graph | None:
+    """``parent``'s forward traced as a call in eval mode runs it: every module it calls a leaf but
+    its children in ``inline`` (ids), traced through (they and ``parent`` read as in eval mode);
+    the parameters in ``defaults`` at those values, baked in; every tensor's dtype reading
+    ``dtype``. None where fx cannot trace it, or where the trace changed the state of ``parent``
+    or its children (put back)."""
+    modules = [parent, *(child for child in parent.children() if id(child) in inline)]
+    flags = [module.training for module in modules]
+    before = _State(parent)
+    try:
+        for module in modules:
+            module.training = False  # the flag alone: the leaves are not traced
+        traced, concrete = _traceable(parent)
+        return_graph = _ChildrenAsLeaves(dtype, frozenset(inline)).trace(traced, concrete_args={**defaults,
+                                                                                             **(concrete or {})})
+    except Exception as error:  # noqa: BLE001 - fx fails in many ways: any of them means no trace
+        log.debug("gemmtune.optimize: %s's forward not traced: %r", type(parent).__name__, error)
+        return None
+    finally:
+        for module, flag in zip(modules, flags):
+            module.training = flag
+        changed = before.restore()
+    if changed:
+        log.debug("gemmtune.optimize: %s's forward changes its module's state when called (%s): not traced",
+                  type(parent).__name__, changed)
+        return None
+    return return_graph
 
 
 class _State:

@@ -1,0 +1,329 @@
+"""Residual adds in the GEMM's epilogue (gemmtune.nn.residual): which adds are sites, the rewritten
+forward computing what the module's own does (eval mode, and every call it leaves to the class's
+forward), copies and pickles, the forms optimize's check switches between; on the GPU, cuBLASLt's
+fused product against float64 on every view of a size a caller can pass."""
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gemmtune
+from gemmtune.nn import keep, residual
+
+
+class DropPath(nn.Module):
+    """As timm's: the identity in eval mode."""
+
+    def __init__(self, p=0.1):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if self.p == 0.0 or not self.training:
+            return x
+        keep_mask = torch.rand(x.shape[0], *([1] * (x.dim() - 1)), device=x.device) > self.p
+        return x * keep_mask / (1 - self.p)
+
+
+class Mlp(nn.Module):
+    """timm's Mlp: its output is its fc2's."""
+
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.fc1, self.act, self.drop1 = nn.Linear(d, hidden), nn.GELU(), nn.Dropout(0.1)
+        self.fc2, self.drop2 = nn.Linear(hidden, d), nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+
+
+class Attention(nn.Module):
+    """timm's Attention, shapes read from the input."""
+
+    def __init__(self, d, heads=2):
+        super().__init__()
+        self.heads, self.qkv, self.proj, self.proj_drop = heads, nn.Linear(d, 3 * d), nn.Linear(d, d), nn.Dropout(0.1)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        x = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c)
+        return self.proj_drop(self.proj(x))
+
+
+class Block(nn.Module):
+    """timm's pre-norm block: two residual sites, each a layer inside a child."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.norm1, self.attn, self.drop_path1 = nn.LayerNorm(d), Attention(d), DropPath()
+        self.norm2, self.mlp, self.drop_path2 = nn.LayerNorm(d), Mlp(d, 4 * d), DropPath()
+
+    def forward(self, x):
+        x = x + self.drop_path1(self.attn(self.norm1(x)))
+        return x + self.drop_path2(self.mlp(self.norm2(x)))
+
+
+class Output(nn.Module):
+    """BERT's output layer: LayerNorm(dropout(dense(h)) + x), two tensors in."""
+
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.dense, self.dropout, self.LayerNorm = nn.Linear(hidden, d), nn.Dropout(0.1), nn.LayerNorm(d)
+
+    def forward(self, hidden_states, input_tensor, scale=None):
+        h = F.dropout(self.dense(hidden_states), p=0.1, training=self.training)
+        return self.LayerNorm(h + input_tensor if scale is None else h * scale + input_tensor)
+
+
+class MixerBlock(nn.Module):
+    """timm's MixerBlock: one drop_path module called after both MLPs; the token mixing's output
+    is transposed before its add (no site), the channel mixing's is not."""
+
+    def __init__(self, d, tokens):
+        super().__init__()
+        self.norm1, self.mlp_tokens, self.drop_path = nn.LayerNorm(d), Mlp(tokens, 2 * tokens), DropPath()
+        self.norm2, self.mlp_channels = nn.LayerNorm(d), Mlp(d, 4 * d)
+
+    def forward(self, x):
+        x = x + self.drop_path(self.mlp_tokens(self.norm1(x).transpose(1, 2)).transpose(1, 2))
+        return x + self.drop_path(self.mlp_channels(self.norm2(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.blocks = nn.Sequential(Block(d), Block(d))
+        self.up = nn.Linear(d, 4 * d)
+        self.out = Output(d, 4 * d)
+
+    def forward(self, x):
+        x = self.blocks(x)
+        return self.out(self.up(x), x)
+
+
+def _optimized(model):
+    torch.manual_seed(0)
+    reference = copy.deepcopy(model).eval()
+    gemmtune.optimize(model.eval(), residual=True)
+    return model, reference
+
+
+def _rewritten(model):
+    return {name: vars(m)["forward"] for name, m in model.named_modules()
+            if isinstance(vars(m).get("forward"), residual.Rewritten)}
+
+
+def test_every_residual_add_after_a_layer_is_a_site_and_the_output_is_the_module_s():
+    model, reference = _optimized(Net())
+    rewritten = _rewritten(model)
+    assert sorted(rewritten) == ["blocks.0", "blocks.1", "out"]
+    assert rewritten["blocks.0"].paths == ["attn.proj", "mlp.fc2"]
+    assert rewritten["out"].paths == ["dense"]
+    assert residual.fused(model) == (0, 5)  # the CPU has no cuBLASLt: every site adds apart
+    for rows in (1, 7, 33):
+        x = torch.randn(rows, 5, 16)
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))
+        assert torch.equal(model(x), reference(x))  # gradients on: the layer, then the add
+    assert list(model.state_dict()) == list(reference.state_dict())
+    site = rewritten["out"].sites[0]
+    site.fused_for[3] = None
+    residual.forget(model)  # optimize's, once its check settled the layers' forms
+    assert site.fused_for == {}
+
+
+def test_an_identity_called_twice_is_skipped_where_it_follows_a_site():
+    model, reference = _optimized(MixerBlock(16, 8))
+    assert _rewritten(model)[""].paths == ["mlp_channels.fc2"]
+    x = torch.randn(3, 8, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+
+
+def test_calls_the_trace_does_not_cover_run_the_class_s_forward(monkeypatch):
+    model, reference = _optimized(Net())
+    h, x = torch.randn(2, 5, 64), torch.randn(2, 5, 16)
+    calls = []
+    original = Output.forward
+    monkeypatch.setattr(Output, "forward", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    with torch.no_grad():
+        model.out(h, x)
+        assert calls == []  # the rewritten forward
+        for args, kwargs in (((h,), {"input_tensor": x}), ((h, x, torch.tensor(2.0)), {}),
+                             ((h.double(), x.double()), {})):
+            if args[0].dtype == torch.float64:
+                model.out.double()
+                reference.out.double()
+            want = reference.out(*args, **kwargs)
+            calls.clear()
+            assert torch.equal(model.out(*args, **kwargs), want)
+            assert calls == [1]
+
+
+def test_training_mode_runs_the_class_s_forward_with_its_dropouts():
+    model, reference = _optimized(Net())
+    model.train()
+    reference.train()
+    x = torch.randn(4, 5, 16)
+    torch.manual_seed(1)
+    got = model(x)
+    torch.manual_seed(1)
+    assert torch.equal(got, reference(x))
+    model.eval()
+    model.blocks[0].mlp.drop2.train()  # a skipped dropout in training mode: the class's forward
+    reference.eval()
+    reference.blocks[0].mlp.drop2.train()
+    torch.manual_seed(2)
+    got = model(x)
+    torch.manual_seed(2)
+    assert torch.equal(got, reference(x))
+
+
+def test_a_copy_or_a_pickle_traces_again_and_computes_the_same():
+    model, reference = _optimized(Net())
+    x = torch.randn(3, 5, 16)
+    copied = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other in (copied, loaded):
+        assert _rewritten(other)["blocks.0"].parent is other.blocks[0]
+        with torch.no_grad():
+            assert torch.equal(other(x), reference(x))
+        assert _rewritten(other)["blocks.0"].sites  # traced again on its first call
+
+
+def test_the_forward_reads_the_children_as_optimize_s_check_switches_them():
+    model, reference = _optimized(Net())
+    x = torch.randn(2, 5, 16)
+    fc1 = model.blocks[0].mlp.fc1
+    assert fc1.activation == "gelu" and isinstance(model.blocks[0].mlp.act, nn.Identity)  # fused
+    form = keep.Form(fc1)
+    form.to_torch()  # the nn.Linear, its GELU module back in its place
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    form.to_gemmtune()
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    model.blocks[1].mlp.fc2 = nn.Linear(64, 16)  # a layer replaced after optimize
+    reference.blocks[1].mlp.fc2 = copy.deepcopy(model.blocks[1].mlp.fc2)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+
+
+class Shared(nn.Module):
+    """Adds that are no sites: an output read twice, transposed first, a layer with a hook."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        a = self.a(x)
+        y = x + a + a.sum()
+        y = y + self.b(y).transpose(0, 1).transpose(0, 1) * 2
+        return y + self.c(y)
+
+
+def test_adds_of_an_output_read_elsewhere_or_changed_first_or_seen_by_a_hook_are_no_sites():
+    model = Shared()
+    model.c.register_forward_hook(lambda module, args, out: out * 2)
+    torch.manual_seed(0)
+    reference = copy.deepcopy(model)
+    gemmtune.optimize(model.eval(), residual=True)
+    assert _rewritten(model) == {}
+    x = torch.randn(4, 8)
+    assert torch.equal(model(x), reference(x))
+
+
+class Stateful(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x)
+        return x + self.fc(x)
+
+
+class Broadcast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, row):
+        return self.fc(x) + row
+
+
+def test_a_forward_that_changes_its_state_gets_no_site_and_a_broadcast_residual_adds_apart():
+    model = Stateful()
+    gemmtune.optimize(model.eval(), residual=True)
+    assert _rewritten(model) == {} and model.seen == []
+    broadcast = Broadcast()
+    reference = copy.deepcopy(broadcast)
+    gemmtune.optimize(broadcast.eval(), residual=True)
+    assert list(_rewritten(broadcast)) == [""]
+    x, row = torch.randn(5, 8), torch.randn(8)
+    with torch.no_grad():
+        assert torch.equal(broadcast(x, row), reference(x, row))
+
+
+def test_off_by_default():
+    model = Net()
+    gemmtune.optimize(model.eval())
+    assert _rewritten(model) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [1, 7, 33, 4095])
+def test_the_fused_product_matches_float64_on_every_view_a_block_passes(rows, bias, dtype):
+    d, hidden = 64, 256
+    model = Output(d, hidden)
+    if not bias:
+        model.dense.bias = None
+    model = model.cuda().to(dtype).eval()
+    gemmtune.optimize(model, residual=True, check=False)
+    site = _rewritten(model)[""].sites[0] if _rewritten(model)[""].sites else None
+    torch.manual_seed(rows)
+    h = torch.randn(rows, hidden, device="cuda", dtype=dtype)
+    x = torch.randn(rows, d, device="cuda", dtype=dtype) * 3
+    with torch.no_grad():
+        model(h, x)  # traced, and the way chosen
+        site = _rewritten(model)[""].sites[0]
+        site.fused_for[rows] = site.plan(model.dense, h, rows)  # the fused product, whichever measured faster
+        assert site.fused_for[rows] is not None
+        got = model(h, x)
+        w, b = model.dense.weight.double(), None if model.dense.bias is None else model.dense.bias.double()
+        ref = F.layer_norm(F.linear(h.double(), w, b) + x.double(), (d,), model.LayerNorm.weight.double(),
+                           model.LayerNorm.bias.double())
+        plain = F.layer_norm(F.linear(h, model.dense.weight, model.dense.bias) + x, (d,), model.LayerNorm.weight,
+                             model.LayerNorm.bias)
+    assert (got.double() - ref).abs().max() <= 2 * (plain.double() - ref).abs().max() + 1e-3
+    # views the fused product does not take (a transposed or offset input) add apart, and right
+    for view in (h.t().contiguous().t(), torch.randn(rows, hidden + 8, device="cuda", dtype=dtype)[:, 8:]):
+        view.copy_(h)
+        with torch.no_grad():
+            assert torch.allclose(model(view, x).float(), got.float(), rtol=0, atol=0.05)
+
+
+@pytest.mark.gpu
+def test_a_model_s_blocks_choose_their_way_and_compute_what_they_did():
+    torch.manual_seed(0)
+    model = Net(256).cuda().to(torch.bfloat16).eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 64, 256, device="cuda", dtype=torch.bfloat16)
+    gemmtune.optimize(model, (x,), residual=True)
+    with torch.no_grad():
+        got, want = model(x).float(), reference(x).float()
+    fused, sites = residual.fused(model)
+    assert sites == 5 and 0 <= fused <= 5
+    assert (got - want).abs().max() <= 0.1 * want.abs().max()
