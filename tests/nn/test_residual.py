@@ -184,6 +184,25 @@ def test_training_mode_runs_the_class_s_forward_with_its_dropouts():
     assert torch.equal(got, reference(x))
 
 
+def test_a_hook_on_a_module_traced_through_sends_the_calls_to_the_class_s_forward():
+    model, reference = _optimized(Net())
+    seen = []
+    model.blocks[0].mlp.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert seen == [(2, 5, 16)]
+
+
+def test_under_torch_compile_the_class_s_forward_is_traced_in_one_graph():
+    model, reference = _optimized(Net())
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(x)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+        assert torch.allclose(torch.compile(model, backend="eager")(x), reference(x), rtol=1e-5, atol=1e-6)
+
+
 def test_a_copy_or_a_pickle_traces_again_and_computes_the_same():
     model, reference = _optimized(Net())
     x = torch.randn(3, 5, 16)
@@ -275,10 +294,14 @@ def test_a_forward_that_changes_its_state_gets_no_site_and_a_broadcast_residual_
         assert torch.equal(broadcast(x, row), reference(x, row))
 
 
-def test_off_by_default():
+def test_off_by_default_and_finding_sites_draws_no_random_numbers():
     model = Net()
     gemmtune.optimize(model.eval())
     assert _rewritten(model) == {}
+    model = Net().eval()
+    state = torch.get_rng_state()
+    gemmtune.optimize(model, residual=True)
+    assert torch.equal(torch.get_rng_state(), state) and _rewritten(model)
 
 
 @pytest.mark.gpu

@@ -28,7 +28,9 @@ its place) are seen. The traced forward serves a call only as it was traced: in 
 (the module and every module traced through or skipped), its required parameters given
 positionally as tensors of the dtype traced (the model's), nothing more, and not while
 torch.compile traces (the compiler fuses the add itself); any other call runs the class's
-forward. A forward that branches on ``isinstance(x, torch.Tensor)`` would be traced along the
+forward, as does a call where a module traced through or skipped has a forward hook or is in
+training mode. Other attributes the forward reads (a flag, a head count) are read once, when
+traced. A forward that branches on ``isinstance(x, torch.Tensor)`` would be traced along the
 wrong branch: such forwards are not known among timm's and transformers' blocks, and are not
 detected.
 
@@ -134,21 +136,24 @@ def _hooked(module: nn.Module) -> bool:
 
 
 def _identity_in_eval(module: nn.Module) -> bool:
-    """Whether ``module`` returns its input in eval mode (checked once per class, on a probe)."""
-    if isinstance(module, (nn.Identity, nn.modules.dropout._DropoutNd)):
-        return not _hooked(module)
-    if type(module).__name__ != "DropPath" or _hooked(module) or any(True for _ in module.parameters()):
+    """Whether ``module`` returns its input in eval mode: ``nn.Identity``, a dropout, or a module
+    named DropPath without parameters that returns the very tensor it is given, tried on a fixed
+    probe (no random numbers drawn) with its own training flag off."""
+    if _hooked(module) or "forward" in vars(module):
         return False
-    was = module.training
-    probe = torch.randn(4, 8)
+    if isinstance(module, (nn.Identity, nn.modules.dropout._DropoutNd)):
+        return True
+    if type(module).__name__ != "DropPath" or any(True for _ in module.parameters()):
+        return False
+    was, module.training = module.training, False
+    probe = torch.linspace(-1.0, 1.0, 32).reshape(4, 8)
     try:
-        module.eval()
         with torch.no_grad():
             return module(probe) is probe
     except Exception:  # noqa: BLE001 - any failure: not an identity we know
         return False
     finally:
-        module.train(was)
+        module.training = was
 
 
 class Site:
@@ -278,7 +283,7 @@ class Rewritten:
                  arity: int, paths: list[str]) -> None:
         self.parent, self.dtype, self.inline, self.defaults, self.arity = parent, dtype, inline, defaults, arity
         self.paths = paths
-        # made on first use: the traced code, its sites, the modules whose training flag it read
+        # made on first use: the traced code, its sites, the modules it traced through or skipped
         self._code, self.sites, self._watched = None, [], None
 
     @classmethod
@@ -312,8 +317,8 @@ class Rewritten:
             return type(parent).forward(parent, *args, **kwargs)
         if self._code is None and not self._make():
             return type(parent).forward(parent, *args, **kwargs)
-        if any(module.training for module in self._watched):
-            return type(parent).forward(parent, *args, **kwargs)
+        if any(m.training or m._forward_hooks or m._forward_pre_hooks for m in self._watched):
+            return type(parent).forward(parent, *args, **kwargs)  # a hook the traced code would not call
         return self._code.forward(*args)
 
     def _make(self) -> bool:
