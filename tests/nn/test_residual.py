@@ -8,6 +8,8 @@ import io
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 from torch import nn
 
@@ -302,6 +304,84 @@ def test_off_by_default_and_finding_sites_draws_no_random_numbers():
     state = torch.get_rng_state()
     gemmtune.optimize(model, residual=True)
     assert torch.equal(torch.get_rng_state(), state) and _rewritten(model)
+
+
+class LayerScale(nn.Module):
+    """As timm's: not an identity (it scales), so an add after it is no site."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((d,), 0.5))
+
+    def forward(self, x):
+        return x * self.gamma
+
+
+class Inner(nn.Module):
+    """A child whose output is its last layer's, through the wrappers given."""
+
+    def __init__(self, d, bias, after):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d, bias=bias)
+        self.wrappers = nn.ModuleList(after)
+
+    def forward(self, x):
+        x = self.fc2(F.relu(self.fc1(x)))
+        for wrapper in self.wrappers:
+            x = wrapper(x)
+        return x
+
+
+class Drawn(nn.Module):
+    """A block drawn by the property test: pre- or post-norm, the layer a child or inside one,
+    wrappers between the layer and the add, the add's operand order, and whether the layer's
+    output is read once more."""
+
+    def __init__(self, d, nested, bias, wrappers, pre_norm, order, reread):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.inner = Inner(d, bias, wrappers) if nested else None
+        self.fc = None if nested else nn.Linear(d, d, bias=bias)
+        self.wrappers = nn.ModuleList([] if nested else wrappers)
+        self.pre_norm, self.order, self.reread = pre_norm, order, reread
+
+    def forward(self, x):
+        h = self.norm(x) if self.pre_norm else x
+        out = self.inner(h) if self.inner is not None else self.fc(h)
+        for wrapper in self.wrappers:
+            out = wrapper(out)
+        y = {"left": lambda: x + out, "right": lambda: out + x, "torch.add": lambda: torch.add(out, x)}[self.order]()
+        if self.reread:
+            y = y + out.mean()
+        return y if self.pre_norm else self.norm(y)
+
+
+WRAPPERS = {"identity": nn.Identity, "dropout": lambda: nn.Dropout(0.3), "drop_path": lambda: DropPath(0.3),
+            "scale": lambda: LayerScale(8)}
+
+
+@settings(max_examples=40, deadline=None)
+@given(nested=st.booleans(), bias=st.booleans(), wrappers=st.lists(st.sampled_from(sorted(WRAPPERS)), max_size=2),
+       pre_norm=st.booleans(), order=st.sampled_from(["left", "right", "torch.add"]), reread=st.booleans(),
+       shape=st.lists(st.integers(1, 5), min_size=1, max_size=3), seed=st.integers(0, 2 ** 16))
+def test_a_drawn_block_has_a_site_exactly_where_its_layer_s_output_reaches_the_add_alone(
+        nested, bias, wrappers, pre_norm, order, reread, shape, seed):
+    torch.manual_seed(seed)
+    model = Drawn(8, nested, bias, [WRAPPERS[w]() for w in wrappers], pre_norm, order, reread).eval()
+    reference = copy.deepcopy(model)
+    gemmtune.optimize(model, residual=True)
+    site = "scale" not in wrappers and not reread
+    found = {path for r in _rewritten(model).values() for path in r.paths}
+    assert found == ({"inner.fc2" if nested else "fc"} if site else set())
+    x = torch.randn(*shape, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    model.train()
+    reference.train()
+    torch.manual_seed(seed + 1)
+    got = model(x)
+    torch.manual_seed(seed + 1)
+    assert torch.equal(got, reference(x))
 
 
 @pytest.mark.gpu
