@@ -55,8 +55,6 @@ from gemmtune.tuning import measure
 
 MIN_ROWS_K_ODD = 2  # rows from which a call takes the padded GEMM with K odd, where none is measured
 MIN_ROWS = 65  # and with K aligned (only N odd): past the decode GEMMs' 64
-MEASURE_MS = 20.0  # the time a first call of a row count spends timing the two ways' GPU time
-HOST_ROUNDS, HOST_CALLS = 5, 10  # and the loops timing their host time
 DEVICE_TYPES = ("cuda",)  # where padding pays: cuBLAS's fast path
 DTYPES = tuple(torch_dtypes().values())
 
@@ -130,13 +128,7 @@ class Aligned:
             return rule
         for way in ways.values():
             way()  # the first call of each tunes its GEMM (in lookup mode: the store's kernel, or cuBLAS)
-        device = current()
-        gpu = measure.measure(ways, device, budget_ms=MEASURE_MS, graphs=False)
-        host = measure.host_rounds(ways, device, rounds=HOST_ROUNDS, calls=HOST_CALLS)
-        # a call queued behind others costs the longer of its GPU time and its host's own time
-        cost = {way: max(gpu[way].median, host[way][1].median) for way in ways}
-        noise = max(gpu["padded"].spread_against(gpu["plain"]), host["padded"][1].spread_against(host["plain"][1]))
-        self.padded_for[rows] = cost["padded"] < cost["plain"] * (1.0 - noise)
+        self.padded_for[rows] = measure.beats(ways, "padded", current())
         return self.padded_for[rows]
 
     def padded(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -71,8 +71,6 @@ log = logging.getLogger("gemmtune")
 DTYPES = (torch.float16, torch.bfloat16)
 ADDS = (operator.add, torch.add)
 DROPOUTS = (F.dropout, torch.dropout)
-MEASURE_MS = 20.0  # GPU time a first call of a row count spends timing the two ways
-HOST_ROUNDS, HOST_CALLS = 5, 10
 MAX_ROWS = 64  # row counts a site keeps a choice for; calls of others take the unfused way
 _UNMEASURED = object()  # a row count a site has not chosen its way for
 
@@ -224,12 +222,7 @@ class Site:
             log.warning("gemmtune.optimize: %s keeps its residual add: cuBLASLt's fused product was off by %.3g "
                         "where the two steps were off by %.3g", self.path, errors["fused"], errors["plain"])
             return None
-        device = current()
-        gpu = measure.measure(ways, device, budget_ms=MEASURE_MS, graphs=False)
-        host = measure.host_rounds(ways, device, rounds=HOST_ROUNDS, calls=HOST_CALLS)
-        cost = {way: max(gpu[way].median, host[way][1].median) for way in ways}
-        noise = max(gpu["fused"].spread_against(gpu["plain"]), host["fused"][1].spread_against(host["plain"][1]))
-        return plan if cost["fused"] < cost["plain"] * (1.0 - noise) else None
+        return plan if measure.beats(ways, "fused", current()) else None
 
     def _served(self, layer, x, residual, rows: int, plan: tuple | None):
         """A call of this site as it would serve with ``plan`` chosen for ``rows`` rows (None: the

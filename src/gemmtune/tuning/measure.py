@@ -334,6 +334,22 @@ def host_rounds(fns: Mapping[str, Callable[[], object]], device: Device, *, roun
     return {name: (Timing(tuple(loops[name])), Timing(tuple(issues[name]))) for name in fns}
 
 
+def beats(ways: Mapping[str, Callable[[], object]], candidate: str, device: Device, *,
+          budget_ms: float = 20.0, rounds: int = 5, calls: int = 10) -> bool:
+    """Whether the way named ``candidate`` of two ``ways`` costs less per call than the other
+    beyond the noise of either figure, a call's cost being the longer of its GPU time
+    (``measure``, ``budget_ms`` of it, plain calls) and its host's own time (``host_rounds`` of
+    ``rounds`` loops of ``calls``): a call queued behind others waits for both. How a layer
+    chooses its way at its first call of a row count (``gemmtune.nn.padded``,
+    ``gemmtune.nn.residual``)."""
+    (baseline,) = set(ways) - {candidate}
+    gpu = measure(ways, device, budget_ms=budget_ms, graphs=False)
+    host = host_rounds(ways, device, rounds=rounds, calls=calls)
+    cost = {way: max(gpu[way].median, host[way][1].median) for way in ways}
+    noise = max(gpu[candidate].spread_against(gpu[baseline]), host[candidate][1].spread_against(host[baseline][1]))
+    return cost[candidate] < cost[baseline] * (1.0 - noise)
+
+
 def _synchronizer(device: Device) -> Callable[[], None]:
     if device.interpreter:
         return lambda: None
