@@ -229,28 +229,10 @@ def _traced(parent: nn.Module, is_layer: Callable, registered: dict) -> list[Pai
     """The pairs that ``parent``'s forward shows in every trace (both training modes, each
     floating dtype gemmtune serves); none where it cannot be traced, or where tracing it changed
     the state of ``parent`` or its children (put back)."""
-    found = None
-    training = parent.training
-    before = _State(parent)
-    try:
-        traced, concrete = _traceable(parent)
-        for mode in (training, not training):
-            parent.training = mode  # the parent's flag alone: its children are leaves
-            for dtype in TRACED_DTYPES:
-                graph = _ChildrenAsLeaves(dtype).trace(traced, concrete_args=concrete)
-                seen = set(_in_graph(graph, parent, is_layer, registered))
-                found = seen if found is None else found & seen
-    except Exception as error:  # noqa: BLE001 - fx fails in many ways: any of them means no fusion here
-        log.debug("gemmtune.optimize: %s's forward not traced, so nothing in it is fused: %r",
-                  type(parent).__name__, error)
+    graphs = _traces(parent, (parent.training, not parent.training), TRACED_DTYPES)
+    if graphs is None:
         return []
-    finally:
-        parent.training = training
-        changed = before.restore()
-    if changed:
-        log.debug("gemmtune.optimize: %s's forward changes its module's state when called (%s), so nothing in "
-                  "it is fused", type(parent).__name__, changed)
-        return []
+    found = set.intersection(*(set(_in_graph(graph, parent, is_layer, registered)) for graph in graphs))
     return sorted(found, key=lambda pair: list(parent._modules).index(pair.layer))
 
 
@@ -260,27 +242,40 @@ def eval_trace(parent: nn.Module, dtype: torch.dtype, inline: set[int], defaults
     the parameters in ``defaults`` at those values, baked in; every tensor's dtype reading
     ``dtype``. None where fx cannot trace it, or where the trace changed the state of ``parent``
     or its children (put back)."""
+    graphs = _traces(parent, (False,), (dtype,), frozenset(inline), defaults)
+    return None if graphs is None else graphs[0]
+
+
+def _traces(parent: nn.Module, modes: Iterable[bool], dtypes: Iterable[torch.dtype], inline: frozenset = frozenset(),
+            defaults: dict | None = None) -> list[fx.Graph] | None:
+    """``parent``'s forward traced in each training mode and with every tensor's dtype reading each
+    of ``dtypes``: the modules it calls leaves but its children in ``inline`` (ids), traced through,
+    whose training flags follow ``parent``'s; the parameters in ``defaults`` baked in. None where fx
+    cannot trace it, or where a trace changed the state of ``parent`` or its children (put back)."""
     modules = [parent, *(child for child in parent.children() if id(child) in inline)]
     flags = [module.training for module in modules]
     before = _State(parent)
+    graphs = []
     try:
-        for module in modules:
-            module.training = False  # the flag alone: the leaves are not traced
         traced, concrete = _traceable(parent)
-        return_graph = _ChildrenAsLeaves(dtype, frozenset(inline)).trace(traced, concrete_args={**defaults,
-                                                                                             **(concrete or {})})
+        concrete = {**(defaults or {}), **(concrete or {})} or None
+        for mode in modes:
+            for module in modules:
+                module.training = mode  # the flag alone: the leaves are not traced
+            graphs += [_ChildrenAsLeaves(dtype, inline).trace(traced, concrete_args=concrete) for dtype in dtypes]
     except Exception as error:  # noqa: BLE001 - fx fails in many ways: any of them means no trace
-        log.debug("gemmtune.optimize: %s's forward not traced: %r", type(parent).__name__, error)
+        log.debug("gemmtune.optimize: %s's forward not traced, so nothing in it is fused: %r",
+                  type(parent).__name__, error)
         return None
     finally:
         for module, flag in zip(modules, flags):
             module.training = flag
         changed = before.restore()
     if changed:
-        log.debug("gemmtune.optimize: %s's forward changes its module's state when called (%s): not traced",
-                  type(parent).__name__, changed)
+        log.debug("gemmtune.optimize: %s's forward changes its module's state when called (%s), so nothing in "
+                  "it is fused", type(parent).__name__, changed)
         return None
-    return return_graph
+    return graphs
 
 
 class _State:
