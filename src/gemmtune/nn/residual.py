@@ -272,11 +272,10 @@ class Rewritten:
     module's ``forward``; the class's forward serves any call the trace does not. A copy (deepcopy,
     pickle) traces the module again on first use, and measures its sites' ways again."""
 
-    def __init__(self, parent: nn.Module, dtype: torch.dtype, inline: list[str], defaults: dict,
-                 arity: int, paths: list[str]) -> None:
+    def __init__(self, parent: nn.Module, dtype: torch.dtype, inline: list[str], defaults: dict, arity: int) -> None:
         self.parent, self.dtype, self.inline, self.defaults, self.arity = parent, dtype, inline, defaults, arity
-        self.paths = paths
-        # made on first use: the traced code, its sites, the modules it traced through or skipped
+        self.paths: list[str] | None = None  # its sites' layers, found by the first trace
+        # made by ``_make``: the traced code, its sites, the modules it traced through or skipped
         self._code, self.sites, self._watched = None, [], None
 
     @classmethod
@@ -291,16 +290,12 @@ class Rewritten:
             return None
         dtype, inline = weights[0].dtype, _inlined(parent, is_layer)
         defaults = {p.name: p.default for p in params if p.default is not p.empty and p.kind != p.VAR_KEYWORD}
-        built = _build(parent, dtype, inline, defaults, lambda layer: _may_serve(layer, is_layer, registered, claimed))
-        if built is None:
+        rewritten = cls(parent, dtype, inline, defaults, arity)
+        if not rewritten._make(lambda layer: _may_serve(layer, is_layer, registered, claimed)):
             return None
-        code, sites, skipped = built
-        claimed.update(id(parent.get_submodule(site.path)) for site in sites)
+        claimed.update(id(parent.get_submodule(path)) for path in rewritten.paths)
         log.debug("gemmtune.optimize: %s adds %d residuals in its layers' epilogues (%s)", type(parent).__name__,
-                  len(sites), ", ".join(site.path for site in sites))
-        rewritten = cls(parent, dtype, inline, defaults, arity, [site.path for site in sites])
-        rewritten._code, rewritten.sites = code, sites
-        rewritten._watched = [parent.get_submodule(name) for name in sorted(set(skipped + inline))]
+                  len(rewritten.paths), ", ".join(rewritten.paths))
         return rewritten
 
     def __call__(self, *args, **kwargs):
@@ -314,16 +309,18 @@ class Rewritten:
             return type(parent).forward(parent, *args, **kwargs)  # a hook the traced code would not call
         return self._code.forward(*args)
 
-    def _make(self) -> bool:
-        """The traced code, again where this is a copy; False (and the class's forward from then
-        on) where the trace no longer finds the sites it found."""
-        paths = set(self.paths)
-        built = _build(self.parent, self.dtype, self.inline, self.defaults,
-                       lambda layer: any(layer is self.parent.get_submodule(p) for p in paths))
-        if built is None or sorted(site.path for site in built[1]) != sorted(self.paths):
+    def _make(self, may_serve=None) -> bool:
+        """The traced code: its sites those whose layers ``may_serve`` accepts (the first trace),
+        else those of ``paths`` again (a copy's); False (and the class's forward from then on)
+        where the trace finds none, or not the sites it found."""
+        if may_serve is None:
+            may_serve = lambda layer: any(layer is self.parent.get_submodule(p) for p in self.paths)  # noqa: E731
+        built = _build(self.parent, self.dtype, self.inline, self.defaults, may_serve)
+        if built is None or self.paths is not None and sorted(site.path for site in built[1]) != sorted(self.paths):
             self.arity = -1  # no call matches
             return False
         self._code, self.sites, skipped = built
+        self.paths = [site.path for site in self.sites]
         self._watched = [self.parent.get_submodule(name) for name in sorted(set(skipped + self.inline))]
         return True
 
