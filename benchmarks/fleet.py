@@ -2,12 +2,13 @@
 
 A zoo of ``--count`` problems (210 at most; default 200: the goal's) (the shapes of
 benchmarks/shapes/public.json and zoo.json, each (n, k) at ten row counts from 1 to 4096, bf16;
-deterministic) is tuned three times from empty stores and empty Triton compile caches, each a
-``gemmtune tune`` process:
+deterministic) is tuned once per run of ``--runs`` (default ``gpus_all,plain,gpus_1``; ``plain``
+always) from empty stores and empty Triton compile caches, each a ``gemmtune tune`` process:
 
     gpus_all      --gpus all: one worker process per GPU, every result into one store
     plain         no scheduler: the command's own tuning on one GPU
     gpus_1        --gpus 1: the same scheduler with one worker
+    ray           --ray: a local Ray instance over every GPU, an actor each (needs ray)
 
 and the file says:
 
@@ -19,19 +20,20 @@ and the file says:
 - ``agreement``: the share of problems whose choice under ``--gpus all`` is the plain run's, and
   ``repeat``: the same between the two one-GPU runs (``plain`` and ``gpus_1``, on the same GPU:
   how far two tunings agree at all), with its ``drift`` (how far the two runs read each
-  candidate both timed in their final rounds, against each run's own noise); ``graph_same``: the same for the kernel each stored choice
-  runs in a CUDA graph (``tuner.graph_choice``). Each difference is then crosschecked: its two choices timed
+  candidate both timed in their final rounds, against each run's own noise); ``ray``: the ray
+  run's ``scaling`` and its agreement with plain, as gpus_all's; ``graph_same``: the same for the
+  kernel each stored choice runs in a CUDA graph (``tuner.graph_choice``). Each difference is then crosschecked: its two choices timed
   side by side with cuBLAS on GPU 0, in rounds like the tuner's final ones; ``kernel`` and
   ``cost`` are the other choice's over plain's (medians of per-round ratios, with their noise),
   and ``within_noise`` counts the differences where both are level, ``cost_level`` those where
   the cost is (see ``crosscheck``); each
   difference says where it ``started`` (the final rounds, a screening cut, or screening). The
-  ``--gpus all`` run's differences are crosschecked on each other GPU too (``on_gpu1``, ...):
+  ``--gpus all`` and ray runs' differences are crosschecked on each other GPU too (``on_gpu1``, ...):
   half its problems were tuned there, and two chips of one model need not read alike.
 
-    PYTHONPATH=src python3 benchmarks/fleet.py --out fleet.json [--count 200] [--keep DIR]
+    PYTHONPATH=src python3 benchmarks/fleet.py --out fleet.json [--count 200] [--runs plain,ray] [--keep DIR]
 
-``--keep DIR`` keeps the three runs' stores there (every trial's samples: to study the choices).
+``--keep DIR`` keeps the runs' stores there (every trial's samples: to study the choices).
 
 Without a GPU the workers run Triton's interpreter on a small zoo: NOT GPU timings.
 """
@@ -74,7 +76,8 @@ def zoo(count: int, tiny: bool) -> list[dict]:
 
 def tune(shapes: Path, store: Path, cache: Path, extra: list[str], timeout: float) -> float:
     """Seconds one ``gemmtune tune`` process takes, from empty caches."""
-    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT / "src")}
+    path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONPATH": path}
     argv = [sys.executable, "-c", "import sys; from gemmtune.cli import main; sys.exit(main(sys.argv[1:]))",
             "tune", "--from", str(shapes), "--store", str(store), *extra]
     started = time.perf_counter()
@@ -235,18 +238,30 @@ def crosscheck(comparison: dict, budget_ms: float, gpu: int = 0) -> None:
 
 
 def scale_file(result: dict) -> dict:
-    """The ``scale`` file of RESULTS.md from a fleet result: one row for the run over every GPU,
-    its speedup over the plain one-GPU run, its agreement with it, and the problems the plain
-    run stored that the spread run did not (entries lost)."""
-    lost = sum(1 for d in result["differences"] if d.get("missing"))
+    """The ``scale`` file of RESULTS.md from a fleet result: a row for each run over every GPU
+    (``scheduler``: gpus for --gpus all, ray for --ray), with its speedup over the plain one-GPU
+    run, its agreement with it, and the problems the plain run stored that it did not (entries lost)."""
+    rows = []
+    for scheduler, name, comparison in (("gpus", "gpus_all", result), ("ray", "ray", result.get("ray"))):
+        if comparison is None or "scaling" not in comparison:
+            continue
+        problems = comparison["problems"]
+        rows.append({"gpus": result["gpus"], "hosts": 1, "scheduler": scheduler, "problems": problems,
+                     "wall_s": result[f"{name}_s"], "one_gpu_wall_s": result["plain_s"],
+                     "speedup_vs_one": comparison["scaling"], "choice_agreement": comparison["agreement"],
+                     "same_or_within_noise": (comparison["same"] + comparison["within_noise"]) / problems,
+                     "same_or_cost_level": (comparison["same"] + comparison["cost_level"]) / problems,
+                     "entries_lost": sum(1 for d in comparison["differences"] if d.get("missing"))})
     return {"kind": "scale", "device": result["device"], "torch": result["torch"], "date": result["date"],
-            "timings": result["timings"], "source": "benchmarks/fleet.py",
-            "rows": [{"gpus": result["gpus"], "hosts": 1, "problems": result["problems"],
-                      "wall_s": result["gpus_all_s"], "one_gpu_wall_s": result["plain_s"],
-                      "speedup_vs_one": result["scaling"], "choice_agreement": result["agreement"],
-                      "same_or_within_noise": (result["same"] + result["within_noise"]) / result["problems"],
-                      "same_or_cost_level": (result["same"] + result["cost_level"]) / result["problems"],
-                      "entries_lost": lost}]}
+            "timings": result["timings"], "source": "benchmarks/fleet.py", "rows": rows}
+
+
+def runs_of(text: str) -> list[str]:
+    runs = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(runs) - {"gpus_all", "plain", "gpus_1", "ray"})
+    if unknown:
+        raise argparse.ArgumentTypeError(f"--runs: {', '.join(unknown)} unknown; expected gpus_all, plain, gpus_1, ray")
+    return runs if "plain" in runs else ["plain", *runs]
 
 
 def work_of(store: Path) -> float:
@@ -259,7 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="the JSON file to write")
     parser.add_argument("--count", type=int, default=200, help="problems in the zoo (default 200, at most 210)")
-    parser.add_argument("--keep", type=Path, help="a folder to keep the three runs' stores in")
+    parser.add_argument("--runs", type=runs_of, default=["gpus_all", "plain", "gpus_1"],
+                        help="the runs, in order, comma-separated, of gpus_all, plain, gpus_1 and ray (default "
+                             "gpus_all,plain,gpus_1; plain is added where missing)")
+    parser.add_argument("--keep", type=Path, help="a folder to keep the runs' stores in")
     parser.add_argument("--scale-out", type=Path, help="also write RESULTS.md's scale file there")
     parser.add_argument("--timeout-s", type=float, default=400.0, help="the longest one tuning run may take")
     parser.add_argument("--crosscheck-ms", type=float, default=90.0,
@@ -277,46 +295,62 @@ def main(argv: list[str] | None = None) -> int:
         shapes = work / "zoo.json"
         shapes.write_text(json.dumps({"shapes": problems}))
         # the scaling and the agreement first: each is written as soon as it is known
-        runs = {"gpus_all": ["--gpus", "all" if gpu else str(gpus)], "plain": [], "gpus_1": ["--gpus", "1"]}
-        for name, extra in runs.items():
+        extra = {"gpus_all": ["--gpus", "all" if gpu else str(gpus)], "plain": [], "gpus_1": ["--gpus", "1"],
+                 "ray": ["--ray"]}
+        for name in args.runs:
             store = work / f"{name}.sqlite"
-            result[f"{name}_s"] = tune(shapes, store, work / f"{name}-triton", extra, args.timeout_s)
+            result[f"{name}_s"] = tune(shapes, store, work / f"{name}-triton", extra[name], args.timeout_s)
             result.setdefault("work_s", {})[name] = work_of(store)
             print(f"{name}: {result[f'{name}_s']:.1f} s", file=sys.stderr, flush=True)
             if args.keep:
                 args.keep.mkdir(parents=True, exist_ok=True)
                 shutil.copy(store, args.keep / store.name)
-            if name == "plain":
-                result["scaling"] = result["plain_s"] / result["gpus_all_s"]
-                result |= agreement(work / "plain.sqlite", work / "gpus_all.sqlite")
-                result["drift"] = drift(work / "plain.sqlite", work / "gpus_all.sqlite")
+            for other in (args.runs if name == "plain" else [name]):
+                if other != "plain" and f"{other}_s" in result and "plain_s" in result:
+                    compare(result, other, work)
             out.write_text(json.dumps(result, indent=1))
-        result["scheduler_overhead"] = result["gpus_1_s"] / result["plain_s"] - 1
-        result["repeat"] = agreement(work / "plain.sqlite", work / "gpus_1.sqlite")
-        result["repeat"]["drift"] = drift(work / "plain.sqlite", work / "gpus_1.sqlite")
-        out.write_text(json.dumps(result, indent=1))
         # the differences' kernels compile from the runs' own caches, merged
-        for cache in (work / f"{name}-triton" for name in runs):
+        for cache in (work / f"{name}-triton" for name in args.runs):
             if cache.is_dir():  # none under the interpreter
                 shutil.copytree(cache, work / "crosscheck-triton", dirs_exist_ok=True)
         os.environ["TRITON_CACHE_DIR"] = str(work / "crosscheck-triton")
-        for comparison in (result, result["repeat"]):
+        spread_runs = [result[name] if name == "ray" else result for name in ("gpus_all", "ray") if name in args.runs]
+        for comparison in (*spread_runs, *([result["repeat"]] if "gpus_1" in args.runs else [])):
             crosscheck(comparison, args.crosscheck_ms)
             out.write_text(json.dumps(result, indent=1))
-        for other in range(1, gpus if gpu else 1):  # the --gpus all run's differences, on each other GPU
-            crosscheck(result, args.crosscheck_ms, other)
-            out.write_text(json.dumps(result, indent=1))
+        for other in range(1, gpus if gpu else 1):  # the spread runs' differences, on each other GPU
+            for comparison in spread_runs:
+                crosscheck(comparison, args.crosscheck_ms, other)
+                out.write_text(json.dumps(result, indent=1))
     if args.scale_out:
         args.scale_out.write_text(json.dumps(scale_file(result), indent=1))
-    print(f"{gpus} GPUs: scaling {result['scaling']:.2f}x (ideal {gpus}), scheduler overhead "
-          f"{result['scheduler_overhead']:+.1%}, agreement {result['same']}/{result['problems']} "
-          f"({result['within_noise']} of the differences within noise, {result['cost_level']} level in cost; one GPU "
-          f"twice: {result['repeat']['same']}/{result['repeat']['problems']}, {result['repeat']['within_noise']}, "
-          f"{result['repeat']['cost_level']}); "
-          f"CUDA-graph kernels the same: {result['graph_same']}/{result['problems']}, one GPU twice "
-          f"{result['repeat']['graph_same']}",
-          file=sys.stderr)
+    for name, comparison in (("gpus_all", result), ("ray", result.get("ray")), ("gpus_1", result.get("repeat"))):
+        if name in args.runs:
+            print(f"{name} against plain on {gpus} GPUs: {summary(comparison)}", file=sys.stderr)
     return 0
+
+
+def compare(result: dict, name: str, work: Path) -> None:
+    """Run ``name``'s scaling (or overhead) and agreement with plain into ``result``: at its top
+    level for gpus_all, under ``repeat`` for gpus_1, under ``ray`` for ray."""
+    fields = agreement(work / "plain.sqlite", work / f"{name}.sqlite")
+    fields["drift"] = drift(work / "plain.sqlite", work / f"{name}.sqlite")
+    if name == "gpus_1":
+        result["scheduler_overhead"] = result["gpus_1_s"] / result["plain_s"] - 1
+        result["repeat"] = fields
+    elif name == "ray":
+        result["ray"] = {"scaling": result["plain_s"] / result["ray_s"], **fields}
+    else:
+        result["scaling"] = result["plain_s"] / result["gpus_all_s"]
+        result |= fields
+
+
+def summary(comparison: dict) -> str:
+    what = [f"scaling {comparison['scaling']:.2f}x"] if "scaling" in comparison else []
+    what.append(f"agreement {comparison['same']}/{comparison['problems']} ({comparison.get('within_noise')} "
+                f"of the differences within noise, {comparison.get('cost_level')} level in cost)")
+    what.append(f"CUDA-graph kernels the same: {comparison['graph_same']}")
+    return ", ".join(what)
 
 
 if __name__ == "__main__":

@@ -22,3 +22,13 @@ class AlwaysDies(LocalRunner):
         if problem.m == 9:
             os._exit(9)
         super().start(problem, seed)
+
+
+class CountsRunners(LocalRunner):
+    """Leaves a file for each runner made, in the folder GEMMTUNE_SPREAD_FLAG names plus ".runners"."""
+
+    def __init__(self, device):
+        super().__init__(device)
+        folder = os.environ["GEMMTUNE_SPREAD_FLAG"] + ".runners"
+        os.makedirs(folder, exist_ok=True)
+        open(os.path.join(folder, f"{os.getpid()}-{id(self)}"), "w").close()

@@ -1,6 +1,7 @@
 """Tuning across a Ray cluster (gemmtune.tuning.cluster, `gemmtune tune --ray`), on a local Ray
-instance with CPU-only workers (Triton's interpreter): one task per group, every result in one
-store, a task whose worker dies retried by Ray, a group that keeps failing given up."""
+instance with CPU-only workers (Triton's interpreter): an actor per CPU, each tuning group after
+group with one runner, every result in one store, a group whose actor dies tuned again by another,
+a group that keeps failing given up."""
 
 import os
 import sys
@@ -10,7 +11,7 @@ import pytest
 from gemmtune.store import Store
 from gemmtune.tuning import cluster
 
-from .spread_faults import AlwaysDies, DiesOnce
+from .spread_faults import AlwaysDies, CountsRunners, DiesOnce
 from .test_spread import OPTIONS, problems
 
 ray = pytest.importorskip("ray", reason="tuning on a cluster needs ray (pip install ray)")
@@ -40,7 +41,14 @@ def test_every_group_tuned_by_a_task_into_one_store(local_ray, tmp_path):
     assert ray.is_initialized()  # the caller's instance is left running
 
 
-def test_a_task_whose_worker_dies_is_retried_and_one_that_keeps_dying_given_up(local_ray, tmp_path):
+def test_each_actor_keeps_its_runner_for_every_group_it_is_handed(local_ray, tmp_path):
+    wanted = problems(*((m, "none") for m in (3, 4, 5, 6, 11)))
+    done = cluster.tune(wanted, location=str(tmp_path / "store.sqlite"), options=OPTIONS, runner_factory=CountsRunners)
+    assert sorted(done.results) == sorted(p.key() for p in wanted) and not done.given_up
+    assert len(os.listdir(local_ray + ".runners")) == 2  # two CPUs: two actors, not a runner per group
+
+
+def test_a_group_whose_actor_dies_is_tuned_again_and_one_that_keeps_dying_given_up(local_ray, tmp_path):
     location = str(tmp_path / "store.sqlite")
     done = cluster.tune(problems((7, "none"), (8, "none")), location=location, options=OPTIONS,
                         runner_factory=DiesOnce)

@@ -79,10 +79,10 @@ def _parser() -> argparse.ArgumentParser:
                            "own, and a shape whose tuning fails is tuned again on the next free GPU (without a GPU: "
                            "N lanes on Triton's interpreter)")
     tune.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
-                      help="tune across a Ray cluster, one task per shape (and its epilogue variants) with a GPU "
-                           "each: --ray auto joins the cluster this host is part of, --ray ADDRESS another, --ray "
-                           "alone starts a local instance; set --store to a server's URL so that every host's "
-                           "choices meet (pip install ray)")
+                      help="tune across a Ray cluster, an actor per GPU of it handed a shape (and its epilogue "
+                           "variants) at a time: --ray auto joins the cluster this host is part of, --ray ADDRESS "
+                           "another, --ray alone starts a local instance; set --store to a server's URL so that "
+                           "every host's choices meet (pip install ray)")
     tune.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
     _store_argument(tune)
     tune.set_defaults(run=_tune)
@@ -331,8 +331,8 @@ def gpus_of(value: str) -> list[int | None]:
 
 
 def _tune_spread(named, args, console: Console, store) -> int:
-    """``tune --gpus`` (a thread and a candidates' process per GPU of this host) or ``--ray`` (tasks
-    across a cluster)."""
+    """``tune --gpus`` (a thread and a candidates' process per GPU of this host) or ``--ray`` (an actor
+    per GPU of a cluster)."""
     from gemmtune.cli import report
     from gemmtune.tuning import cluster, spread
     from gemmtune.tuning.tuner import TuneOptions

@@ -1,8 +1,18 @@
-"""Many problems tuned across the hosts of a Ray cluster (``gemmtune tune --ray``): one Ray task per
-problem group (``spread.groups``), each holding one GPU (none on a CPU-only cluster, where the
-tasks run Triton's interpreter), all writing into one store. Ray places the tasks and retries a
-task whose worker or host died (``RETRIES`` times); a group whose task still fails is given up and
-said so, as ``spread`` does on one host.
+"""Many problems tuned across the hosts of a Ray cluster (``gemmtune tune --ray``): one Ray actor
+per GPU of the cluster (per CPU on a CPU-only cluster, where it runs Triton's interpreter), each a
+tuner that holds its GPU, its candidates' process and a connection to the store, and is handed a
+problem group (``spread.groups``) at a time as it comes free, the costliest groups first, as
+``spread`` does over one host's GPUs. Every result goes into one store.
+
+Actors, not a Ray task per group: Ray starts a new worker process for each task that holds a GPU
+(``max_calls`` is 1 for them), so every group would pay a process's start, torch's import, a
+CUDA context and a candidates' process of its own; an actor pays them once.
+
+An actor that dies (its process or its host ended) costs the group it was tuning: that group goes
+to the next free actor, and a new actor takes the dead one's place where the cluster still has a
+GPU for it. A group that fails ``spread.ATTEMPTS`` times is given up, and said so. Groups wait for
+an actor that has started; if none is tuning and none starts within STALL_S, the groups left are
+given up.
 
 The store must be one every host reaches: a server's URL (``GEMMTUNE_STORE=postgresql://...``),
 or a path on a filesystem all hosts share; a SQLite path on a cluster of several hosts is taken
@@ -11,7 +21,9 @@ as such, and a warning says so. Ray (``pip install ray``) is imported only here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from gemmtune.problem import Problem
@@ -21,7 +33,7 @@ from gemmtune.tuning.tuner import TuneOptions, tune_many
 
 log = logging.getLogger("gemmtune")
 
-RETRIES = 1  # Ray's retries of a task whose worker died
+STALL_S = 600.0  # how long groups wait for an actor to start while none is tuning
 
 
 def tune(problems: Sequence[Problem], *, address: str | None = None, location: str | None = None,
@@ -29,7 +41,8 @@ def tune(problems: Sequence[Problem], *, address: str | None = None, location: s
          runner_factory: Callable | None = None,
          on_result: Callable[[TuneResult], None] | None = None) -> spread.Spread:
     """Tune ``problems`` on the Ray cluster at ``address`` ("auto": the one this host is part of;
-    None: a local instance started here and stopped after), into the store at ``location``."""
+    None: a local instance started here and stopped after), into the store at ``location``.
+    ``runner_factory`` (tests) makes each actor's runner in the actor's own process."""
     import ray
     import torch
 
@@ -44,60 +57,167 @@ def tune(problems: Sequence[Problem], *, address: str | None = None, location: s
             log.warning("gemmtune: tuning on %d hosts into %s: unless every host shares that path, set "
                         "GEMMTUNE_STORE to a server's URL so that the choices meet in one store",
                         len(ray.nodes()), location or "the default SQLite file")
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-        task = ray.remote(num_gpus=gpus, max_retries=RETRIES, retry_exceptions=False)(_tune_group)
-        pending = {task.remote([p.key() for p in group], location, options, retune, isolate, runner_factory): group
-                   for group in spread.groups(problems)}
-        done = spread.Spread()
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
-            group = pending.pop(ready[0])
-            try:
-                replies = ray.get(ready[0])
-            except (ray.exceptions.RayError, OSError) as error:
-                log.warning("gemmtune: the Ray task tuning %s failed after %d retries (%s); it is given up",
-                            group[0].describe(), RETRIES, type(error).__name__)
-                done.given_up.extend(group)
-                continue
-            for reply in replies:
-                result = result_of_reply(reply)
-                done.results[result.problem_key] = result
-                if on_result is not None:
-                    on_result(result)
-        return done
+        waiting = deque(spread.costliest_first(spread.groups(problems)))
+        pool = _Pool(ray, (location, options, retune, isolate, runner_factory), len(waiting))
+        try:
+            return _drive(pool, waiting, on_result)
+        finally:
+            pool.close()
     finally:
         if started_here:
             ray.shutdown()
 
 
-def _tune_group(keys: list[str], location: str | None, options: TuneOptions, retune: bool, isolate: bool,
-                runner_factory: Callable | None) -> list[dict]:
-    """A Ray task: tune one group on the GPU Ray gave it (or the interpreter) into the store;
-    the results as plain data. The candidates run in ``runner_factory``'s runner where given (tests:
-    one that ends the task's process), else in a process of their own where ``isolate``, else in
-    the task's."""
-    import torch
+def _drive(pool: _Pool, waiting: deque, on_result: Callable[[TuneResult], None] | None) -> spread.Spread:
+    """Hands ``waiting``'s groups to the pool's free actors until each is tuned or given up."""
+    done = spread.Spread()
+    failures: dict[str, int] = {}
+    while waiting or pool.busy:
+        pool.hand(waiting)
+        event = pool.next_event()
+        if event is None:  # no actor tuning, none started in time
+            why = f"no Ray actor started within {STALL_S:.0f} s (is a GPU free on the cluster?)"
+            while waiting:
+                group = waiting.popleft()
+                log.warning("gemmtune: tuning %s is given up: %s", group[0].describe(), why)
+                done.given_up.extend(group)
+            continue
+        group, replies, why = event
+        if group is None:  # an actor started, or failed to
+            continue
+        if replies is None:
+            done.restarts += 1
+            spread.retry_or_give_up(group, failures, waiting, done, why)
+            continue
+        for reply in replies:
+            result = result_of_reply(reply)
+            done.results[result.problem_key] = result
+            if on_result is not None:
+                on_result(result)
+    return done
 
-    from gemmtune.device import current
-    from gemmtune.store import open_store
-    from gemmtune.tuning.worker import IsolatedRunner
 
-    device = current()
-    index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-    runner = runner_factory(device) if runner_factory is not None else (
-        IsolatedRunner(device, device_index=index) if isolate else None)
-    problems = [Problem.from_key(key) for key in keys]
-    try:
-        with open_store(location) as store:
-            return [reply_of_result(r) for r in tune_many(problems, device, store, options, retune=retune,
-                                                          runner=runner)]
-    finally:
-        if isinstance(runner, IsolatedRunner):
-            runner.close()
+class _Pool:
+    """The actors of one tuning: those starting, those free, and those tuning a group."""
+
+    def __init__(self, ray, arguments: tuple, groups: int) -> None:
+        self._ray = ray
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        self._resource = "GPU" if gpus else "CPU"
+        self._class = (ray.remote(num_gpus=1, num_cpus=0) if gpus else ray.remote(num_cpus=1))(_Tuner)
+        self._arguments = arguments
+        self._starting: dict = {}  # the ready() call's reference -> its actor
+        self._free: list = []
+        self._tuning: dict = {}  # the tune() call's reference -> (its actor, its group)
+        slots = gpus or int(ray.cluster_resources().get("CPU", 1))
+        for _ in range(max(1, min(slots, groups))):
+            self._start()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._tuning)
+
+    def hand(self, waiting: deque) -> None:
+        while self._free and waiting:
+            actor, group = self._free.pop(), waiting.popleft()
+            self._tuning[actor.tune.remote([p.key() for p in group])] = (actor, group)
+
+    def next_event(self) -> tuple[list[Problem] | None, list[dict] | None, str] | None:
+        """The next thing that happened: (a group, its replies, "") when it is tuned, (the group,
+        None, why) when its tuning failed, (None, None, "") when an actor started or failed to;
+        None when none is tuning and none started within STALL_S."""
+        ray = self._ray
+        if not self._tuning and not self._starting:
+            return None
+        ready, _ = ray.wait([*self._tuning, *self._starting], num_returns=1,
+                            timeout=None if self._tuning else STALL_S)
+        if not ready:
+            return None
+        reference = ready[0]
+        if reference in self._starting:
+            self._started(self._starting.pop(reference), reference)
+            return None, None, ""
+        actor, group = self._tuning.pop(reference)
+        try:
+            replies = ray.get(reference)
+        except ray.exceptions.RayActorError as error:
+            self._replace(actor)
+            return group, None, f"its Ray actor died ({type(error).__name__})"
+        except ray.exceptions.RayError as error:
+            self._free.append(actor)
+            return group, None, f"{type(error).__name__}: {error}"[:300]
+        self._free.append(actor)
+        return group, replies, ""
+
+    def close(self) -> None:
+        """Each free actor closes its runner and store; then every actor is ended."""
+        ray = self._ray
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get([actor.close.remote() for actor in self._free], timeout=60)
+        for actor in [*self._free, *self._starting.values(), *(a for a, _ in self._tuning.values())]:
+            ray.kill(actor, no_restart=True)
+
+    def _start(self) -> None:
+        actor = self._class.remote(*self._arguments)
+        self._starting[actor.ready.remote()] = actor
+
+    def _started(self, actor, reference) -> None:
+        ray = self._ray
+        try:
+            ray.get(reference)
+        except ray.exceptions.RayError as error:
+            log.warning("gemmtune: a Ray actor could not start its tuning (%s: %s)", type(error).__name__,
+                        str(error)[:300])
+            ray.kill(actor, no_restart=True)
+            return
+        self._free.append(actor)
+
+    def _replace(self, dead) -> None:
+        """A new actor in ``dead``'s place, where the cluster still has a GPU (a CPU) for it."""
+        ray = self._ray
+        ray.kill(dead, no_restart=True)
+        alive = len(self._starting) + len(self._free) + len(self._tuning)
+        if ray.cluster_resources().get(self._resource, 0) >= alive + 1:
+            self._start()
+
+
+class _Tuner:
+    """A Ray actor: one GPU's tuner (the interpreter's on a CPU-only cluster), its candidates' runner
+    and a connection to the store, kept for every group it is handed. The candidates run in
+    ``runner_factory``'s runner where given (tests: one that ends the actor's process), else in a
+    process of their own where ``isolate``, else in the actor's."""
+
+    def __init__(self, location: str | None, options: TuneOptions, retune: bool, isolate: bool,
+                 runner_factory: Callable | None) -> None:
+        import torch
+
+        from gemmtune.device import current
+        from gemmtune.store import open_store
+        from gemmtune.tuning.worker import IsolatedRunner
+
+        self._options, self._retune = options, retune
+        self._stack = contextlib.ExitStack()
+        self._device = current()
+        self._store = self._stack.enter_context(open_store(location))
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        self._runner = runner_factory(self._device) if runner_factory is not None else (
+            self._stack.enter_context(IsolatedRunner(self._device, device_index=index)) if isolate else None)
+
+    def ready(self) -> bool:
+        return True
+
+    def tune(self, keys: list[str]) -> list[dict]:
+        """The group of problems ``keys`` tuned into the store; the results as plain data."""
+        problems = [Problem.from_key(key) for key in keys]
+        return [reply_of_result(r) for r in tune_many(problems, self._device, self._store, self._options,
+                                                      retune=self._retune, runner=self._runner)]
+
+    def close(self) -> None:
+        self._stack.close()
 
 
 def reply_of_result(result: TuneResult) -> dict:
-    """A result as plain data, for a Ray task's return."""
+    """A result as plain data, for an actor's reply."""
     return {"problem_key": result.problem_key, "device": result.device, "backend": result.backend,
             "config": result.config, "time_ms": result.time_ms, "cublas_ms": result.cublas_ms,
             "tune_s": result.tune_s, "rel_err": result.rel_err, "from_store": result.from_store,

@@ -83,7 +83,7 @@ def tune(problems: Sequence[Problem], gpus: Sequence[int | None], *, location: s
             lane.idle = True
             if results is None:
                 spread.restarts += 1
-                _retry_or_give_up(group, failures, waiting, spread, why)
+                retry_or_give_up(group, failures, waiting, spread, why)
                 continue
             for result in results:
                 spread.results[result.problem_key] = result
@@ -95,8 +95,10 @@ def tune(problems: Sequence[Problem], gpus: Sequence[int | None], *, location: s
     return spread
 
 
-def _retry_or_give_up(group: list[Problem], failures: dict[str, int], waiting: deque, spread: Spread,
+def retry_or_give_up(group: list[Problem], failures: dict[str, int], waiting: deque, spread: Spread,
                       why: str) -> None:
+    """``group`` back in ``waiting`` for the next free GPU, or given up where it has failed
+    ATTEMPTS times (said, with ``why``, the last failure)."""
     key = group[0].without_epilogue().key()
     failures[key] = failures.get(key, 0) + 1
     if failures[key] < ATTEMPTS:
