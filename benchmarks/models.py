@@ -458,6 +458,18 @@ def entry_of(name: str) -> Entry:
     return MODELS[name] if name in MODELS else named_entry(name)
 
 
+def built(entry: Entry, tiny: bool) -> nn.Module:
+    """``entry``'s model, every ``nn.Linear`` whose weight is all zeros given random weights:
+    timm zero-initialises some heads (Mixer-B's), whose logits are then zero on every side, and
+    every error check reads 0 whatever the layers before computed."""
+    model = entry.build(tiny)
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, nn.Linear) and not layer.weight.detach().any():
+                layer.weight.normal_(0.0, 0.02)
+    return model
+
+
 def probe_parser(doc: str, default: str) -> argparse.ArgumentParser:
     """A probe's command line: OUT.json, and ``--models`` (``default`` where not given)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -486,7 +498,7 @@ def inference_models(name: str) -> Iterator[tuple[Case, nn.Module, dict]]:
     for case in entry.cases(name, False):
         if case.phase == "inference":
             torch.manual_seed(0)
-            model = entry.build(False).to("cuda", case.dtype).eval()
+            model = built(entry, False).to("cuda", case.dtype).eval()
             yield case, model, case.inputs("cuda", case.dtype)
 
 
@@ -1347,7 +1359,7 @@ def run_model(name: str, args, device: str, budget: Budget, skipped: list, emit,
             if master is None:
                 torch.manual_seed(0)
                 with torch.device(device):
-                    master = entry.build(args.tiny).eval()
+                    master = built(entry, args.tiny).eval()
             run_case(case, master, args.modes, args, budget, skipped, emit)
         except Exception as exc:  # noqa: BLE001 - one model's failure must not end the run
             traceback.print_exc(file=sys.stderr)

@@ -5,6 +5,7 @@ fused product against float64 on every view of a size a caller can pass."""
 
 import copy
 import io
+import logging
 
 import pytest
 import torch
@@ -429,4 +430,54 @@ def test_a_model_s_blocks_choose_their_way_and_compute_what_they_did():
         got, want = model(x).float(), reference(x).float()
     fused, sites = residual.fused(model)
     assert sites == 5 and 0 <= fused <= 5
+    assert (got - want).abs().max() <= 0.1 * want.abs().max()
+
+
+@pytest.mark.gpu
+def test_eager_plain_sites_add_apart_in_eager_calls_and_fuse_in_cuda_graphs():
+    torch.manual_seed(0)
+    d, hidden, rows = 256, 1024, 512
+    model = Output(d, hidden).cuda().to(torch.bfloat16).eval()
+    gemmtune.optimize(model, residual=True, check=False)
+    h = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
+    dense, norm = model.dense, model.LayerNorm
+    with torch.no_grad():
+        model(h, x)  # traced, and the way chosen
+        site = _rewritten(model)[""].sites[0]
+        plan = site.fused_for[rows] = site.plan(dense, h, rows)
+        fused = F.layer_norm(residual._launch(plan, h, dense.weight, dense.bias, x), (d,), norm.weight, norm.bias)
+        plain = F.layer_norm(dense(h) + x, (d,), norm.weight, norm.bias)
+        site.eager_plain = True
+        assert torch.equal(model(h, x), plain)
+        graph, out = torch.cuda.CUDAGraph(), None
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model(h, x)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            out = model(h, x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fused)
+        site.eager_plain = False
+        assert torch.equal(model(h, x), fused)
+
+
+@pytest.mark.gpu
+def test_optimize_settles_whether_eager_calls_stay_fused_and_says_so(caplog):
+    torch.manual_seed(0)
+    model = Net(256).cuda().to(torch.bfloat16).eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 64, 256, device="cuda", dtype=torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="gemmtune"):
+        gemmtune.optimize(model, (x,), residual=True)
+    sites = [s for r in _rewritten(model).values() for s in r.sites]
+    fused = [s for s in sites if any(plan is not None for plan in s.fused_for.values())]
+    said = [r.getMessage() for r in caplog.records if "residual adds" in r.getMessage() and "eager" in r.getMessage()]
+    assert said if fused else not any(s.eager_plain for s in sites)
+    assert len({s.eager_plain for s in fused}) <= 1  # one verdict for the model's sites
+    with torch.no_grad():
+        got, want = model(x).float(), reference(x).float()
     assert (got - want).abs().max() <= 0.1 * want.abs().max()

@@ -183,7 +183,6 @@ def optimize(model: nn.Module, example_inputs: Sequence | None = None, *,
                  "measures faster", sites)
     if example_inputs is not None:
         tune_model(model, example_inputs, options=options, siblings=siblings, check=check)
-        residual_sites.forget(model)
     return model
 
 
@@ -322,7 +321,8 @@ def tune_calls(run: Callable[[], object], *, options: TuneOptions | None = None,
     that one example call does not cover (a model's prefill and its decode steps at each batch).
     ``siblings``: join the sibling layers the run shows (see ``optimize``), then run it once more
     so that what is recorded and tuned is the joined GEMMs. ``check``: keep only what pays
-    (``optimize`` says how), timing ``run()`` with and without gemmtune's layers. ``step``: a
+    (``optimize`` says how), timing ``run()`` with and without gemmtune's layers; then the residual
+    sites of the modules it calls choose their ways again (``residual.settle``). ``step``: a
     training step of the run (forward and backward; False where nothing needed a gradient): with
     ``check``, its GEMMs are tuned too and the layers stay only if it pays as well."""
     started = time.perf_counter()
@@ -353,6 +353,9 @@ def tune_calls(run: Callable[[], object], *, options: TuneOptions | None = None,
     if check:
         _keep_what_pays(run, per_layer, results, calls={problem.key(): n for problem, n in seen.problems()},
                         started=started, step=step, called=called)
+        said = residual_sites.settle(called.roots, run)
+        if said:
+            log.info("gemmtune.optimize: %s", said)
     return results
 
 

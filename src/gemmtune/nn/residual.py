@@ -41,9 +41,19 @@ The first call of each row count checks it against float32 (no worse than twice 
 error) and times both ways as the site serves them (its per-call checks included), their GPU
 time and their host's own time per call; the fused product serves only where the longer of the
 two is shorter beyond the noise, as ``gemmtune.nn.padded`` chooses (where N leaves cuBLAS's fast
-path the fused product was 1.5x slower on the H200). ``optimize`` forgets the choices once its
-check has settled the layers' forms, so that the next calls choose against the forms that serve.
-A row count that chose the layer and the add then costs a dict lookup more than they do.
+path the fused product was 1.5x slower on the H200). A row count that chose the layer and the add
+then costs a dict lookup more than they do.
+
+**Eager calls, where the host paces them.** cuBLASLt's launch costs the host about 20 us, more
+than a layer whose eager calls run a bound Triton launch and a torch add: on an H200, BERT-base's
+eager forward, which its host paces, ran 5-6% slower with its sites fused while its CUDA graph
+ran 1.7% faster (``residual-sides-h200-20261129c.json``). A site's choice, made one call at a
+time, cannot see what paces the model; so once ``optimize``'s check has settled the layers'
+forms, ``settle`` has the sites choose again against those forms (one run of the example), then
+times the run in eager with the fused sites serving eager calls and with those calls taking the
+layer and the add: eager calls stay fused only where the run reads faster so beyond its noise (on
+an H200: DeiT-S 1.04x +-0.00, Mixer-B 1.07x +-0.00; BERT-base 0.94x +-0.06 and 0.96x +-0.02,
+``residual-sides-h200-20261129d.json``). CUDA graph captures take the fused product either way.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ from __future__ import annotations
 import inspect
 import logging
 import operator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +83,7 @@ DTYPES = (torch.float16, torch.bfloat16)
 ADDS = (operator.add, torch.add)
 DROPOUTS = (F.dropout, torch.dropout)
 MAX_ROWS = 64  # row counts a site keeps a choice for; calls of others take the unfused way
+CHECK_BUDGET_MS = 1000.0  # the wall time ``settle``'s eager timing may take
 _UNMEASURED = object()  # a row count a site has not chosen its way for
 
 
@@ -95,22 +107,62 @@ def rewrite(model: nn.Module, is_layer) -> int:
 
 
 def forget(model: nn.Module) -> None:
-    """Drop every way ``model``'s sites chose: the next call of each row count measures again.
-    ``optimize`` calls it once its check has settled the layers' forms, which its example runs
-    switched between (a way chosen against a layer's torch form, or before its eager calls went to
-    a kernel whose launch costs the host less, is not the way its settled form calls for)."""
-    for module in model.modules():
-        rewritten = vars(module).get("forward")
-        if isinstance(rewritten, Rewritten):
-            for site in rewritten.sites:
-                site.fused_for.clear()
+    """Drop every way ``model``'s sites chose: the next call of each row count measures again, and
+    eager calls take the ways chosen."""
+    _forget(_sites(model))
+
+
+def settle(roots: list[nn.Module], run: Callable[[], object]) -> str:
+    """Once ``optimize``'s check has settled the layers' forms, which its runs switched between (a
+    way chosen against a layer's torch form, or before its eager calls went to a kernel whose
+    launch costs the host less, is not the way its settled form calls for): the sites of ``roots``
+    (the modules ``run`` calls) choose again in one ``run`` (without gradients), and where some
+    chose the fused product, the run is timed in eager with their eager calls fused and with those
+    calls taking the layer and the add, in alternated rounds; eager calls stay fused only where that
+    reads faster beyond its noise (the module's docstring). What was found, for optimize's log line ("" where no site chose)."""
+    sites = list({id(site): site for root in roots for site in _sites(root)}.values())
+    _forget(sites)
+    if not sites:
+        return ""
+    with torch.no_grad():
+        run()
+    fused_sites = [site for site in sites if any(plan is not None for plan in site.fused_for.values())]
+    if not fused_sites:
+        chose = any(site.fused_for for site in sites)  # none did in a run their forward does not serve
+        return f"none of the {len(sites)} residual adds measured faster fused" if chose else ""
+
+    def eager(plain: bool) -> Callable[[], None]:
+        def enter() -> None:
+            for site in fused_sites:
+                site.eager_plain = plain
+        return enter
+
+    with torch.no_grad():
+        times = measure.loops({"fused": run, "plain": run}, current(), budget_ms=CHECK_BUDGET_MS,
+                              enter={"fused": eager(False), "plain": eager(True)})
+    speedup, noise = times["plain"].ratio_to(times["fused"]), times["plain"].spread_against(times["fused"])
+    pays = speedup > 1.0 + noise
+    eager(not pays)()
+    calls = "fused too" if pays else "take the layer and the add"
+    return (f"{len(fused_sites)} of {len(sites)} residual adds fused in CUDA graphs; their eager calls {calls} "
+            f"(the eager run read {speedup:.2f}x +-{noise:.2f} with them fused)")
+
+
+def _forget(sites: list[Site]) -> None:
+    for site in sites:
+        site.fused_for.clear()
+        site.eager_plain = False
 
 
 def fused(model: nn.Module) -> tuple[int, int]:
     """How many of ``model``'s residual sites take the fused product for some row count, of how many."""
-    sites = [site for module in model.modules() if isinstance(vars(module).get("forward"), Rewritten)
-             for site in vars(module)["forward"].sites]
+    sites = _sites(model)
     return sum(any(plan is not None for plan in site.fused_for.values()) for site in sites), len(sites)
+
+
+def _sites(model: nn.Module) -> list[Site]:
+    return [site for module in model.modules() if isinstance(vars(module).get("forward"), Rewritten)
+            for site in vars(module)["forward"].sites]
 
 
 def _holds_layers(parent: nn.Module, is_layer) -> bool:
@@ -156,26 +208,33 @@ def _identity_in_eval(module: nn.Module) -> bool:
 
 class Site:
     """One layer's call and the add after it: ``serve(layer, x, residual)`` is
-    ``layer(x) + residual``, through cuBLASLt's fused product where it was measured faster."""
+    ``layer(x) + residual``, through cuBLASLt's fused product where it was measured faster (in eager
+    calls, unless ``eager_plain``: then only while a CUDA graph is captured, ``settle``)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.fused_for: dict[int, tuple | None] = {}  # rows -> (launch, workspace bytes, descriptors) or None
+        self.eager_plain = False
 
     def serve(self, layer: nn.Module, x: torch.Tensor, residual) -> torch.Tensor:
-        out = self._fused(layer, x, residual)
-        return layer(x) + residual if out is None else out
+        if self.eager_plain and not torch.cuda.is_current_stream_capturing() and _rows(x) in self.fused_for:
+            return layer(x) + residual
+        return self._way(layer, x, residual)
 
     def __getstate__(self) -> dict:
-        return {"path": self.path, "fused_for": {}}  # a copy measures again (the plans hold cuBLASLt's handles)
+        # a copy measures again (the plans hold cuBLASLt's handles)
+        return {"path": self.path, "fused_for": {}, "eager_plain": self.eager_plain}
+
+    def _way(self, layer, x, residual) -> torch.Tensor:
+        out = self._fused(layer, x, residual)
+        return layer(x) + residual if out is None else out
 
     def _fused(self, layer, x, residual) -> torch.Tensor | None:
         """The fused product where this call can take it and it was chosen, else None. A row count
         that chose the layer and the add costs a dict lookup more than they do."""
-        if not isinstance(residual, torch.Tensor) or not isinstance(x, torch.Tensor) or not x.is_cuda \
-                or x.dim() < 2 or x.shape[-1] == 0:
+        rows = _rows(x)
+        if rows is None or not isinstance(residual, torch.Tensor) or not x.is_cuda:
             return None
-        rows = x.numel() // x.shape[-1]
         plan = self.fused_for.get(rows, _UNMEASURED)
         if plan is None:
             return None
@@ -229,8 +288,15 @@ class Site:
         layer then the add), its per-call checks included: a way's host time is that of its path."""
         def call():
             self.fused_for[rows] = plan
-            return self.serve(layer, x, residual)
+            return self._way(layer, x, residual)
         return call
+
+
+def _rows(x) -> int | None:
+    """The rows of ``x`` as a GEMM's operand (all but its last dimension), None where it is none."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[-1] == 0:
+        return None
+    return x.numel() // x.shape[-1]
 
 
 def _linear(layer: nn.Module) -> bool:
