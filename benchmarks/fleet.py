@@ -22,14 +22,14 @@ and the file says:
   how far two tunings agree at all), with its ``drift`` (how far the two runs read each
   candidate both timed in their final rounds, against each run's own noise); ``ray``: the ray
   run's ``scaling`` and its agreement with plain, as gpus_all's; ``graph_same``: the same for the
-  kernel each stored choice runs in a CUDA graph (``tuner.graph_choice``). Each difference is then crosschecked: its two choices timed
-  side by side with cuBLAS on GPU 0, in rounds like the tuner's final ones; ``kernel`` and
-  ``cost`` are the other choice's over plain's (medians of per-round ratios, with their noise),
-  and ``within_noise`` counts the differences where both are level, ``cost_level`` those where
-  the cost is (see ``crosscheck``); each
-  difference says where it ``started`` (the final rounds, a screening cut, or screening). The
-  ``--gpus all`` and ray runs' differences are crosschecked on each other GPU too (``on_gpu1``, ...):
-  half its problems were tuned there, and two chips of one model need not read alike.
+  kernel each stored choice runs in a CUDA graph (``tuner.graph_choice``). Each difference is
+  then crosschecked: its two choices timed side by side with cuBLAS on GPU 0, in rounds like the
+  tuner's final ones; ``kernel`` and ``cost`` are the other choice's over plain's (medians of
+  per-round ratios, with their noise), and ``within_noise`` counts the differences where both are
+  level, ``cost_level`` those where the cost is (see ``crosscheck``); each difference says where
+  it ``started`` (the final rounds, a screening cut, or screening). The ``--gpus all`` and ray
+  runs' differences are crosschecked on each other GPU too (``on_gpu1``, ...): half their problems
+  were tuned there, and two chips of one model need not read alike.
 
     PYTHONPATH=src python3 benchmarks/fleet.py --out fleet.json [--count 200] [--runs plain,ray] [--keep DIR]
 

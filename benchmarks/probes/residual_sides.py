@@ -118,7 +118,8 @@ def probe(case, model: nn.Module, inputs: dict) -> dict:
               if off.get(key) != on.get(key)}
     row = {"model": case.model, "batch": case.batch,
            "torch_ref_err": models.rel_err(base_out, reference) if reference is not None else why,
-           "eager_ms": eager, "graph_ms": graph, "kernels": kernels, "host": host, "copies": copied, "sides": sides, "gemms_differing": differ}
+           "eager_ms": eager, "graph_ms": graph, "kernels": kernels, "host": host, "copies": copied, "sides": sides,
+           "gemms_differing": differ}
     log.warning("%s: eager %s, graph %s, errors torch %s off %s on %s, %d GEMMs differ", case.model,
                 {k: round(v, 3) for k, v in eager.items()}, {k: round(v, 3) for k, v in graph.items()},
                 row["torch_ref_err"], sides["off"]["ref_err"], sides["on"]["ref_err"], len(differ))

@@ -119,7 +119,8 @@ def settle(roots: list[nn.Module], run: Callable[[], object]) -> str:
     (the modules ``run`` calls) choose again in one ``run`` (without gradients), and where some
     chose the fused product, the run is timed in eager with their eager calls fused and with those
     calls taking the layer and the add, in alternated rounds; eager calls stay fused only where that
-    reads faster beyond its noise (the module's docstring). What was found, for optimize's log line ("" where no site chose)."""
+    reads faster beyond its noise (the module's docstring). What was found, for optimize's log line
+    ("" where no site chose)."""
     sites = list({id(site): site for root in roots for site in _sites(root)}.values())
     _forget(sites)
     if not sites:
