@@ -218,8 +218,10 @@ class Site:
         self.eager_plain = False
 
     def serve(self, layer: nn.Module, x: torch.Tensor, residual) -> torch.Tensor:
-        if self.eager_plain and not torch.cuda.is_current_stream_capturing() and _rows(x) in self.fused_for:
-            return layer(x) + residual
+        plan = self.fused_for.get(_rows(x), _UNMEASURED)
+        if plan is None or self.eager_plain and plan is not _UNMEASURED \
+                and not torch.cuda.is_current_stream_capturing():
+            return layer(x) + residual  # a row count that chose it, or an eager call the host paces
         return self._way(layer, x, residual)
 
     def __getstate__(self) -> dict:
@@ -367,13 +369,16 @@ class Rewritten:
 
     def __call__(self, *args, **kwargs):
         parent = self.parent
-        if kwargs or len(args) != self.arity or parent.training or torch.compiler.is_compiling() \
-                or any(not isinstance(a, torch.Tensor) or a.dtype != self.dtype for a in args):
+        if kwargs or len(args) != self.arity or parent.training or torch.compiler.is_compiling():
             return type(parent).forward(parent, *args, **kwargs)
+        for a in args:  # loops, not any(): this runs on every call of a host-paced model
+            if not isinstance(a, torch.Tensor) or a.dtype != self.dtype:
+                return type(parent).forward(parent, *args, **kwargs)
         if self._code is None and not self._make():
             return type(parent).forward(parent, *args, **kwargs)
-        if any(m.training or m._forward_hooks or m._forward_pre_hooks for m in self._watched):
-            return type(parent).forward(parent, *args, **kwargs)  # a hook the traced code would not call
+        for m in self._watched:
+            if m.training or m._forward_hooks or m._forward_pre_hooks:
+                return type(parent).forward(parent, *args, **kwargs)  # a hook the traced code would not call
         return self._code.forward(*args)
 
     def _make(self, may_serve=None) -> bool:
