@@ -1,5 +1,6 @@
-"""The fleet benchmark's ``drift``: two runs' readings of the candidates both timed in their final
-rounds, against each run's own noise."""
+"""The fleet benchmark's comparisons of its runs: ``drift`` (two runs' readings of the candidates
+both timed in their final rounds, against each run's own noise), where a difference started, the
+crosscheck, and the runs it makes (``--runs``) with a ray run's scaling and scale row."""
 
 import importlib.util
 import random
@@ -107,3 +108,20 @@ def test_the_crosscheck_reads_each_difference_on_gpu_0_in_place_and_on_another_g
     assert comparison["cost_level"] == int(first["cost_level"])
     assert comparison["on_gpu1"] == {"within_noise": int(first["on_gpu1"]["within_noise"]),
                                      "cost_level": int(first["on_gpu1"]["cost_level"])}
+
+
+def test_runs_are_named_plain_always_among_them_and_a_ray_run_is_compared_and_scaled_apart(tmp_path):
+    module = fleet()
+    assert module.runs_of("ray") == ["plain", "ray"] and module.runs_of("gpus_all,plain") == ["gpus_all", "plain"]
+    with pytest.raises(Exception, match="--runs: gpus unknown"):
+        module.runs_of("plain,gpus")
+    run(tmp_path / "plain.sqlite", 1.0, 0)
+    run(tmp_path / "ray.sqlite", 1.0, 1)
+    result = {"device": "gpu", "torch": "x", "date": "d", "timings": "GPU", "gpus": 2, "plain_s": 10.0, "ray_s": 6.0}
+    module.compare(result, "ray", tmp_path)
+    ray = result["ray"]
+    assert ray["scaling"] == pytest.approx(10 / 6) and ray["problems"] == 3 and "scaling" not in result
+    ray |= {"within_noise": 0, "cost_level": 0}
+    (row,) = module.scale_file(result)["rows"]  # no --gpus all run: the ray row alone
+    assert row["scheduler"] == "ray" and row["wall_s"] == 6.0 and row["entries_lost"] == 0
+    assert row["choice_agreement"] == ray["agreement"]
