@@ -218,28 +218,26 @@ class Site:
         self.eager_plain = False
 
     def serve(self, layer: nn.Module, x: torch.Tensor, residual) -> torch.Tensor:
-        plan = self.fused_for.get(_rows(x), _UNMEASURED)
+        rows = _rows(x)
+        plan = self.fused_for.get(rows, _UNMEASURED)
         if plan is None or self.eager_plain and plan is not _UNMEASURED \
                 and not torch.cuda.is_current_stream_capturing():
             return layer(x) + residual  # a row count that chose it, or an eager call the host paces
-        return self._way(layer, x, residual)
+        return self._way(layer, x, residual, rows, plan)
 
     def __getstate__(self) -> dict:
         # a copy measures again (the plans hold cuBLASLt's handles)
         return {"path": self.path, "fused_for": {}, "eager_plain": self.eager_plain}
 
-    def _way(self, layer, x, residual) -> torch.Tensor:
-        out = self._fused(layer, x, residual)
+    def _way(self, layer, x, residual, rows: int | None, plan) -> torch.Tensor:
+        """The call with ``plan`` for its ``rows`` (``serve`` read them): the fused product, or the
+        layer and the add where the call cannot take it; _UNMEASURED: chosen at this call."""
+        out = None if plan is None else self._fused(layer, x, residual, rows, plan)
         return layer(x) + residual if out is None else out
 
-    def _fused(self, layer, x, residual) -> torch.Tensor | None:
-        """The fused product where this call can take it and it was chosen, else None. A row count
-        that chose the layer and the add costs a dict lookup more than they do."""
-        rows = _rows(x)
+    def _fused(self, layer, x, residual, rows: int | None, plan) -> torch.Tensor | None:
+        """The fused product where this call can take it and ``plan`` has it, else None."""
         if rows is None or not isinstance(residual, torch.Tensor) or not x.is_cuda:
-            return None
-        plan = self.fused_for.get(rows, _UNMEASURED)
-        if plan is None:
             return None
         w, b = layer.weight, layer.bias
         if x.dtype not in DTYPES or not _linear(layer) or _hooked(layer) \
@@ -252,8 +250,7 @@ class Site:
             if torch.cuda.is_current_stream_capturing() or recording.active() is not None \
                     or DISPATCHER.is_deferring() or len(self.fused_for) >= MAX_ROWS:
                 return None
-            plan = self._choose(layer, x, residual, rows)
-            self.fused_for[rows] = plan  # after: the measurement set it to each way in turn
+            plan = self.fused_for[rows] = self._choose(layer, x, residual, rows)
         return None if plan is None else _launch(plan, x, w, b, residual)
 
     def plan(self, layer, x, rows: int) -> tuple | None:
@@ -289,10 +286,7 @@ class Site:
     def _served(self, layer, x, residual, rows: int, plan: tuple | None):
         """A call of this site as it would serve with ``plan`` chosen for ``rows`` rows (None: the
         layer then the add), its per-call checks included: a way's host time is that of its path."""
-        def call():
-            self.fused_for[rows] = plan
-            return self._way(layer, x, residual)
-        return call
+        return lambda: self._way(layer, x, residual, rows, plan)
 
 
 def _rows(x) -> int | None:
