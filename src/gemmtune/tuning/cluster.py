@@ -58,7 +58,7 @@ def tune(problems: Sequence[Problem], *, address: str | None = None, location: s
                         "GEMMTUNE_STORE to a server's URL so that the choices meet in one store",
                         len(ray.nodes()), location or "the default SQLite file")
         waiting = deque(spread.costliest_first(spread.groups(problems)))
-        pool = _Pool(ray, (location, options, retune, isolate, runner_factory), len(waiting))
+        pool = _Pool(ray, (location, options, retune, isolate, runner_factory), waiting)
         try:
             return _drive(pool, waiting, on_result)
         finally:
@@ -69,11 +69,11 @@ def tune(problems: Sequence[Problem], *, address: str | None = None, location: s
 
 
 def _drive(pool: _Pool, waiting: deque, on_result: Callable[[TuneResult], None] | None) -> spread.Spread:
-    """Hands ``waiting``'s groups to the pool's free actors until each is tuned or given up."""
+    """The pool's results until each of ``waiting``'s groups (the pool's own queue, which a failed
+    group rejoins) is tuned or given up."""
     done = spread.Spread()
     failures: dict[str, int] = {}
     while waiting or pool.busy:
-        pool.hand(waiting)
         event = pool.next_event()
         if event is None:  # no actor tuning, none started in time
             why = f"no Ray actor started within {STALL_S:.0f} s (is a GPU free on the cluster?)"
@@ -83,8 +83,6 @@ def _drive(pool: _Pool, waiting: deque, on_result: Callable[[TuneResult], None] 
                 done.given_up.extend(group)
             continue
         group, replies, why = event
-        if group is None:  # an actor started, or failed to
-            continue
         if replies is None:
             done.restarts += 1
             spread.retry_or_give_up(group, failures, waiting, done, why)
@@ -98,10 +96,11 @@ def _drive(pool: _Pool, waiting: deque, on_result: Callable[[TuneResult], None] 
 
 
 class _Pool:
-    """The actors of one tuning: those starting, those free, and those tuning a group."""
+    """The actors of one tuning: those starting, those free, and those tuning a group of ``waiting``
+    (handed out as actors come free)."""
 
-    def __init__(self, ray, arguments: tuple, groups: int) -> None:
-        self._ray = ray
+    def __init__(self, ray, arguments: tuple, waiting: deque) -> None:
+        self._ray, self._waiting = ray, waiting
         gpus = int(ray.cluster_resources().get("GPU", 0))
         self._resource = "GPU" if gpus else "CPU"
         self._class = (ray.remote(num_gpus=1, num_cpus=0) if gpus else ray.remote(num_cpus=1))(_Tuner)
@@ -110,33 +109,32 @@ class _Pool:
         self._free: list = []
         self._tuning: dict = {}  # the tune() call's reference -> (its actor, its group)
         slots = gpus or int(ray.cluster_resources().get("CPU", 1))
-        for _ in range(max(1, min(slots, groups))):
+        for _ in range(max(1, min(slots, len(waiting)))):
             self._start()
 
     @property
     def busy(self) -> bool:
         return bool(self._tuning)
 
-    def hand(self, waiting: deque) -> None:
-        while self._free and waiting:
-            actor, group = self._free.pop(), waiting.popleft()
-            self._tuning[actor.tune.remote([p.key() for p in group])] = (actor, group)
-
-    def next_event(self) -> tuple[list[Problem] | None, list[dict] | None, str] | None:
-        """The next thing that happened: (a group, its replies, "") when it is tuned, (the group,
-        None, why) when its tuning failed, (None, None, "") when an actor started or failed to;
+    def next_event(self) -> tuple[list[Problem], list[dict] | None, str] | None:
+        """The next group done, the waiting groups handed to the actors free meanwhile: (the
+        group, its replies, "") when it is tuned, (the group, None, why) when its tuning failed;
         None when none is tuning and none started within STALL_S."""
         ray = self._ray
-        if not self._tuning and not self._starting:
-            return None
-        ready, _ = ray.wait([*self._tuning, *self._starting], num_returns=1,
-                            timeout=None if self._tuning else STALL_S)
-        if not ready:
-            return None
+        while True:
+            while self._free and self._waiting:
+                actor, group = self._free.pop(), self._waiting.popleft()
+                self._tuning[actor.tune.remote([p.key() for p in group])] = (actor, group)
+            if not self._tuning and not self._starting:
+                return None
+            ready, _ = ray.wait([*self._tuning, *self._starting], num_returns=1,
+                                timeout=None if self._tuning else STALL_S)
+            if not ready:
+                return None
+            if ready[0] not in self._starting:
+                break
+            self._started(self._starting.pop(ready[0]), ready[0])  # an actor started, or failed to
         reference = ready[0]
-        if reference in self._starting:
-            self._started(self._starting.pop(reference), reference)
-            return None, None, ""
         actor, group = self._tuning.pop(reference)
         try:
             replies = ray.get(reference)
