@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import shutil
@@ -54,6 +55,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+log = logging.getLogger("gemmtune.fleet")
 ROWS = (1, 8, 16, 33, 64, 128, 256, 1024, 2048, 4096)
 
 
@@ -283,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crosscheck-ms", type=float, default=90.0,
                         help="the side-by-side rounds' budget for each difference (default 90: twice the tuner's final)")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
     gpu = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if gpu else 2
     problems = zoo(args.count, tiny=not gpu)
@@ -301,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             store = work / f"{name}.sqlite"
             result[f"{name}_s"] = tune(shapes, store, work / f"{name}-triton", extra[name], args.timeout_s)
             result.setdefault("work_s", {})[name] = work_of(store)
-            print(f"{name}: {result[f'{name}_s']:.1f} s", file=sys.stderr, flush=True)
+            log.warning("%s: %.1f s", name, result[f"{name}_s"])
             if args.keep:
                 args.keep.mkdir(parents=True, exist_ok=True)
                 shutil.copy(store, args.keep / store.name)
@@ -326,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         args.scale_out.write_text(json.dumps(scale_file(result), indent=1))
     for name, comparison in (("gpus_all", result), ("ray", result.get("ray")), ("gpus_1", result.get("repeat"))):
         if name in args.runs:
-            print(f"{name} against plain on {gpus} GPUs: {summary(comparison)}", file=sys.stderr)
+            log.warning("%s against plain on %d GPUs: %s", name, gpus, summary(comparison))
     return 0
 
 
