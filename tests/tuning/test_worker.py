@@ -1,7 +1,11 @@
 """Crash isolation: candidates that kill, hang or poison their process become failed Trials;
 the worker is replaced and tuning goes on. The faulty runners below run inside the worker."""
 
+import json
 import os
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -12,6 +16,7 @@ from gemmtune.problem import Problem
 from gemmtune.results import Status
 from gemmtune.tuning.runner import LocalRunner
 from gemmtune.tuning.tuner import TuneOptions, tune_problem
+from gemmtune.tuning import worker
 from gemmtune.tuning.worker import IsolatedRunner
 
 PROBLEM = Problem(16, 32, 64, "float32", "nn")
@@ -132,3 +137,66 @@ def test_a_library_backends_candidates_screened_in_the_worker(factory):
         trials = runner.evaluate_many("cublas_padded", configs, 5.0)
     assert [t.config for t in trials] == configs and all(t.ok and t.timing is not None for t in trials)
     assert runner.restarts == (factory is not None)
+
+
+# A fresh interpreter, as `gemmtune tune` is: the candidates' processes started early are forked
+# before CUDA or Triton is loaded, which a pytest process cannot promise.
+_EARLY_SCRIPT = """
+import json, os, signal, sys, time
+from pathlib import Path
+from gemmtune.device import current
+from gemmtune.problem import Problem
+from gemmtune.tuning import worker
+from gemmtune.tuning.tuner import TuneOptions, tune_problem
+
+worker.start_early([0, 1])
+early = {index: process.pid for index, (process, _) in worker._early.items()}
+if sys.argv[2] == "dead":
+    os.kill(early[0], signal.SIGKILL)
+    time.sleep(0.5)
+left_over = worker._early[1][0]
+options = TuneOptions(strategy="exhaustive", seed=5, backends=("cublas", "triton_tiled"))
+with worker.IsolatedRunner(current()) as runner:
+    result = tune_problem(Problem(16, 32, 64, "float32", "nn"), current(), options=options, runner=runner)
+    adopted = runner._process.pid
+unadopted = sorted(worker._early)
+worker.discard_early()
+Path(sys.argv[1]).write_text(json.dumps({
+    "early": early[0], "adopted": adopted, "rel_err": result.rel_err, "ok": all(t.ok for t in result.trials),
+    "unadopted": unadopted, "left_over_alive": left_over.is_alive(), "after_discard": len(worker._early)}))
+"""
+
+
+def _early_run(tmp_path, how: str) -> dict:
+    out = tmp_path / "early.json"
+    done = subprocess.run([sys.executable, "-c", _EARLY_SCRIPT, str(out), how], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.interpreter
+def test_a_candidates_process_started_early_is_adopted_and_the_rest_discarded(tmp_path):
+    row = _early_run(tmp_path, "alive")
+    assert row["adopted"] == row["early"]  # the runner took the forked process rather than spawning
+    assert row["ok"] and row["rel_err"] < 1e-4
+    assert row["unadopted"] == [1] and not row["left_over_alive"] and row["after_discard"] == 0
+
+
+@pytest.mark.interpreter
+def test_a_candidates_process_dead_before_adoption_is_replaced(tmp_path):
+    row = _early_run(tmp_path, "dead")
+    assert row["adopted"] != row["early"]  # a spawned one took its place
+    assert row["ok"] and row["rel_err"] < 1e-4
+
+
+def test_nothing_starts_early_while_other_threads_run():
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        worker.start_early([0])
+        assert worker._early == {}
+    finally:
+        stop.set()
+        thread.join()

@@ -257,6 +257,36 @@ def _store_problem(cache: str | None):
 
 
 def _tune(args, console: Console) -> int:
+    from gemmtune.tuning import worker
+
+    # the candidates' processes boot while this one makes its CUDA context and reads the shapes
+    worker.start_early(_early_indices(args))
+    try:
+        return _tune_started(args, console)
+    finally:
+        worker.discard_early()
+
+
+def _early_indices(args) -> list[int]:
+    """The device indices whose candidates' processes ``tune`` will start: the current GPU's
+    (0 in a fresh process, or the interpreter's lane), or those ``--gpus`` names that this host
+    has; none for ``--in-process`` or ``--ray`` (Ray's actors start their own). Counted through
+    NVML (``torch.cuda.device_count``), which leaves CUDA uninitialised, so forking stays safe."""
+    import torch
+
+    if args.in_process or args.ray:
+        return []
+    count = torch.cuda.device_count()
+    text = (args.gpus or "").strip().lower()
+    if not text or not count:
+        return [0]
+    if text == "all":
+        return list(range(count))
+    wanted = range(int(text)) if text.isdigit() else [int(p) for p in text.split(",") if p.strip().isdigit()]
+    return [index for index in wanted if index < count]
+
+
+def _tune_started(args, console: Console) -> int:
     from gemmtune import api
     from gemmtune.cli import report
     from gemmtune.device import current

@@ -14,6 +14,9 @@ import json
 import logging
 import multiprocessing
 import os
+import sys
+import threading
+from collections.abc import Iterable
 
 from gemmtune.device import Device
 from gemmtune.problem import Problem
@@ -24,6 +27,8 @@ from gemmtune.tuning.processes import main_hidden
 log = logging.getLogger("gemmtune.tuning.worker")
 
 BOOT_TIMEOUT_S = 180.0  # a fresh child imports torch and triton and creates a CUDA context
+# Candidates' processes started ahead (``start_early``), by device index, until a runner adopts one.
+_early: dict[int, tuple] = {}
 
 
 class WorkerFailed(Exception):
@@ -137,12 +142,16 @@ class IsolatedRunner:
         return reply
 
     def _spawn(self) -> None:
-        context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
-        self._process = context.Process(target=serve, args=(child, self._index, self._factory), daemon=True)
-        with main_hidden():
-            self._process.start()
-        child.close()
+        early = _early.pop(self._index, None) if self._factory is None else None
+        if early is not None:
+            self._process, self._conn = early
+            try:
+                self._call({"op": "ping"}, timeout_s=BOOT_TIMEOUT_S)
+                return
+            except (WorkerFailed, OSError) as failure:  # it died booting: a fresh one, as without it
+                log.debug("gemmtune: the candidates' process started early failed (%s); starting another", failure)
+                self._stop()
+        self._process, self._conn = _launch("spawn", self._index, self._factory)
         self._call({"op": "ping"}, timeout_s=BOOT_TIMEOUT_S)
 
     def _restart(self) -> None:
@@ -159,6 +168,44 @@ class IsolatedRunner:
         if self._conn is not None:
             self._conn.close()
         self._process = self._conn = None
+
+
+def start_early(indices: Iterable[int]) -> None:
+    """Start the candidates' processes of these device indices now, forked from this process
+    before it has a CUDA context: they skip the import of torch that a spawned one pays (3-4 s on
+    the H200 hosts, then 1.2 s for its context), and their context starts while this process makes
+    its own. An ``IsolatedRunner`` of the index adopts its process when it first needs one.
+    Nothing is started where forking is not safe here: CUDA or Triton already loaded (the
+    children must load their own), or other threads running (a fork copies their locks held)."""
+    import torch
+
+    if (torch.cuda.is_initialized() or "triton" in sys.modules or threading.active_count() > 1
+            or "fork" not in multiprocessing.get_all_start_methods()):
+        return
+    for index in indices:
+        if index not in _early:
+            _early[index] = _launch("fork", index, None)
+
+
+def discard_early() -> None:
+    """End the processes started early that no runner adopted."""
+    while _early:
+        process, conn = _early.popitem()[1]
+        process.kill()
+        process.join(timeout=10)
+        conn.close()
+
+
+def _launch(method: str, index: int, factory) -> tuple:
+    """A candidates' process for device ``index`` started by ``method`` (fork or spawn), and
+    this side's end of its pipe; it answers once booted."""
+    context = multiprocessing.get_context(method)
+    conn, child = context.Pipe()
+    process = context.Process(target=serve, args=(child, index, factory), daemon=True)
+    with main_hidden():
+        process.start()
+    child.close()
+    return process, conn
 
 
 def serve(conn, device_index: int, runner_factory=None) -> None:
