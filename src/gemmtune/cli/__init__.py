@@ -270,15 +270,17 @@ def _tune(args, console: Console) -> int:
 def _early_indices(args) -> list[int]:
     """The device indices whose candidates' processes ``tune`` will start: the current GPU's
     (0 in a fresh process, or the interpreter's lane), or those ``--gpus`` names that this host
-    has; none for ``--in-process`` or ``--ray`` (Ray's actors start their own). Counted through
-    NVML (``torch.cuda.device_count``), which leaves CUDA uninitialised, so forking stays safe."""
+    has; none for ``--in-process`` or ``--ray`` (Ray's actors start their own). ``--gpus`` counts
+    through NVML (``torch.cuda.device_count``), which leaves CUDA uninitialised, so forking stays
+    safe (where NVML fails, torch asks CUDA, and a child that cannot then use CUDA dies booting and
+    is replaced by a spawned one)."""
     import torch
 
     if args.in_process or args.ray:
         return []
-    count = torch.cuda.device_count()
     text = (args.gpus or "").strip().lower()
-    if not text or not count:
+    count = torch.cuda.device_count() if text else 0
+    if not count:
         return [0]
     if text == "all":
         return list(range(count))
