@@ -200,3 +200,33 @@ def test_nothing_starts_early_while_other_threads_run():
     finally:
         stop.set()
         thread.join()
+
+
+class _Driver:
+    def __init__(self, answer):
+        self.answer = answer
+
+    def cuCtxGetCurrent(self, pointer):  # noqa: N802 - the driver's name
+        return self.answer
+
+
+@pytest.mark.parametrize("answer, started", [(3, False), (0, True), (201, True)])
+def test_a_started_cuda_driver_is_told_by_its_answer_before_cuinit(answer, started, monkeypatch):
+    monkeypatch.setattr(worker.ctypes, "CDLL", lambda name: _Driver(answer))
+    assert worker._driver_started() is started
+
+
+def test_without_a_cuda_driver_forking_is_safe(monkeypatch):
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(worker.ctypes, "CDLL", missing)
+    assert worker._driver_started() is False
+
+
+@pytest.mark.gpu
+def test_nothing_starts_early_once_this_process_has_started_cuda():
+    torch.zeros(1, device="cuda")
+    assert worker._driver_started()
+    worker.start_early([0])
+    assert worker._early == {}

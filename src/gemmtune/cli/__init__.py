@@ -272,8 +272,7 @@ def _early_indices(args) -> list[int]:
     (0 in a fresh process, or the interpreter's lane), or those ``--gpus`` names that this host
     has; none for ``--in-process`` or ``--ray`` (Ray's actors start their own). ``--gpus`` counts
     through NVML (``torch.cuda.device_count``), which leaves CUDA uninitialised, so forking stays
-    safe (where NVML fails, torch asks CUDA, and a child that cannot then use CUDA dies booting and
-    is replaced by a spawned one)."""
+    safe (where NVML fails, torch starts the CUDA driver to ask, and then nothing is forked)."""
     import torch
 
     if args.in_process or args.ray:

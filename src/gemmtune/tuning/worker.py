@@ -10,6 +10,7 @@ replaced.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import multiprocessing
@@ -29,6 +30,7 @@ log = logging.getLogger("gemmtune.tuning.worker")
 BOOT_TIMEOUT_S = 180.0  # a fresh child imports torch and triton and creates a CUDA context
 # Candidates' processes started ahead (``start_early``), by device index, until a runner adopts one.
 _early: dict[int, tuple] = {}
+_CUDA_ERROR_NOT_INITIALIZED = 3
 
 
 class WorkerFailed(Exception):
@@ -175,16 +177,27 @@ def start_early(indices: Iterable[int]) -> None:
     before it has a CUDA context: they skip the import of torch that a spawned one pays (3-4 s on
     the H200 hosts, then 1.2 s for its context), and their context starts while this process makes
     its own. An ``IsolatedRunner`` of the index adopts its process when it first needs one.
-    Nothing is started where forking is not safe here: CUDA or Triton already loaded (the
-    children must load their own), or other threads running (a fork copies their locks held)."""
-    import torch
-
-    if (torch.cuda.is_initialized() or "triton" in sys.modules or threading.active_count() > 1
+    Nothing is started where forking is not safe here: the CUDA driver or Triton already loaded
+    (the children must load their own), or other threads running (a fork copies their locks held)."""
+    if (_driver_started() or "triton" in sys.modules or threading.active_count() > 1
             or "fork" not in multiprocessing.get_all_start_methods()):
         return
     for index in indices:
         if index not in _early:
             _early[index] = _launch("fork", index, None)
+
+
+def _driver_started() -> bool:
+    """Whether this process has started the CUDA driver (``cuInit``, which torch calls to count
+    GPUs where NVML cannot, and to make a context): a child forked after it cannot use CUDA.
+    Before ``cuInit`` every other driver call answers CUDA_ERROR_NOT_INITIALIZED; without a
+    driver, the children run Triton's interpreter and no CUDA state is copied."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    context = ctypes.c_void_p()
+    return driver.cuCtxGetCurrent(ctypes.byref(context)) != _CUDA_ERROR_NOT_INITIALIZED
 
 
 def discard_early() -> None:
