@@ -4,6 +4,7 @@ match its scaling, the product through ``gemmtune.scaled_mm``; its checks name t
 import pytest
 import torch
 
+import gemmtune
 from gemmtune import scaling
 from gemmtune.nn import ScaledLinear
 from gemmtune.problem import Problem
@@ -32,11 +33,14 @@ def test_its_output_is_the_product_of_the_quantized_input_and_weight(how, shape)
 
 
 def test_a_static_input_scale_quantizes_every_call_alike():
+    # the same product of the input quantized by the fixed scale, bit for bit: only the layer's
+    # quantization can differ (torch._scaled_mm itself rounds its sums in another order than the
+    # CPU's dequantized product, one output in a few thousand)
     wq, ws = quantized_weight("tensor")
     layer = ScaledLinear(wq, ws, input_scale=torch.tensor(0.01))
     x = torch.randn(4, 256)
-    expected = torch._scaled_mm((x / 0.01).clamp(-448, 448).to(E4M3), wq.t(), torch.tensor(0.01), ws,
-                                out_dtype=torch.bfloat16)
+    expected = gemmtune.scaled_mm((x / 0.01).clamp(-448, 448).to(E4M3), wq.t(), torch.tensor(0.01), ws,
+                                  out_dtype=torch.bfloat16)
     assert torch.equal(layer(x), expected)
 
 
