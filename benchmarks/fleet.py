@@ -12,7 +12,9 @@ always) from empty stores and empty Triton compile caches, each a ``gemmtune tun
 
 and the file says:
 
-- ``scaling = plain_s / gpus_all_s`` against the ideal ``gpus`` (the goal: >= 0.9 x gpus);
+- ``scaling = plain_s / gpus_all_s`` against the ideal ``gpus`` (the goal: >= 0.9 x gpus); with
+  ``--times N``, the runs again N - 1 times, alternated, for their seconds alone (``rounds``), and
+  ``scaling_median``, the median of the rounds' ratios, which a host's drift between runs moves less;
 - ``scheduler_overhead = gpus_1_s / plain_s - 1`` (the goal: <= 5%);
 - ``work_s``: per run, the seconds its problems' tuning took (their ``tune_s``, summed), so that
   what a run spends outside tuning (process starts, the scheduler, a GPU left idle at the end)
@@ -31,7 +33,8 @@ and the file says:
   runs' differences are crosschecked on each other GPU too (``on_gpu1``, ...): half their problems
   were tuned there, and two chips of one model need not read alike.
 
-    PYTHONPATH=src python3 benchmarks/fleet.py --out fleet.json [--count 200] [--runs plain,ray] [--keep DIR]
+    PYTHONPATH=src python3 benchmarks/fleet.py --out fleet.json [--count 200] [--runs plain,ray] [--times 3]
+        [--keep DIR]
 
 ``--keep DIR`` keeps the runs' stores there (every trial's samples: to study the choices).
 
@@ -46,6 +49,7 @@ import logging
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -239,6 +243,18 @@ def crosscheck(comparison: dict, budget_ms: float, gpu: int = 0) -> None:
         comparison[f"on_gpu{gpu}"] = counts
 
 
+def median_scalings(result: dict) -> None:
+    """Each spread run's ``scaling_median`` (and gpus_1's ``overhead_median``): the median over
+    ``result["rounds"]`` (each round's seconds per run, the first round's included) of plain's
+    seconds over the run's in that round."""
+    rounds = result["rounds"]
+    for name, place in (("gpus_all", result), ("ray", result.get("ray"))):
+        if place is not None and name in rounds[0]:
+            place["scaling_median"] = statistics.median(r["plain"] / r[name] for r in rounds)
+    if "gpus_1" in rounds[0]:
+        result["overhead_median"] = statistics.median(r["gpus_1"] / r["plain"] - 1 for r in rounds)
+
+
 def scale_file(result: dict) -> dict:
     """The ``scale`` file of RESULTS.md from a fleet result: a row for each run over every GPU
     (``scheduler``: gpus for --gpus all, ray for --ray), with its speedup over the plain one-GPU
@@ -248,9 +264,12 @@ def scale_file(result: dict) -> dict:
         if comparison is None or "scaling" not in comparison:
             continue
         problems = comparison["problems"]
+        rounds = result.get("rounds", [{"plain": result["plain_s"], name: result[f"{name}_s"]}])
         rows.append({"gpus": result["gpus"], "hosts": 1, "scheduler": scheduler, "problems": problems,
-                     "wall_s": result[f"{name}_s"], "one_gpu_wall_s": result["plain_s"],
-                     "speedup_vs_one": comparison["scaling"], "choice_agreement": comparison["agreement"],
+                     "wall_s": statistics.median(r[name] for r in rounds),
+                     "one_gpu_wall_s": statistics.median(r["plain"] for r in rounds), "rounds": len(rounds),
+                     "speedup_vs_one": comparison.get("scaling_median", comparison["scaling"]),
+                     "choice_agreement": comparison["agreement"],
                      "same_or_within_noise": (comparison["same"] + comparison["within_noise"]) / problems,
                      "same_or_cost_level": (comparison["same"] + comparison["cost_level"]) / problems,
                      "entries_lost": sum(1 for d in comparison["differences"] if d.get("missing"))})
@@ -282,9 +301,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=Path, help="a folder to keep the runs' stores in")
     parser.add_argument("--scale-out", type=Path, help="also write RESULTS.md's scale file there")
     parser.add_argument("--timeout-s", type=float, default=400.0, help="the longest one tuning run may take")
+    parser.add_argument("--times", type=int, default=1,
+                        help="rounds of --runs, alternated, each run from empty stores and caches (default 1); the "
+                             "scalings are then the medians of the rounds' (a host's pace drifts between runs)")
     parser.add_argument("--crosscheck-ms", type=float, default=90.0,
                         help="the side-by-side rounds' budget for each difference (default 90: twice the tuner's final)")
     args = parser.parse_args(argv)
+    if args.times < 1:
+        parser.error(f"--times {args.times}: expected a count of at least 1")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     gpu = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if gpu else 2
@@ -311,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
             for other in (args.runs if name == "plain" else [name]):
                 if other != "plain" and f"{other}_s" in result and "plain_s" in result:
                     compare(result, other, work)
+            out.write_text(json.dumps(result, indent=1))
+        for again in range(1, args.times):  # the timings alone: agreement is the first round's
+            seconds = {name: tune(shapes, work / f"{name}-{again}.sqlite", work / f"{name}-{again}-triton", extra[name],
+                                  args.timeout_s) for name in args.runs}
+            result.setdefault("rounds", [{name: result[f"{name}_s"] for name in args.runs}]).append(seconds)
+            log.warning("round %d: %s", again + 1, ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items()))
+            median_scalings(result)
             out.write_text(json.dumps(result, indent=1))
         # the differences' kernels compile from the runs' own caches, merged
         for cache in (work / f"{name}-triton" for name in args.runs):
@@ -350,6 +381,8 @@ def compare(result: dict, name: str, work: Path) -> None:
 
 def summary(comparison: dict) -> str:
     what = [f"scaling {comparison['scaling']:.2f}x"] if "scaling" in comparison else []
+    if "scaling_median" in comparison:
+        what = [f"scaling {comparison['scaling_median']:.2f}x (the median of the rounds')"]
     what.append(f"agreement {comparison['same']}/{comparison['problems']} ({comparison.get('within_noise')} "
                 f"of the differences within noise, {comparison.get('cost_level')} level in cost)")
     what.append(f"CUDA-graph kernels the same: {comparison['graph_same']}")

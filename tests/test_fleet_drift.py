@@ -125,3 +125,30 @@ def test_runs_are_named_plain_always_among_them_and_a_ray_run_is_compared_and_sc
     (row,) = module.scale_file(result)["rows"]  # no --gpus all run: the ray row alone
     assert row["scheduler"] == "ray" and row["wall_s"] == 6.0 and row["entries_lost"] == 0
     assert row["choice_agreement"] == ray["agreement"]
+
+
+def test_the_scalings_of_several_rounds_are_their_medians_and_the_scale_row_says_so(tmp_path):
+    module = fleet()
+    run(tmp_path / "plain.sqlite", 1.0, 0)
+    run(tmp_path / "gpus_all.sqlite", 1.0, 0)
+    run(tmp_path / "ray.sqlite", 1.0, 0)
+    result = {"device": "gpu", "torch": "x", "date": "d", "timings": "GPU", "gpus": 2, "plain_s": 10.0,
+              "gpus_all_s": 5.0, "ray_s": 8.0}
+    module.compare(result, "gpus_all", tmp_path)
+    module.compare(result, "ray", tmp_path)
+    for place in (result, result["ray"]):
+        place |= {"within_noise": 0, "cost_level": 0}
+    result["rounds"] = [{"plain": 10.0, "gpus_all": 5.0, "ray": 8.0}, {"plain": 12.0, "gpus_all": 4.0, "ray": 6.0},
+                        {"plain": 9.0, "gpus_all": 4.5, "ray": 4.5}]
+    module.median_scalings(result)
+    assert result["scaling"] == pytest.approx(2.0) and result["scaling_median"] == pytest.approx(2.0)
+    assert result["ray"]["scaling_median"] == pytest.approx(2.0)  # of 1.25, 2 and 2; the first round read 1.25
+    rows = {row["scheduler"]: row for row in module.scale_file(result)["rows"]}
+    assert rows["ray"]["speedup_vs_one"] == pytest.approx(2.0) and rows["ray"]["rounds"] == 3
+    assert rows["gpus"]["wall_s"] == 4.5 and rows["gpus"]["one_gpu_wall_s"] == 10.0
+
+
+def test_a_count_of_rounds_under_one_is_refused_naming_the_option(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        fleet().main(["--out", str(tmp_path / "f.json"), "--times", "0"])
+    assert "--times 0: expected a count of at least 1" in capsys.readouterr().err
