@@ -269,22 +269,22 @@ def _tune(args, console: Console) -> int:
 
 def _early_indices(args) -> list[int]:
     """The device indices whose candidates' processes ``tune`` will start: the current GPU's
-    (0 in a fresh process, or the interpreter's lane), or those ``--gpus`` names that this host
-    has; none for ``--in-process`` or ``--ray`` (Ray's actors start their own). ``--gpus`` counts
-    through NVML (``torch.cuda.device_count``), which leaves CUDA uninitialised, so forking stays
-    safe (where NVML fails, torch starts the CUDA driver to ask, and then nothing is forked)."""
+    (0 in a fresh process, or the interpreter's lane), or those of ``--gpus`` (``gpus_of``); none
+    for ``--in-process``, ``--ray`` (Ray's actors start their own) or a ``--gpus`` the command will
+    refuse. ``--gpus`` counts through NVML alone (``torch.cuda.device_count``, not ``gpus_of``'s
+    ``is_available``), which leaves CUDA uninitialised, so forking stays safe (where NVML fails,
+    torch starts the CUDA driver to ask, and then nothing is forked)."""
     import torch
 
     if args.in_process or args.ray:
         return []
-    text = (args.gpus or "").strip().lower()
-    count = torch.cuda.device_count() if text else 0
-    if not count:
+    if not args.gpus:
         return [0]
-    if text == "all":
-        return list(range(count))
-    wanted = range(int(text)) if text.isdigit() else [int(p) for p in text.split(",") if p.strip().isdigit()]
-    return [index for index in wanted if index < count]
+    try:
+        gpus = gpus_of(args.gpus, count=torch.cuda.device_count())
+    except ValueError:
+        return []
+    return sorted({0 if gpu is None else gpu for gpu in gpus})
 
 
 def _tune_started(args, console: Console) -> int:
@@ -337,12 +337,13 @@ def _tune_kernel_calls(path: Path, store, console: Console) -> None:
                       f"{sum(not t.ok for t in result.trials)} failed) in {result.tune_s:.1f} s")
 
 
-def gpus_of(value: str) -> list[int | None]:
+def gpus_of(value: str, count: int | None = None) -> list[int | None]:
     """``--gpus``: every GPU of this host ("all"), the first N, or the listed indices; without a
-    GPU, N workers on the interpreter (None each)."""
+    GPU, N workers on the interpreter (None each). ``count``: this host's GPUs (None: asked of torch)."""
     import torch
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count is None:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     text = value.strip().lower()
     if text == "all":
         return list(range(count)) or [None]
