@@ -106,12 +106,6 @@ def rewrite(model: nn.Module, is_layer) -> int:
     return found
 
 
-def forget(model: nn.Module) -> None:
-    """Drop every way ``model``'s sites chose: the next call of each row count measures again, and
-    eager calls take the ways chosen."""
-    _forget(_sites(model))
-
-
 def settle(roots: list[nn.Module], run: Callable[[], object]) -> str:
     """Once ``optimize``'s check has settled the layers' forms, which its runs switched between (a
     way chosen against a layer's torch form, or before its eager calls went to a kernel whose
